@@ -1,0 +1,202 @@
+"""The embedded rollout engine: ``Engine(model).generate(prompts, SamplingParams(...))``.
+
+Shaped like ``vllm.LLM.generate``. The engine shares the HF module's parameter tensors (no
+copy): an optimizer step on the module is seen by the next ``generate``. Every logprob it
+reports equals, bit for bit, what ``bitmatch.token_logprobs`` computes for the same token in
+the trainer, whatever the batch, chunking, block size, preemption or prefix-cache reuse.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import xxhash
+
+from bitmatch.engine.block_manager import BlockManager
+from bitmatch.engine.model_runner import ModelRunner, kv_bytes_per_block
+from bitmatch.engine.sampling import SamplingParams
+from bitmatch.engine.scheduler import Scheduler
+from bitmatch.engine.sequence import RequestOutput, Sequence
+
+_DEFAULT_CPU_KV_BYTES = 512 << 20
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class Engine:
+    """Paged-KV, continuously batched rollout engine on bitmatch kernels.
+
+    model: an HF causal LM module (patched or not; used in place) or a checkpoint path
+    (loaded with ``bitmatch.models.load_model``). KV budget: ``num_gpu_blocks`` blocks or
+    ``kv_cache_bytes`` bytes (default: half the free memory on an accelerator, 512 MiB on CPU).
+    ``seed`` seeds the requests whose SamplingParams have no seed (with the request's index).
+    ``enable_prefix_caching`` reuses full KV blocks across requests inside a ``generate`` call;
+    the cache is reset at the start of every ``generate`` because the weights may have changed.
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_gpu_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
+        from bitmatch.models import check_supported, kv_cache_spec, unwrap_causal_lm
+
+        if isinstance(model, (str, os.PathLike)):
+            from bitmatch.models import load_model
+            path = os.fspath(model)
+            model = load_model(path)
+            if tokenizer is None:
+                try:
+                    from transformers import AutoTokenizer
+                    tokenizer = AutoTokenizer.from_pretrained(path)
+                except Exception:  # a checkpoint without a tokenizer: token-id prompts only
+                    tokenizer = None
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"Engine: model must be an HF causal LM module or a checkpoint path, got {type(model)}")
+        check_supported(model)
+        lm = unwrap_causal_lm(model)  # config / vocabulary of the causal LM inside any wrapper
+        self.block_size = _positive_int("block_size", block_size)
+        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"Engine: seed must be an int, got {seed!r}")
+        if num_gpu_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("Engine: give num_gpu_blocks or kv_cache_bytes, not both")
+        self.model, self.tokenizer, self.seed = model, tokenizer, seed
+        self.device = next(model.parameters()).device
+        self.vocab_size = lm.lm_head.weight.shape[0]
+        per_block = kv_bytes_per_block(kv_cache_spec(model), self.block_size)
+        if num_gpu_blocks is None:
+            if kv_cache_bytes is None:
+                kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
+                if self.device.type == "cuda":
+                    kv_cache_bytes = torch.cuda.mem_get_info(self.device)[0] // 2
+            _positive_int("kv_cache_bytes", kv_cache_bytes)
+            num_gpu_blocks = kv_cache_bytes // per_block
+            if num_gpu_blocks < 1:
+                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is less than one KV block "
+                                 f"({per_block} bytes at block_size={self.block_size})")
+        self.num_gpu_blocks = _positive_int("num_gpu_blocks", num_gpu_blocks)
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        self.block_manager = BlockManager(self.num_gpu_blocks, self.block_size, bool(enable_prefix_caching))
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.enable_chunked_prefill)
+        self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks)
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else \
+            getattr(lm.config, "eos_token_id", None)
+        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self._num_requests = 0
+        self._seqs: dict[str, Sequence] = {}
+
+    # -- requests -------------------------------------------------------------------------
+    def _generator(self, seed: int | None, index: int) -> torch.Generator:
+        if seed is None:  # derived from the engine seed and the request's index
+            seed = xxhash.xxh64(f"{self.seed}:{index}".encode()).intdigest() >> 1
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one request (token ids or, with a tokenizer, a string); returns its request id."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"Engine: sampling_params must be SamplingParams, got {type(params)}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Engine: prompts given as strings need a tokenizer (Engine(model, tokenizer)); "
+                                 "pass token-id lists otherwise")
+            text, prompt = prompt, list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise ValueError(f"Engine: prompt must be a list of token ids or a string, got {type(prompt)}")
+        if len(prompt) == 0:
+            raise ValueError("Engine: prompt must have at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"Engine: prompt token ids must be in [0, {self.vocab_size}), got "
+                             f"min {min(prompt)} max {max(prompt)}")
+        if not self.enable_chunked_prefill and len(prompt) > self.max_num_batched_tokens:
+            raise ValueError(f"Engine: prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} with enable_chunked_prefill=False")
+        # The longest K/V the request can need (the last sampled token is never written).
+        need = -(-(len(prompt) + params.max_tokens - 1) // self.block_size)
+        if need > self.num_gpu_blocks:
+            raise ValueError(f"Engine: request needs up to {need} KV blocks (prompt {len(prompt)} + max_tokens "
+                             f"{params.max_tokens}, block_size {self.block_size}) but the cache has "
+                             f"num_gpu_blocks={self.num_gpu_blocks}: raise num_gpu_blocks/kv_cache_bytes "
+                             "or lower max_tokens")
+        index = self._num_requests
+        self._num_requests += 1
+        seq = Sequence(index, list(prompt), params, self._generator(params.seed, index), self.block_size, text)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        seqs, tokens, lps, sampled = self.model_runner.run(scheduled)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.mark_computed(seq)
+        finished = []
+        for seq, tok, lp, slp in zip(seqs, tokens, lps, sampled):
+            seq.append_token(tok, lp, slp)
+            sp = seq.params
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+                self.scheduler.finish(seq, "stop", tok)
+            elif seq.num_completion_tokens >= sp.max_tokens:
+                self.scheduler.finish(seq, "length")
+            else:
+                continue
+            finished.append(RequestOutput.from_seq(self._seqs.pop(seq.request_id), self.tokenizer))
+        return finished
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (token-id lists or strings); outputs in input order."""
+        if isinstance(prompts, (str, torch.Tensor)) or (isinstance(prompts, list) and prompts
+                                                         and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"Engine.generate: sampling_params has {len(params)} entries for "
+                                 f"{len(prompts)} prompts")
+        if self.has_unfinished_requests():
+            raise RuntimeError("Engine.generate: requests added with add_request are still running; "
+                               "step() them to completion first")
+        self.reset_prefix_cache()  # the weights may have changed since the last call
+        try:
+            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        except Exception:  # a bad prompt: drop the ones queued before it
+            self.scheduler.waiting.clear()
+            self._seqs.clear()
+            raise
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(ids), desc="bitmatch generate", disable=not (use_tqdm and len(ids) > 1))
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

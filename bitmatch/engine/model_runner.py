@@ -1,0 +1,80 @@
+"""Runs one scheduled step: builds the paged ForwardContext, runs the model, samples.
+
+The model path is M's ``bitmatch.models.forward_hidden`` / ``compute_logits`` on the HF
+module's own parameters (read at every step, so a weight update is seen at once). In paged
+mode each attention layer writes the step's K/V at ``slot_mapping`` and calls
+``kernels.attention_paged`` for every token, decode and prefill chunk alike, so the bits of a
+token's logits do not depend on how its prefix was scheduled.
+"""
+from __future__ import annotations
+
+import torch
+
+from bitmatch.context import ForwardContext, set_forward_context
+from bitmatch.engine.sampling import Sampler
+from bitmatch.engine.sequence import Sequence
+
+
+def kv_bytes_per_block(spec, block_size: int) -> int:
+    elem = torch.empty((), dtype=spec.dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int):
+        from bitmatch.models import kv_cache_spec
+
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.spec = kv_cache_spec(model)
+        self.device = next(model.parameters()).device
+        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        # Zero-filled: masked-out cache slots must hold finite values.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
+                          for _ in range(self.spec.num_layers)]
+        self.sampler = Sampler()
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """(input_ids [T], ForwardContext, indices of the rows whose logits are sampled)."""
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            if end == len(seq):  # prefill done or decode: the last row gives the next token
+                sample_rows.append(qsl[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        block_table = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        ctx = ForwardContext(positions=t(positions, torch.int64), query_start_loc=t(qsl, torch.int32),
+                             seq_lens=t(seq_lens, torch.int32), block_table=t(block_table, torch.int32),
+                             slot_mapping=t(slots, torch.int64), kv_caches=self.kv_caches)
+        return t(input_ids, torch.int64), ctx, sample_rows
+
+    @torch.no_grad()
+    def run(self, scheduled: list[tuple[Sequence, int]]):
+        """Run the step; returns (sequences that sample, tokens, logprobs, sampled_logprobs)."""
+        from bitmatch.models import compute_logits, forward_hidden
+
+        input_ids, ctx, sample_rows = self.prepare(scheduled)
+        with set_forward_context(ctx):
+            hidden = forward_hidden(self.model, input_ids, ctx)
+        seqs = [seq for seq, n in scheduled if seq.num_computed_tokens + n == len(seq)]
+        if not seqs:
+            return [], [], [], []
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
+        logits = compute_logits(self.model, hidden.index_select(0, rows))
+        tokens, lps, sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return seqs, tokens, lps, sampled

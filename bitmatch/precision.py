@@ -1,0 +1,24 @@
+"""The one cast from master weights to compute weights.
+
+The trainer's forward and every weight publish call this function, so the rollout engine
+holds exactly the bits the trainer computes with.
+"""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def compute_cast(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Round ``t`` to ``dtype`` (round to nearest, ties to even); a no-op if already there.
+
+    Invariance: elementwise and exact-rounded, so the bits depend on each element alone.
+    """
+    if dtype not in SUPPORTED_COMPUTE_DTYPES:
+        raise ValueError(f"compute_cast: dtype must be one of {SUPPORTED_COMPUTE_DTYPES}, got {dtype}")
+    if t.dtype == dtype:
+        return t
+    if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"compute_cast: tensor dtype {t.dtype} is not a floating type")
+    return t.to(dtype)

@@ -1,0 +1,132 @@
+"""bitmatch.sync: prove the rollout engine holds the trainer's exact bits before it samples.
+
+Protocol, in a few lines:
+1. The trainer publishes a numbered version: every parameter goes through the one cast
+   (``bitmatch.precision.compute_cast``) into the rollout dtype, and travels with the xxh3-128
+   fingerprint of its exact bytes.
+2. The receiver stages the whole version, recomputes every fingerprint on what it holds, and
+   only then switches (atomically, under the lock generation holds). Any failure (a flipped bit,
+   a dead sender, a wrong shape) leaves the previous version live, names the tensor with expected
+   and got fingerprints, and refuses generation until a full update succeeds.
+3. Rollouts carry the weight version they were sampled with; the trainer checks it
+   (``check_weight_version``) and catches the off-by-one-step bug.
+Transports: in-process (shared tensors: fingerprint check only), vLLM colocate (load_weights),
+TCP (loopback, shared-token HMAC auth, bucketed so memory stays bounded).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .fingerprint import Manifest, TensorSpec, fingerprint
+from .names import VLLM_LAYOUTS, Layout, architecture_of, build_layout
+from .receiver import (AuthenticationError, FingerprintMismatchError, Receiver, SyncError, Update,
+                       WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
+from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
+from .transport_inprocess import InProcessSender
+from .transport_tcp import TcpReceiverServer, TcpSender
+from .transport_vllm import VllmColocateSender
+
+__all__ = [
+    "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
+    "stamp_weight_version", "require_ready", "weight_state", "Manifest", "TensorSpec", "Receiver",
+    "Update", "WeightState", "InProcessSender", "TcpSender", "TcpReceiverServer", "VllmColocateSender",
+    "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
+    "AuthenticationError", "build_layout", "Layout", "VLLM_LAYOUTS", "DEFAULT_BUCKET_BYTES",
+]
+
+
+def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+    """Publish ``model``'s weights (nn.Module, dict or (name, tensor) pairs; fp32 master or already
+    compute dtype) as ``version`` through ``to``: a Receiver in this process, or an
+    InProcessSender / TcpSender / VllmColocateSender. Returns the committed Manifest; raises
+    (SyncError, FingerprintMismatchError, ValueError, AuthenticationError) if the receiver did not
+    switch, in which case it still holds its previous version.
+    Invariance: the bytes the engine ends up with are compute_cast(w, dtype), checked by fingerprint."""
+    if isinstance(to, Receiver):
+        to = InProcessSender(to)
+    return to.send(model, int(version), dtype)
+
+
+def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
+            initial_version: int | None = None) -> Receiver:
+    """A Receiver managing ``target``'s weights (see Receiver); attaches its WeightState to the
+    module so ``require_ready(model)`` finds it. Generation is refused until a version is verified."""
+    return Receiver(target, layout=layout, arch=arch, staging=staging, initial_version=initial_version)
+
+
+def serve(receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
+          timeout: float = 60.0) -> TcpReceiverServer:
+    """Accept TCP updates for ``receiver`` (background thread); ``.address`` is (host, port)."""
+    return TcpReceiverServer(receiver, token, host=host, port=port, timeout=timeout)
+
+
+def fingerprints(model, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """Per-tensor fingerprint of compute_cast(w, dtype), without materializing the cast model."""
+    return {k: cast_fingerprint(v, dtype) for k, v in named_weights(model)}
+
+
+def verify(target, manifest: Manifest, *, layout: str = "hf", arch: str | None = None) -> None:
+    """Recompute every fingerprint on ``target``'s own bytes (HF names, or vLLM's merged layout)
+    and raise FingerprintMismatchError naming the first differing tensor (ValueError if the name
+    sets or shapes differ). A Receiver / managed model is also checked for manifest.version."""
+    if isinstance(target, Receiver):
+        target.require_ready(manifest.version)
+        target = target.target
+    else:
+        st = weight_state(target)
+        if st is not None:
+            st.require_ready(manifest.version)
+    params = dict(named_weights(target))
+    if layout == "vllm":
+        lay = build_layout(arch or architecture_of(target), {k: s.shape for k, s in manifest.tensors.items()},
+                           {k: tuple(v.shape) for k, v in params.items()})
+        views = {hf: params[s.engine_name][s.row_start:s.row_start + s.rows] for hf, s in lay.hf_to_engine.items()}
+    elif layout == "hf":
+        missing, extra = sorted(set(manifest.tensors) - set(params)), sorted(set(params) - set(manifest.tensors))
+        if missing or extra:
+            raise ValueError(f"verify: manifest and target differ: missing {missing[:8]}, unknown {extra[:8]}")
+        views = params
+    else:
+        raise ValueError(f"layout must be 'hf' or 'vllm', got {layout!r}")
+    for name, spec in manifest.tensors.items():
+        v = views[name]
+        if tuple(v.shape) != tuple(spec.shape) or v.dtype != spec.dtype:
+            raise ValueError(f"verify: tensor {name!r} is {tuple(v.shape)} {v.dtype}, manifest says "
+                             f"{tuple(spec.shape)} {spec.dtype}")
+        got = fingerprint(v)
+        if got != spec.fingerprint:
+            raise FingerprintMismatchError(name, spec.fingerprint, got, f" (version {manifest.version})")
+
+
+def _version_of(r):
+    if isinstance(r, int):
+        return r
+    if isinstance(r, Mapping):
+        return r.get("weight_version")
+    return getattr(r, "weight_version", None)
+
+
+def stamp_weight_version(outputs, version: int):
+    """Set ``weight_version`` on each rollout output (objects or dicts); returns ``outputs``."""
+    for o in outputs:
+        if isinstance(o, dict):
+            o["weight_version"] = version
+        else:
+            setattr(o, "weight_version", version)
+    return outputs
+
+
+def check_weight_version(rollouts, expected: int) -> None:
+    """Trainer side: every rollout (an int, a dict or object with ``weight_version``, or a list of
+    them) must have been sampled with weight version ``expected``; raises WeightVersionError."""
+    items = rollouts if isinstance(rollouts, (list, tuple)) else [rollouts]
+    for i, r in enumerate(items):
+        v = _version_of(r)
+        if v is None:
+            raise WeightVersionError(f"rollout {i} carries no weight version; cannot prove it is on-policy")
+        if v != expected:
+            hint = " (one step stale: the update did not reach the engine)" if v == expected - 1 else ""
+            raise WeightVersionError(f"rollout {i} was sampled with weight version {v}, "
+                                     f"trainer expects {expected}{hint}")

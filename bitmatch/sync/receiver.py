@@ -1,0 +1,311 @@
+"""The receiving side: stage a whole version, verify every fingerprint, then switch atomically.
+
+A generation never sees a half-applied update: transports write into staging buffers (or, for
+the in-process zero-copy case, only fingerprint the shared tensors), the receiver recomputes
+every fingerprint on the staged bytes, and only a complete, fully verified version is copied
+into the live weights, under the lock that generation holds. Any failure discards the staging
+and leaves the previous version in place, and generation is refused until a full update
+succeeds (the trainer expects the new version; serving the old one silently is the
+off-by-one-step bug).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint
+from .names import architecture_of, build_layout
+
+
+class SyncError(RuntimeError):
+    """A weight update failed; the previous version stays in place."""
+
+
+class FingerprintMismatchError(SyncError):
+    def __init__(self, name: str, expected: str, got: str, where: str = ""):
+        self.name, self.expected, self.got = name, expected, got
+        super().__init__(f"fingerprint mismatch for tensor {name!r}{where}: expected {expected}, got {got}")
+
+
+class WeightsNotReadyError(SyncError):
+    """Generation refused: no verified weight version of the expected number is loaded."""
+
+
+class WeightVersionError(SyncError):
+    """A rollout was sampled with another weight version than the trainer expects."""
+
+
+class AuthenticationError(SyncError):
+    """The peer did not present the shared token."""
+
+
+class WeightState:
+    """Version and readiness of an engine's weights; the engine holds ``generation()`` per step."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.version: int | None = None
+        self.manifest: Manifest | None = None
+        self.updating: int | None = None   # version being staged
+        self.failure: str | None = None    # why the last update failed
+
+    @property
+    def ready(self) -> bool:
+        return self.version is not None and self.failure is None and self.updating is None
+
+    def require_ready(self, expected_version: int | None = None) -> int:
+        """Return the loaded version; raise WeightsNotReadyError / WeightVersionError otherwise."""
+        if self.failure is not None:
+            held = ("no verified version is loaded" if self.version is None
+                    else f"version {self.version} is still loaded")
+            raise WeightsNotReadyError(f"refusing to generate: {self.failure}; {held}, waiting for a full "
+                                       f"update to succeed")
+        if self.updating is not None:
+            raise WeightsNotReadyError(f"refusing to generate: update to version {self.updating} in progress")
+        if self.version is None:
+            raise WeightsNotReadyError("refusing to generate: no verified weight version loaded yet")
+        if expected_version is not None and self.version != expected_version:
+            raise WeightVersionError(f"engine holds weight version {self.version}, expected {expected_version}")
+        return self.version
+
+    @contextlib.contextmanager
+    def generation(self, expected_version: int | None = None):
+        """Hold the weights for one generation step: no commit can happen inside; yields the version."""
+        with self.lock:
+            yield self.require_ready(expected_version)
+
+
+_STATE_ATTR = "_bitmatch_weight_state"
+
+
+def attach_state(model, state: WeightState) -> None:
+    object.__setattr__(model, _STATE_ATTR, state) if isinstance(model, torch.nn.Module) \
+        else setattr(model, _STATE_ATTR, state)
+
+
+def weight_state(model) -> WeightState | None:
+    """The WeightState a receiver attached to ``model`` (None for a model no receiver manages)."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def require_ready(model, expected_version: int | None = None) -> int | None:
+    """For engines: call before each generation. Returns the weight version to stamp on the outputs
+    (None when no receiver manages ``model``); raises WeightsNotReadyError when a managed model has
+    no fully verified version (update in progress or failed)."""
+    st = weight_state(model)
+    return None if st is None else st.require_ready(expected_version)
+
+
+class _Slots:
+    """HF name -> tensor view inside a bank of the target's own tensors (HF or engine layout)."""
+
+    def __init__(self, target, layout: str, arch: str | None):
+        if isinstance(target, torch.nn.Module):
+            self.live = {k: p.data for k, p in target.named_parameters()}
+        else:
+            self.live = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in target.items()}
+        if layout not in ("hf", "vllm"):
+            raise ValueError(f"layout must be 'hf' or 'vllm', got {layout!r}")
+        self.layout = layout
+        self.arch = arch or architecture_of(target)
+        self.map = None  # vllm: HF name -> Slot, built in bind() from the announced HF shapes
+        self.names = list(self.live) if layout == "hf" else None
+
+    def bind(self, specs: dict[str, TensorSpec]) -> None:
+        if self.layout == "vllm":
+            lay = build_layout(self.arch, {k: s.shape for k, s in specs.items()},
+                               {k: tuple(v.shape) for k, v in self.live.items()})
+            self.map = lay.hf_to_engine
+            self.names = list(self.map)
+
+    def key(self, name: str) -> str:
+        return name if self.map is None else self.map[name].engine_name
+
+    def view(self, bank: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if self.map is None:
+            return bank[name]
+        s = self.map[name]
+        return bank[s.engine_name][s.row_start:s.row_start + s.rows]
+
+
+class Receiver:
+    """Receives weight versions into ``target`` (an nn.Module or dict of tensors).
+
+    layout: "hf" (target holds HF names: the embedded engine) or "vllm" (target holds vLLM's merged
+    names; mapped with names.py). staging: "shadow" (allocate a full staging copy per update, freed
+    after) or "double_buffer" (one standby copy allocated now, so an update needs only the
+    transport's bucket as extra memory). initial_version: accept the weights already loaded as
+    this version (fingerprinted now); otherwise generation is refused until the first update.
+    """
+
+    def __init__(self, target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
+                 initial_version: int | None = None, verify_after_commit: bool = True):
+        if staging not in ("shadow", "double_buffer"):
+            raise ValueError(f"staging must be 'shadow' or 'double_buffer', got {staging!r}")
+        self.target = target
+        self.slots = _Slots(target, layout, arch)
+        self.staging = staging
+        self.verify_after_commit = verify_after_commit
+        self.state = WeightState()
+        self.last_error: str | None = None
+        self._update: Update | None = None
+        self._busy = threading.Lock()
+        self.standby = ({k: v.clone() for k, v in self.slots.live.items()} if staging == "double_buffer" else None)
+        if isinstance(target, torch.nn.Module):
+            attach_state(target, self.state)
+        if initial_version is not None:
+            if layout != "hf":
+                raise ValueError("initial_version needs layout='hf' (a vLLM layout needs the HF specs first)")
+            self.state.version = int(initial_version)
+            self.state.manifest = Manifest(int(initial_version), {
+                k: TensorSpec(tuple(v.shape), v.dtype, fingerprint(v)) for k, v in self.slots.live.items()})
+
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    @property
+    def update_in_progress(self) -> "Update | None":
+        return self._update
+
+    def require_ready(self, expected_version: int | None = None) -> int:
+        return self.state.require_ready(expected_version)
+
+    def begin(self, version: int, specs: dict[str, TensorSpec]) -> "Update":
+        """Start staging ``version``; checks names, shapes and dtypes against the target first."""
+        if not self._busy.acquire(blocking=False):
+            raise SyncError("another weight update is in progress")
+        try:
+            self.slots.bind(specs)
+            names = set(self.slots.names)
+            missing, extra = sorted(names - set(specs)), sorted(set(specs) - names)
+            if missing or extra:
+                raise ValueError(f"weight update must cover every parameter exactly once: missing {missing[:8]}"
+                                 f"{'...' if len(missing) > 8 else ''}, unknown {extra[:8]}")
+            for name, spec in specs.items():
+                v = self.slots.view(self.slots.live, name)
+                if tuple(v.shape) != tuple(spec.shape):
+                    raise ValueError(f"tensor {name!r}: shape {tuple(spec.shape)} does not match the "
+                                     f"target's {tuple(v.shape)}")
+                if v.dtype != spec.dtype:
+                    raise ValueError(f"tensor {name!r}: dtype {dtype_name(spec.dtype)} does not match the "
+                                     f"target's {dtype_name(v.dtype)}")
+        except BaseException:
+            self._busy.release()
+            raise
+        self._update = Update(self, int(version), specs)
+        self.state.updating = int(version)
+        return self._update
+
+    def _end(self, upd: "Update", failure: str | None) -> None:
+        self._update = None
+        self.state.updating = None
+        if failure is not None:
+            self.last_error = failure
+            self.state.failure = failure
+        self._busy.release()
+
+
+class Update:
+    """One version being staged. Transports write bytes into ``buffer(name)``, then call
+    ``finish(name, fingerprint)``; ``commit()`` switches; any exception inside ``with`` aborts."""
+
+    def __init__(self, rx: Receiver, version: int, specs: dict[str, TensorSpec]):
+        self.rx, self.version, self.specs = rx, version, specs
+        self.bank: dict[str, torch.Tensor] = {} if rx.staging == "shadow" else rx.standby
+        self.done: dict[str, str] = {}
+        self.shared: set[str] = set()
+        self.received_bytes = 0
+        self.closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if not self.closed:
+            self.abort(f"update to version {self.version} failed: {ev!r}" if ev is not None
+                       else f"update to version {self.version} ended without commit")
+        return False
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The staging bytes for ``name`` (flat uint8, contiguous): write the new bytes here."""
+        sl = self.rx.slots
+        key = sl.key(self._known(name))
+        if key not in self.bank:
+            self.bank[key] = torch.empty_like(sl.live[key])
+        return byte_view(sl.view(self.bank, name))
+
+    def finish(self, name: str, expected: str) -> None:
+        """Recompute the staged tensor's fingerprint; a mismatch aborts the whole update."""
+        self.buffer(name)  # allocates the slot if no byte arrived (zero-size tensors)
+        got = fingerprint(self.rx.slots.view(self.bank, name))
+        self._check(name, expected, got, " (staged bytes)")
+        self.done[name] = got
+
+    def share(self, name: str, tensor: torch.Tensor, expected: str) -> None:
+        """Zero-copy: ``tensor`` is the target's own live tensor; only its fingerprint is checked."""
+        live = self.rx.slots.view(self.rx.slots.live, self._known(name))
+        if tensor.data_ptr() != live.data_ptr() or tuple(tensor.shape) != tuple(live.shape):
+            raise ValueError(f"tensor {name!r} is not the target's own tensor; it cannot be shared")
+        self._check(name, expected, fingerprint(live), " (shared tensor)")
+        self.done[name] = expected
+        self.shared.add(name)
+
+    def _known(self, name: str) -> str:
+        if name not in self.specs:
+            self.abort(f"update to version {self.version}: tensor {name!r} was not announced")
+            raise ValueError(f"tensor {name!r} was not announced in this update")
+        return name
+
+    def _check(self, name, expected, got, where):
+        if expected != got:
+            err = FingerprintMismatchError(name, expected, got, where)
+            self.abort(f"update to version {self.version} rejected: {err}")
+            raise err
+
+    def manifest(self) -> Manifest:
+        return Manifest(self.version, {k: TensorSpec(s.shape, s.dtype, self.done.get(k, s.fingerprint))
+                                       for k, s in self.specs.items()})
+
+    def commit(self, digest: str | None = None) -> Manifest:
+        """All tensors staged and verified: switch the live weights to this version atomically."""
+        missing = [k for k in self.specs if k not in self.done]
+        if missing:
+            self.abort(f"update to version {self.version} incomplete: {len(missing)} tensor(s) never "
+                       f"arrived, first {missing[0]!r}")
+            raise SyncError(self.rx.last_error)
+        man = self.manifest()
+        if digest is not None and digest != man.digest():
+            self.abort(f"update to version {self.version}: manifest digest {man.digest()} != announced {digest}")
+            raise SyncError(self.rx.last_error)
+        sl, st = self.rx.slots, self.rx.state
+        with st.lock:
+            copied = {sl.key(k) for k in self.specs if k not in self.shared}
+            for key in copied:
+                sl.live[key].copy_(self.bank[key])
+            if self.rx.verify_after_commit:
+                for name in (k for k in self.specs if k not in self.shared):
+                    got = fingerprint(sl.view(sl.live, name))
+                    if got != self.done[name]:
+                        st.version, self.closed = None, True  # live bytes are neither version: unusable
+                        self.rx._end(self, f"live tensor {name!r} differs from its verified staging copy "
+                                           f"after the switch (expected {self.done[name]}, got {got})")
+                        raise FingerprintMismatchError(name, self.done[name], got, " (after switch)")
+            st.version, st.manifest, st.failure = self.version, man, None
+            self.closed = True
+            if self.rx.staging == "shadow":
+                self.bank = {}
+            self.rx._end(self, None)
+        return man
+
+    def abort(self, reason: str) -> None:
+        """Discard the staging; the previous version stays live and generation is refused."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rx.staging == "shadow":
+            self.bank = {}
+        prev = self.rx.state.version
+        self.rx._end(self, f"{reason}; previous version {prev} kept")

@@ -1,0 +1,99 @@
+"""The sending side: master weights -> compute dtype through the one cast, chunk by chunk.
+
+``compute_cast`` is elementwise round-to-nearest-even, so casting a slice gives the same bits as
+casting the whole tensor: the sender never materializes more than one chunk of the cast weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from ..precision import compute_cast
+from .fingerprint import TensorSpec, new_hasher, update_hasher
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def named_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of an nn.Module (tied parameters once), a dict, or an iterable of pairs."""
+    if isinstance(model, torch.nn.Module):
+        return [(k, p.detach()) for k, p in model.named_parameters()]
+    if isinstance(model, Mapping):
+        return [(k, v.detach()) for k, v in model.items()]
+    return [(k, v.detach()) for k, v in model]
+
+
+def wire_specs(weights, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """Shape and rollout dtype of each tensor (fingerprints come with the bytes)."""
+    out = {}
+    for k, v in weights:
+        if not v.is_floating_point():
+            raise ValueError(f"tensor {k!r}: dtype {v.dtype} is not a floating type; cannot publish it")
+        out[k] = TensorSpec(tuple(v.shape), dtype)
+    return out
+
+
+def cast_chunks(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int) -> Iterator[torch.Tensor]:
+    """The cast tensor's bytes as flat chunks of at most ``chunk_bytes`` (on t's device)."""
+    flat = t.reshape(-1)
+    step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
+    if flat.numel() == 0:
+        return
+    for a in range(0, flat.numel(), step):
+        yield compute_cast(flat[a:a + step], dtype).contiguous().view(torch.uint8)
+
+
+def cast_fingerprint(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+    """Fingerprint of compute_cast(t, dtype) without materializing the whole cast tensor."""
+    h = new_hasher()
+    for c in cast_chunks(t, dtype, chunk_bytes):
+        update_hasher(h, c)
+    return h.hexdigest()
+
+
+def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
+    """Yield (bucket uint8 CPU tensor view, segments, finished) with segments a list of
+    (name, byte_offset, nbytes) and finished {name: fingerprint} of tensors whose last byte is in
+    this bucket. One bucket buffer is reused: the consumer must send it before the next step.
+    Large CPU tensors already in ``dtype`` are yielded as views of their own memory."""
+    if bucket_bytes < 1024:
+        raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
+    buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+    pos, segs, finished = 0, [], {}
+    for name, t in weights:
+        h = new_hasher()
+        elsize = torch.empty((), dtype=dtype).element_size()
+        flat = t.reshape(-1)
+        nbytes, off = flat.numel() * elsize, 0
+        if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and nbytes >= bucket_bytes // 4:
+            # already in the rollout dtype (compute_cast is the identity): send from the tensor's
+            # own memory, no bucket copy; hashed piece by piece right before it is sent
+            if segs or finished:
+                yield buf[:pos], segs, finished
+                pos, segs, finished = 0, [], {}
+            src = compute_cast(flat, dtype).view(torch.uint8)
+            for a in range(0, nbytes, bucket_bytes):
+                piece = src[a:a + bucket_bytes]
+                h.update(memoryview(piece.numpy()))
+                done = {name: h.hexdigest()} if a + bucket_bytes >= nbytes else {}
+                yield piece, [(name, a, piece.numel())], done
+            continue
+        while off < nbytes:
+            n_el = min((bucket_bytes - pos) // elsize, (nbytes - off) // elsize)
+            if n_el == 0:  # bucket full
+                yield buf[:pos], segs, finished
+                pos, segs, finished = 0, [], {}
+                continue
+            e0 = off // elsize
+            chunk = compute_cast(flat[e0:e0 + n_el], dtype).contiguous().view(torch.uint8)
+            dst = buf[pos:pos + chunk.numel()]
+            dst.copy_(chunk)
+            h.update(memoryview(dst.numpy()))  # hash the bytes exactly as they will be sent
+            segs.append((name, off, chunk.numel()))
+            pos += chunk.numel()
+            off += chunk.numel()
+            del chunk
+        finished[name] = h.hexdigest()
+    if segs or finished:
+        yield buf[:pos], segs, finished

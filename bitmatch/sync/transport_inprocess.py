@@ -1,0 +1,42 @@
+"""In-process transport: the embedded engine in the trainer's process.
+
+When the engine shares the trainer's tensors (compute dtype already, same storage) nothing is
+copied: the receiver only fingerprints its own tensors against the announced ones. Otherwise
+each tensor is cast and copied into the receiver's staging, then verified and switched.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..precision import compute_cast
+from .fingerprint import Manifest, TensorSpec, byte_view, fingerprint
+from .receiver import Receiver
+from .source import named_weights, wire_specs
+
+
+class InProcessSender:
+    """Publish into a Receiver living in this process."""
+
+    def __init__(self, receiver: Receiver):
+        self.receiver = receiver
+
+    def _write(self, name: str, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
+        dst.copy_(src_bytes)
+
+    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        weights = named_weights(model)
+        specs = wire_specs(weights, dtype)
+        rx = self.receiver
+        with rx.begin(version, specs) as upd:
+            for name, t in weights:
+                cast = compute_cast(t, dtype)
+                fp = fingerprint(cast)
+                specs[name] = TensorSpec(specs[name].shape, dtype, fp)
+                live = rx.slots.view(rx.slots.live, name)
+                if cast.data_ptr() == live.data_ptr() and cast.shape == live.shape:
+                    upd.share(name, cast, fp)
+                else:
+                    self._write(name, upd.buffer(name), byte_view(cast.contiguous()))
+                    upd.finish(name, fp)
+                del cast
+            return upd.commit(Manifest(version, specs).digest())

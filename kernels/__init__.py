@@ -1,0 +1,17 @@
+"""bitmatch.kernels: invariant ops. One public function per op; the backend (Triton for
+CUDA tensors, the float64-exact reference for CPU tensors) is chosen per call, never a
+silent fallback. See each module's docstring for its canonical reduction order."""
+from ._backend import SUPPORTED_DTYPES, backend_for, use_backend
+from .activation import silu_and_mul
+from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
+from .linear import linear
+from .logprobs import full_logprobs, token_logprobs
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
+
+__all__ = [
+    "linear", "rms_norm", "fused_add_rms_norm", "rotary_cos_sin", "apply_rotary", "silu_and_mul",
+    "attention_prefill", "attention_paged", "attention_decode", "write_kv_cache",
+    "token_logprobs", "full_logprobs", "use_backend", "backend_for", "SUPPORTED_DTYPES",
+    "SUPPORTED_ROPE_TYPES",
+]

@@ -1,0 +1,72 @@
+"""linear: x @ weight^T (+ bias), row-invariant.
+
+Reference: ``exact_matmul`` (rows on integer grids, exact float64 products and sums) then
+one rounding to x's dtype, so a row's bits depend on that row and the weight alone.
+Triton: sequential fp32 accumulation over fixed K blocks (tile shape free per M).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _exact
+from ._backend import backend_for, check_float, check_same_device, triton_impl
+
+_N_CHUNK = 8192  # bounds float64 scratch; output columns are independent, so bits do not change
+
+
+def linear_reference(x2d, weight, bias):
+    outs = []
+    s_x, s_w = _exact.slices_for(x2d.dtype), _exact.slices_for(weight.dtype)
+    for n0 in range(0, weight.shape[0], _N_CHUNK):
+        acc = _exact.exact_matmul(x2d, weight[n0:n0 + _N_CHUNK], s_x, s_w)
+        if bias is not None:
+            acc = acc + bias[n0:n0 + _N_CHUNK].to(torch.float64)
+        outs.append(acc.to(x2d.dtype))
+    return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+
+def _forward(x2d, weight, bias):
+    if backend_for(x2d) == "reference":
+        return linear_reference(x2d, weight, bias)
+    return triton_impl("linear", "linear")(x2d, weight, bias)
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias):
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return _forward(x2d, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        # gradients need only be correct, not invariant: plain fp32 matmuls
+        x2d, weight = ctx.saved_tensors
+        g32 = g.float()
+        gx = (g32 @ weight.float()).to(x2d.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g32.t() @ x2d.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = g32.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]^T + bias`` in x's dtype.
+
+    Invariance: each output row's bits depend only on that row of x, weight and bias.
+    """
+    op = "linear"
+    check_float("x", x, op)
+    check_float("weight", weight, op)
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
+    if bias is not None:
+        check_float("bias", bias, op)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_same_device(op, x=x, weight=weight, bias=bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    out = LinearFunction.apply(x2d, weight.contiguous(), bias)
+    return out.reshape(*lead, weight.shape[0])

@@ -1,0 +1,106 @@
+"""token_logprobs / full_logprobs: log_softmax(logits.float() / T) over the full vocabulary.
+
+The temperature divides fp32 logits (as vLLM's sampler does; multiplying by 1/T gives other
+bits). Reference: max (exact), exp64, tree_sum over the vocabulary and log64, so a row's
+bits depend on that row alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _exact
+from ._backend import backend_for, check_float, check_int, recompute_grads, triton_impl
+
+F64 = torch.float64
+_ROW_CHUNK = 16
+
+
+def _scaled(logits2d, temp):
+    return logits2d.float() / temp.unsqueeze(1)
+
+
+def _row_stats(z):
+    z64 = z.to(F64)
+    m = z64.amax(-1, keepdim=True)
+    lse = _exact.log64(_exact.tree_sum(_exact.exp64(z64 - m), -1)).unsqueeze(-1)
+    return z64, m, lse
+
+
+def token_logprobs_reference(logits2d, token_ids, temp):
+    out = []
+    for s in range(0, logits2d.shape[0], _ROW_CHUNK):
+        z64, m, lse = _row_stats(_scaled(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
+        tok = z64.gather(1, token_ids[s:s + _ROW_CHUNK].long().unsqueeze(1))
+        out.append(((tok - m) - lse).squeeze(1).float())
+    return torch.cat(out) if out else logits2d.new_empty(0, dtype=torch.float32)
+
+
+def full_logprobs_reference(logits2d, temp):
+    out = []
+    for s in range(0, logits2d.shape[0], _ROW_CHUNK):
+        z64, m, lse = _row_stats(_scaled(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
+        out.append(((z64 - m) - lse).float())
+    return torch.cat(out) if out else logits2d.new_empty(0, logits2d.shape[1], dtype=torch.float32)
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2d, token_ids, temp):
+        ctx.save_for_backward(logits2d, token_ids, temp)
+        if backend_for(logits2d) == "reference":
+            return token_logprobs_reference(logits2d, token_ids, temp)
+        return triton_impl("logprobs", "token_logprobs")(logits2d, token_ids, temp)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits2d, token_ids, temp = ctx.saved_tensors
+
+        def plain(x):
+            lp = torch.log_softmax(_scaled(x, temp), -1)
+            return lp.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
+        (gl,) = recompute_grads(plain, (logits2d,), ctx.needs_input_grad[:1], (g,))
+        return gl, None, None
+
+
+def _check(op, logits, temperature):
+    check_float("logits", logits, op)
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be [N, V], got shape {tuple(logits.shape)}")
+    n = logits.shape[0]
+    if isinstance(temperature, torch.Tensor):
+        temp = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1)
+        if temp.numel() == 1:
+            temp = temp.expand(n).contiguous()
+        if temp.shape != (n,):
+            raise ValueError(f"{op}: temperature must be a float or [N={n}] tensor")
+    else:
+        temp = torch.full((n,), float(temperature), dtype=torch.float32, device=logits.device)
+    if n and not bool((temp > 0).all()):
+        raise ValueError(f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)")
+    return temp
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """fp32 [N]: log_softmax(logits.float() / temperature)[i, token_ids[i]] over the full vocab.
+
+    Invariance: each row's value depends only on that row's logits, token and temperature.
+    """
+    op = "token_logprobs"
+    temp = _check(op, logits, temperature)
+    check_int("token_ids", token_ids, op)
+    if token_ids.shape != (logits.shape[0],):
+        raise ValueError(f"{op}: token_ids must be [N={logits.shape[0]}], got {tuple(token_ids.shape)}")
+    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= logits.shape[1]):
+        raise ValueError(f"{op}: token_ids out of range [0, {logits.shape[1]})")
+    return TokenLogprobsFunction.apply(logits.contiguous(), token_ids.to(logits.device), temp)
+
+
+def full_logprobs(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """fp32 [N, V]: the whole log_softmax(logits.float() / temperature) row (no autograd).
+
+    Invariance: each row depends only on that row's logits and temperature.
+    """
+    temp = _check("full_logprobs", logits, temperature)
+    if backend_for(logits) == "reference":
+        return full_logprobs_reference(logits.contiguous(), temp)
+    return triton_impl("logprobs", "full_logprobs")(logits.contiguous(), temp)

@@ -1,0 +1,86 @@
+"""rms_norm and fused_add_rms_norm, row-invariant.
+
+Rounding points follow HF's RMSNorm: normalized = round_dtype(x * rsqrt(mean(x^2) + eps)),
+out = round_dtype(weight * normalized); the fused variant first rounds the residual sum,
+residual_out = round_dtype(x + residual), exactly where HF's decoder layer rounds it.
+Reference: squares in float64 (exact for bf16 and fp32) summed by a fixed tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _exact
+from ._backend import backend_for, check_float, check_same_device, recompute_grads, triton_impl
+
+F64 = torch.float64
+
+
+def rms_norm_reference(x2d, weight, eps):
+    x64 = x2d.to(F64)
+    mean = _exact.tree_sum(x64 * x64, -1) / x2d.shape[-1]
+    inv = 1.0 / torch.sqrt(mean + eps)
+    normed = (x64 * inv.unsqueeze(-1)).to(x2d.dtype)
+    return (weight.to(F64) * normed.to(F64)).to(x2d.dtype)
+
+
+def _rms_plain(x2d, weight, eps):
+    x = x2d.float()
+    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _check(op, x, weight, residual=None):
+    check_float("x", x, op)
+    check_float("weight", weight, op)
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{op}: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if residual is not None:
+        check_float("residual", residual, op)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"{op}: residual must match x in shape and dtype, got "
+                             f"{tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
+    check_same_device(op, x=x, weight=weight, residual=residual)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        ctx.save_for_backward(x2d, weight)
+        ctx.eps = eps
+        if backend_for(x2d) == "reference":
+            return rms_norm_reference(x2d, weight, eps)
+        return triton_impl("norm", "rms_norm")(x2d, weight, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2d, weight = ctx.saved_tensors
+        gx, gw = recompute_grads(lambda a, b: _rms_plain(a, b, ctx.eps), (x2d, weight),
+                                 ctx.needs_input_grad[:2], (g,))
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, HF rounding points, output in x's dtype.
+
+    Invariance: each row's bits depend only on that row and the weight.
+    """
+    _check("rms_norm", x, weight)
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    return RMSNormFunction.apply(x2d, weight.contiguous(), float(eps)).reshape(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(round(x + residual)), round(x + residual)).
+
+    Invariance: elementwise add then a row-invariant norm; each row depends on its own inputs.
+    """
+    _check("fused_add_rms_norm", x, weight, residual)
+    if backend_for(x) == "triton" and not (torch.is_grad_enabled() and
+                                           (x.requires_grad or residual.requires_grad or weight.requires_grad)):
+        fn = triton_impl("norm", "fused_add_rms_norm")
+        out, res = fn(x.reshape(-1, x.shape[-1]).contiguous(),
+                      residual.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), float(eps))
+        return out.reshape(x.shape), res.reshape(x.shape)
+    # the sum in float is exact-rounded elementwise, the same bits as the fused kernel's
+    res = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(res, weight, eps), res

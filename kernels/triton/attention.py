@@ -1,0 +1,349 @@
+"""Attention forward: packed varlen prefill and paged (chunked prefill / decode), one kernel.
+
+Canonical order for query row (token t of sequence b, head h), independent of schedule:
+  keys are walked from position 0 in KV blocks of KV_BLOCK (=64) positions; an online softmax
+  (base-2, fp32) runs inside each KV partition of KV_PARTITION (=512) positions starting from
+  the empty state; partition states (m, l, acc) are merged in partition order into the empty
+  state; out = acc / l. Fully masked blocks and partitions are exact no-ops (the -inf-safe
+  update keeps the state bit-identical), so a program may skip them.
+Prefill (contiguous K/V) and paged (K/V gathered through the block table at any page size)
+use the same kernel, so their bits agree; the query tile (how many tokens x GQA heads share a
+program) and whether partitions run in one program ("fused") or on separate programs merged by
+_merge_kernel ("split", for decode / small batches) do not change the bits, provided every CUDA
+tile has >= 64 rows (wgmma): 16/32-row tiles (mma.sync) changed ~2% of rows by 1 ulp on the H200.
+GQA: a program's rows are (token, head-in-group) pairs of one KV head, so K/V is read once per
+group. Non-causal attention is only for prefill (causal=False), where every row sees the whole
+sequence.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+KV_BLOCK = 64
+KV_PARTITION = 512
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
+    if INTERP:
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _merge(M, L, A, m, l, a):
+    """Merge partition state (m, l, a) into the running state (M, L, A); exact no-op if empty."""
+    M_new = tl.maximum(M, m)
+    Ms = tl.where(M_new == float("-inf"), 0.0, M_new)
+    e1 = tl.exp2(M - Ms)
+    e2 = tl.exp2(m - Ms)
+    A = tl.fma(A, e1[:, None], a * e2[:, None])
+    L = tl.fma(L, e1, l * e2)
+    return M_new, L, A
+
+
+@triton.jit
+def _finalize(L, A):
+    Ls = tl.where(L == 0.0, 1.0, L)
+    return tl.math.div_rn(A, Ls[:, None])
+
+
+@triton.jit
+def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
+               pos, row_ok, kv_len, j_begin, j_end, qk_scale, window,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    """Online softmax over KV blocks [j_begin, j_end) (block aligned) from the empty state."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for j0 in range(j_begin, j_end, BLOCK_N):
+        j = j0 + offs_n
+        jok = j < kv_len
+        if PAGED:
+            page = tl.load(bt_row_ptr + j // page_size, mask=jok, other=0).to(tl.int64)
+            slot = page * page_size + (j % page_size)
+        else:
+            slot = (kv_row0 + j).to(tl.int64)
+        base = slot * stride_tok + kvh * D
+        kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
+        s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        vis = jok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            vis = vis & (j[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (j[None, :] > pos[:, None] - window)
+        s = tl.where(vis, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        ms = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - ms)
+        p = tl.exp2(s - ms[:, None])
+        if not ROWSUM_MMA:
+            l = tl.fma(l, alpha, tl.sum(p, axis=1))
+        v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=jok[:, None], other=0.0)
+        if ROWSUM_MMA:
+            # row sum of the (rounded) P through the tensor core: its k-order is the MMA's, not
+            # the register layout's (experimental; lets < 64-row tiles share the bits)
+            sel = (tl.arange(0, BLOCK_N)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)
+            ones = tl.where(sel, 1.0, 0.0).to(v.dtype)
+            rs = _dot(p.to(v.dtype), ones, tl.zeros((BLOCK_M, 16), tl.float32), INTERP, PREC)
+            l = tl.fma(l, alpha, tl.sum(rs, axis=1))
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, INTERP, PREC)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _tile_info(qstart_ptr, seqlens_ptr, b, tile, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, window, TPT: tl.constexpr, BLOCK_N: tl.constexpr,
+               PART: tl.constexpr):
+    q0 = tl.load(qstart_ptr + b)
+    nq = tl.load(qstart_ptr + b + 1) - q0
+    if PAGED:
+        kv_len = tl.load(seqlens_ptr + b)
+    else:
+        kv_len = nq
+    t_lo = tile * TPT
+    t_hi = tl.minimum(nq, t_lo + TPT)
+    if CAUSAL:
+        kv_end = kv_len - nq + t_hi
+    else:
+        kv_end = kv_len
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(0, kv_len - nq + t_lo - window + 1)
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    return q0, nq, kv_len, t_lo, kv_begin, kv_end
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr,
+                 qstart_ptr, seqlens_ptr, bt_ptr, bt_stride, page_size,
+                 qk_scale, window, Hq, Hkv, G, NP,
+                 D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                 INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    TPT: tl.constexpr = BLOCK_M // GP
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    q0, nq, kv_len, t_lo, kv_begin, kv_end = _tile_info(
+        qstart_ptr, seqlens_ptr, b, tile, PAGED, CAUSAL, HAS_WINDOW, window, TPT, BLOCK_N, PART)
+    if t_lo >= nq:
+        return
+    r = tl.arange(0, BLOCK_M)
+    tok = t_lo + r // GP
+    g = r % GP
+    row_ok = (tok < nq) & (g < G)
+    pos = kv_len - nq + tok
+    offs_d = tl.arange(0, D)
+    q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
+    q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    stride_tok = Hkv * D
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * bt_stride
+    if PAGED:
+        kv_row0 = 0
+    else:
+        kv_row0 = q0
+    if SPLIT:
+        p = tl.program_id(2)
+        jb = tl.maximum(p * PART, kv_begin)
+        je = tl.minimum((p + 1) * PART, kv_end)
+        m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
+                               pos, row_ok, kv_len, jb, je, qk_scale, window, D, BLOCK_M,
+                               BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
+                                   ROWSUM_MMA)
+        widx = ((tile * tl.num_programs(1) + bh) * NP + p).to(tl.int64) * BLOCK_M + r
+        tl.store(wsm_ptr + widx, m)
+        tl.store(wsl_ptr + widx, l)
+        tl.store(wsa_ptr + widx[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        L = tl.zeros((BLOCK_M,), tl.float32)
+        A = tl.zeros((BLOCK_M, D), tl.float32)
+        for p in range(kv_begin // PART, tl.cdiv(kv_end, PART)):
+            jb = tl.maximum(p * PART, kv_begin)
+            je = tl.minimum((p + 1) * PART, kv_end)
+            m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh,
+                                   stride_tok, pos, row_ok, kv_len, jb, je, qk_scale, window,
+                                   D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
+                                   ROWSUM_MMA)
+            M, L, A = _merge(M, L, A, m, l, acc)
+        out = _finalize(L, A)
+        tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, qstart_ptr, seqlens_ptr, window, Hq, Hkv,
+                  G, NP, D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    TPT: tl.constexpr = BLOCK_M // GP
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    q0, nq, kv_len, t_lo, kv_begin, kv_end = _tile_info(
+        qstart_ptr, seqlens_ptr, b, tile, PAGED, CAUSAL, HAS_WINDOW, window, TPT, BLOCK_N, PART)
+    if t_lo >= nq:
+        return
+    r = tl.arange(0, BLOCK_M)
+    tok = t_lo + r // GP
+    g = r % GP
+    row_ok = (tok < nq) & (g < G)
+    offs_d = tl.arange(0, D)
+    M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    L = tl.zeros((BLOCK_M,), tl.float32)
+    A = tl.zeros((BLOCK_M, D), tl.float32)
+    for p in range(kv_begin // PART, tl.cdiv(kv_end, PART)):
+        widx = ((tile * tl.num_programs(1) + bh) * NP + p).to(tl.int64) * BLOCK_M + r
+        m = tl.load(wsm_ptr + widx)
+        l = tl.load(wsl_ptr + widx)
+        a = tl.load(wsa_ptr + widx[:, None] * D + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        M, L, A = _merge(M, L, A, m, l, a)
+    out = _finalize(L, A)
+    q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
+    tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# Launch-shape knobs (free: they do not change the bits).
+# Experimental, off (not yet run on the GPU): row sums of P through the tensor core, so that
+# decode could use 16-row tiles (0.93 of the copy roofline measured with them) without the
+# mma.sync/wgmma row-sum difference. Changes the canonical order when switched on.
+ROWSUM_MMA = False
+MIN_BLOCK_M_CUDA = 64
+PREFILL_BLOCK_M = 128
+PREFILL_WARPS = 8
+PREFILL_STAGES = 3
+DECODE_WARPS = 4
+DECODE_STAGES = 2
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window, max_nq,
+         max_kv, paged, force_mode=None, block_m=None):
+    T, Hq, D = q.shape
+    Hkv = k.shape[-2]
+    G = Hq // Hkv
+    GP = triton.next_power_of_2(G)
+    B = qstart.numel() - 1
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    interp = interpreting(q)
+    if block_m is None:
+        if paged and max_nq * GP <= 64:
+            block_m = max(16 if interp else MIN_BLOCK_M_CUDA,
+                          triton.next_power_of_2(max_nq * GP))
+        else:
+            block_m = max(PREFILL_BLOCK_M, GP) if not interp else max(16, min(64, GP * 8))
+    # On the GPU, query tiles below 64 rows compile to mma.sync (mma v2) instead of wgmma, whose
+    # accumulator layout sums a row of P in another order: measured on the H200, 16/32-row tiles
+    # changed ~2% of rows by 1 ulp. So every CUDA launch uses >= 64-row tiles (wgmma): prefill,
+    # chunked and decode then share the row-sum tree. (The interpreter has no such split.)
+    block_m = max(block_m, GP, 16 if interp else MIN_BLOCK_M_CUDA)
+    tpt = block_m // GP
+    n_tiles = triton.cdiv(max_nq, tpt)
+    NP = max(1, triton.cdiv(max_kv, KV_PARTITION))
+    programs = n_tiles * B * Hkv
+    if force_mode is not None:
+        split = force_mode == "split"
+    else:
+        # decode-size tiles: always split partitions over programs (faster at every batch
+        # measured on the H200); prefill tiles: only when too few programs fill the GPU
+        split = NP > 1 and (block_m <= 64 or programs < 2 * _sm_count(q.device))
+    prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
+    has_window = window is not None and window > 0
+    qk_scale = float(scale) * _LOG2E
+    if block_table is None:
+        block_table = qstart  # unused
+        bt_stride = 0
+    else:
+        bt_stride = block_table.stride(0)
+    small = block_m <= 64
+    # enable_fp_fusion=False: no compiler-chosen mul+add -> fma contraction, so the softmax
+    # arithmetic is the same in every kernel variant (explicit tl.fma where wanted)
+    kw = {} if interp else dict(num_warps=DECODE_WARPS if small else PREFILL_WARPS,
+                                num_stages=DECODE_STAGES if small else PREFILL_STAGES,
+                                enable_fp_fusion=False)
+    common = dict(D=D, GP=GP, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, PART=KV_PARTITION, PAGED=paged,
+                  CAUSAL=causal, HAS_WINDOW=has_window)
+    win = int(window) if has_window else 0
+    if split:
+        rows = n_tiles * B * Hkv * NP * block_m
+        wsa = torch.empty((rows, D), device=q.device, dtype=torch.float32)
+        wsm = torch.empty((rows,), device=q.device, dtype=torch.float32)
+        wsl = torch.empty((rows,), device=q.device, dtype=torch.float32)
+        _attn_kernel[(n_tiles, B * Hkv, NP)](q, k, v, out, wsa, wsm, wsl, qstart, seqlens,
+                                             block_table, bt_stride, page_size, qk_scale, win,
+                                             Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
+                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA, **common, **kw)
+        _merge_kernel[(n_tiles, B * Hkv)](out, wsa, wsm, wsl, qstart, seqlens, win, Hq, Hkv,
+                                          G, NP, **common,
+                                          **({} if interp else dict(num_warps=4,
+                                                                    enable_fp_fusion=False)))
+    else:
+        _attn_kernel[(n_tiles, B * Hkv, 1)](q, k, v, out, out, out, out, qstart, seqlens,
+                                            block_table, bt_stride, page_size, qk_scale, win,
+                                            Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
+                                            PREC=prec, ROWSUM_MMA=ROWSUM_MMA, **common, **kw)
+    return out
+
+
+def attention_prefill(q, k, v, cu_seqlens, scale, causal=True, sliding_window=None, *,
+                      max_seqlen=None, force_mode=None, block_m=None):
+    """Packed varlen prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] int32."""
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+    return _run(q, k, v, cu, cu, None, 1, scale, bool(causal), sliding_window, max_seqlen,
+                max_seqlen, False, force_mode, block_m)
+
+
+def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                    sliding_window=None, *, max_query_len=None, max_seq_len=None,
+                    force_mode=None, block_m=None):
+    """Paged causal attention: q [T, Hq, D]; caches [num_blocks, page_size, Hkv, D]."""
+    qsl = query_start_loc.to(device=q.device, dtype=torch.int32).contiguous()
+    sl = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    bt = block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    if max_query_len is None or max_seq_len is None:
+        stats = torch.stack([(qsl[1:] - qsl[:-1]).max(), sl.max()]).tolist()
+        max_query_len, max_seq_len = int(stats[0]), int(stats[1])
+    page_size = k_cache.shape[1]
+    return _run(q, k_cache, v_cache, qsl, sl, bt, page_size, scale, True, sliding_window,
+                max_query_len, max_seq_len, True, force_mode, block_m)
+
+
+def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window=None,
+                     **kw):
+    """One query per sequence: q [B, Hq, D] (= attention_paged with one query each)."""
+    B = q.shape[0]
+    qsl = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    kw.setdefault("max_query_len", 1)
+    return attention_paged(q, k_cache, v_cache, block_table, qsl, seq_lens, scale,
+                           sliding_window, **kw)

@@ -1,0 +1,188 @@
+"""bitmatch.sync over TCP on loopback: round trip, bit flip in transit, sender killed, wrong token."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import bitmatch.sync as sync
+from bitmatch.precision import compute_cast
+from test_sync_helpers import FakeVllmQwen3, tiny_qwen3
+
+TOKEN = "s3cret-token"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def big_state(seed: int, n: int = 200_000):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(n, generator=g), "b.weight": torch.randn(n // 100, 100, generator=g)}
+
+
+def bf16_target(state):
+    return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items()}
+
+
+def bits_equal(live, master):
+    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
+               for k, v in master.items())
+
+
+def test_tcp_round_trip_hf_and_vllm_layouts():
+    master = tiny_qwen3(seed=0)
+    engine = tiny_qwen3(seed=1, dtype=torch.bfloat16)
+    rx = sync.receive(engine)
+    with sync.serve(rx, TOKEN) as srv:
+        assert srv.address[0] == "127.0.0.1"
+        tx = sync.TcpSender(*srv.address, TOKEN, bucket_bytes=4096)
+        man = sync.publish(master, 1, to=tx)
+        sync.verify(engine, man)
+        man2 = sync.publish(tiny_qwen3(seed=3), 2, to=tx)  # a second update on a new connection
+        assert sync.require_ready(engine, 2) == 2 and man2.digest() == rx.state.manifest.digest()
+    fake = FakeVllmQwen3(master)
+    rxv = sync.receive(fake, layout="vllm")
+    with sync.serve(rxv, TOKEN) as srv:
+        man = sync.publish(master, 5, to=sync.TcpSender(*srv.address, TOKEN, bucket_bytes=4096))
+    sync.verify(fake, man, layout="vllm")
+
+
+class FlipProxy:
+    """Loopback proxy that flips one bit at byte ``at`` of the client -> server stream."""
+
+    def __init__(self, target, at: int):
+        self.target, self.at = target, at
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()[:2]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _pipe(self, src, dst, flip):
+        seen = 0
+        try:
+            while True:
+                b = bytearray(src.recv(1 << 16))
+                if not b:
+                    break
+                if flip and seen <= self.at < seen + len(b):
+                    b[self.at - seen] ^= 0x10
+                seen += len(b)
+                dst.sendall(b)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _run(self):
+        c, _ = self.sock.accept()
+        s = socket.create_connection(self.target)
+        threading.Thread(target=self._pipe, args=(s, c, False), daemon=True).start()
+        self._pipe(c, s, True)
+
+
+def test_tcp_bit_flip_in_transit_detected_previous_version_kept():
+    m1, m2 = big_state(1), big_state(2)
+    live = bf16_target(m1)
+    rx = sync.receive(live)
+    with sync.serve(rx, TOKEN) as srv:
+        sync.publish(m1, 1, to=sync.TcpSender(*srv.address, TOKEN, bucket_bytes=1 << 16))
+        proxy = FlipProxy(srv.address, at=500_000)  # inside tensor b's payload
+        with pytest.raises(sync.FingerprintMismatchError) as ei:
+            sync.publish(m2, 2, to=sync.TcpSender(*proxy.address, TOKEN, bucket_bytes=1 << 16))
+        assert ei.value.name == "b.weight" and ei.value.expected != ei.value.got
+        assert rx.version == 1 and bits_equal(live, m1)
+        assert "b.weight" in rx.last_error and "previous version 1 kept" in rx.last_error
+        with pytest.raises(sync.WeightsNotReadyError):
+            rx.require_ready()
+        sync.publish(m2, 2, to=sync.TcpSender(*srv.address, TOKEN, bucket_bytes=1 << 16))
+        assert rx.require_ready(2) == 2 and bits_equal(live, m2)
+
+
+def test_tcp_wrong_token_refused_nothing_loaded():
+    master = big_state(1)
+    live = bf16_target(master)
+    before = {k: v.clone() for k, v in live.items()}
+    rx = sync.receive(live, initial_version=0)
+    with sync.serve(rx, TOKEN) as srv:
+        with pytest.raises(sync.AuthenticationError, match="wrong token"):
+            sync.publish(master, 1, to=sync.TcpSender(*srv.address, "not-the-token"))
+        # an unauthenticated client that just sends bytes
+        with socket.create_connection(srv.address) as s:
+            s.recv(40)
+            s.sendall(b"\x00" * 4 + b'{"type": "begin"}' + b"x" * 64)
+            time.sleep(0.2)
+        time.sleep(0.1)
+        assert srv.refused == 2
+    assert rx.require_ready(0) == 0
+    assert all(torch.equal(before[k], live[k]) for k in live)
+    with pytest.raises(ValueError, match="token"):
+        sync.TcpSender("127.0.0.1", 1, "")
+
+
+SENDER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    import bitmatch.sync as sync
+    from test_sync_tcp import big_state
+    class Slow(sync.TcpSender):
+        def _send_bucket(self, *a):
+            super()._send_bucket(*a)
+            time.sleep(0.05)
+    print("go", flush=True)
+    sync.publish(big_state(2), 2, to=Slow("127.0.0.1", int(sys.argv[1]), {token!r}, bucket_bytes=1 << 15))
+""")
+
+
+def test_tcp_sender_killed_mid_bucketed_update_keeps_old_version():
+    m1 = big_state(1)
+    live = bf16_target(m1)
+    rx = sync.receive(live, staging="double_buffer")
+    with sync.serve(rx, TOKEN, timeout=20) as srv:
+        sync.publish(m1, 1, to=sync.TcpSender(*srv.address, TOKEN))
+        code = SENDER.format(tests=os.path.join(ROOT, "tests"), token=TOKEN)
+        p = subprocess.Popen([sys.executable, "-c", code, str(srv.address[1])], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                upd = rx.update_in_progress
+                if upd is not None and upd.received_bytes > (1 << 16):
+                    break
+                if p.poll() is not None:
+                    pytest.fail(f"sender exited early: {p.stderr.read()}")
+                time.sleep(0.01)
+            else:
+                pytest.fail("update never started")
+            with pytest.raises(sync.WeightsNotReadyError, match="in progress"):
+                rx.require_ready()
+            p.kill()
+        finally:
+            p.wait()
+        deadline = time.time() + 20
+        while rx.update_in_progress is not None and time.time() < deadline:
+            time.sleep(0.01)
+        assert rx.version == 1 and bits_equal(live, m1)
+        assert "sender disconnected" in rx.last_error and "previous version 1 kept" in rx.last_error
+        with pytest.raises(sync.WeightsNotReadyError, match="sender disconnected"):
+            rx.require_ready()
+        m2 = big_state(2)
+        sync.publish(m2, 2, to=sync.TcpSender(*srv.address, TOKEN, bucket_bytes=1 << 15))
+        assert rx.require_ready(2) == 2 and bits_equal(live, m2)
+
+
+def test_tcp_odd_sizes_zero_size_and_tensor_split_across_buckets():
+    st = {"z": torch.zeros(0, 4), "o": torch.randn(3), "big": torch.randn(1000, 7), "s": torch.randn(()),
+          "bf": torch.randn(3000).to(torch.bfloat16)}  # already bf16: sent from its own memory
+    live = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in st.items()}
+    rx = sync.receive(live)
+    with sync.serve(rx, TOKEN) as srv:
+        man = sync.publish(st, 1, to=sync.TcpSender(*srv.address, TOKEN, bucket_bytes=1024))
+    sync.verify(live, man)
+    assert bits_equal(live, st)

@@ -1,0 +1,327 @@
+"""Triton backend (bitmatch.kernels.triton) under Triton's CPU interpreter.
+
+The interpreter computes each block dot in float64 (constexpr INTERP switch: its bf16 tl.dot
+is broken), so these tests check each kernel's structure, not the GPU's bits: values against
+plain torch math within tolerance, and the invariance structure: a row alone vs inside a batch,
+split-K fused vs split, prefill vs chunked prefill vs paged decode at page sizes 8/16/32 with
+shuffled block tables, query tile sizes and fused vs split KV partitions, all bit-identical.
+The same checks on CUDA bits run in benchmarks/gpu_ops.py.
+"""
+import os
+import sys
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    import pytest
+
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file "
+                "alone (pytest tests/test_triton_interpret.py)", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    """bitmatch.kernels.triton modules; built from the checkout if the package is missing."""
+    try:
+        import bitmatch.kernels.triton as pkg  # noqa: F401
+        name = "bitmatch.kernels.triton"
+    except Exception:
+        name = "_bitmatch_kernels_triton_checkout"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(
+                name, os.path.join(_ROOT, "kernels", "triton", "__init__.py"),
+                submodule_search_locations=[os.path.join(_ROOT, "kernels", "triton")])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+    return types.SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in
+                                    ("linear", "norm", "rotary", "activation", "attention",
+                                     "logprobs")})
+
+
+K = _load()
+BF = torch.bfloat16
+
+
+def _close(y, ref, rel=0.03, abs_=0.02):
+    """Within tolerance. The interpreter's fp32 -> bf16 cast truncates (round toward zero)
+    where the GPU rounds to nearest even, so bf16 results carry up to ~1 ulp (2^-7 relative)
+    of bias per rounding point here: tolerances are relative."""
+    y, ref = y.double(), ref.double()
+    return bool(((y - ref).abs() <= rel * ref.abs() + abs_).all())
+
+
+def _g(seed):
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def _randn(*shape, dtype=BF, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=_g(seed)) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------- linear
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_linear_matches_reference(dtype):
+    x, w, b = _randn(21, 160, dtype=dtype, seed=1), _randn(40, 160, dtype=dtype, seed=2), \
+        _randn(40, dtype=dtype, seed=3)
+    y = K.linear.linear(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert y.dtype == dtype and y.shape == (21, 40)
+    tol = 0.02 * ref.abs().max().item() if dtype == BF else 1e-4
+    assert (y.double() - ref).abs().max().item() < tol
+    y0 = K.linear.linear(x, w, None)
+    assert (y0.double() - (x.double() @ w.double().T)).abs().max().item() < tol
+
+
+def test_linear_batch_invariance_and_split_k_structure():
+    lin = K.linear
+    Kd, N = 512, 48
+    x, w, b = _randn(40, Kd, seed=4), _randn(N, Kd, seed=5), _randn(N, seed=6)
+    old = dict(lin.SPLIT_TABLE)
+    try:
+        lin.SPLIT_TABLE[(N, Kd)] = 2
+        assert lin.split_for(N, Kd) == 2
+        full = lin.linear(x, w, b)                     # table config for M = 40
+        for m in (1, 3, 17):                          # other table rows (other tiles / modes)
+            part = lin.linear(x[:m].contiguous(), w, b)
+            assert torch.equal(part, full[:m])
+        row = lin.linear(x[29:30].contiguous(), w, b)   # a row alone vs at row 29 of the batch
+        assert torch.equal(row, full[29:30])
+        cfgs = [(16, 16, 64, 8, 4, 3, "split"), (32, 32, 128, 8, 4, 3, "fused"),
+                (64, 16, 256, 4, 4, 3, "split"), (16, 64, 64, 1, 4, 3, "fused")]
+        outs = [lin._launch(x, w, b, c, 2) for c in cfgs]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+        assert torch.equal(outs[0], full)
+        # the split-K tree is part of the canonical order: a different SPLIT is another order
+        assert lin._launch(x, w, b, cfgs[0], 1).shape == full.shape
+    finally:
+        lin.SPLIT_TABLE.clear()
+        lin.SPLIT_TABLE.update(old)
+
+
+def test_linear_ragged_k():
+    x, w = _randn(5, 200, seed=7), _randn(24, 200, seed=8)
+    y = K.linear.linear(x, w)
+    ref = x.double() @ w.double().T
+    assert (y.double() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    assert torch.equal(K.linear.linear(x[2:3].contiguous(), w), y[2:3])
+
+
+# ---------------------------------------------------------------- norms
+def _hf_rms(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rms_norm(dtype):
+    x, w = _randn(9, 96, dtype=dtype, seed=9), _randn(96, dtype=dtype, seed=10)
+    y = K.norm.rms_norm(x, w, 1e-6)
+    ref = _hf_rms(x, w, 1e-6)
+    assert y.dtype == dtype
+    assert _close(y, ref) if dtype == BF else (y - ref).abs().max().item() < 1e-4
+    assert torch.equal(K.norm.rms_norm(x[4:5].contiguous(), w, 1e-6), y[4:5])
+
+
+def test_fused_add_rms_norm():
+    x, r, w = _randn(7, 80, seed=11), _randn(7, 80, seed=12), _randn(80, seed=13)
+    out, res = K.norm.fused_add_rms_norm(x, r, w, 1e-5)
+    assert _close(res, x.double() + r.double(), rel=0.01, abs_=0.0)
+    assert _close(out, _hf_rms(x + r, w, 1e-5))
+    o1, r1 = K.norm.fused_add_rms_norm(x[3:4].contiguous(), r[3:4].contiguous(), w, 1e-5)
+    assert torch.equal(o1, out[3:4]) and torch.equal(r1, res[3:4])
+
+
+# ---------------------------------------------------------------- rotary / activation
+def _hf_rotary(x, cos, sin):
+    c = torch.cat([cos, cos], -1).to(x.dtype)[:, None, :]
+    s = torch.cat([sin, sin], -1).to(x.dtype)[:, None, :]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * c + torch.cat([-x2, x1], -1) * s
+
+
+def test_apply_rotary():
+    T, D = 6, 32
+    q, k = _randn(T, 4, D, seed=14), _randn(T, 2, D, seed=15)
+    pos = torch.arange(T, dtype=torch.float32) + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    f = pos[:, None] * inv[None, :]
+    cos, sin = f.cos(), f.sin()
+    qo, ko = K.rotary.apply_rotary(q, k, cos, sin)
+    assert _close(qo, _hf_rotary(q, cos, sin), abs_=0.05)
+    assert _close(ko, _hf_rotary(k, cos, sin), abs_=0.05)
+    q1, k1 = K.rotary.apply_rotary(q[2:3].contiguous(), k[2:3].contiguous(), cos[2:3].contiguous(),
+                                   sin[2:3].contiguous())
+    assert torch.equal(q1, qo[2:3]) and torch.equal(k1, ko[2:3])
+
+
+def test_silu_and_mul():
+    x = _randn(5, 2 * 1100, seed=16)          # I = 1100 > one 1024 block
+    y = K.activation.silu_and_mul(x)
+    g, u = x[:, :1100], x[:, 1100:]
+    ref = torch.nn.functional.silu(g) * u
+    assert _close(y, ref)
+    assert torch.equal(K.activation.silu_and_mul(x[1:2].contiguous()), y[1:2])
+
+
+# ---------------------------------------------------------------- logprobs
+def test_logprobs():
+    N, V = 5, 5000                              # two 4096-wide blocks, ragged tail
+    x = _randn(N, V, seed=17, scale=3.0)
+    tok = torch.tensor([0, 4999, 17, 4096, 123])
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5])
+    ref = torch.log_softmax(x.float() / temp[:, None], -1)
+    lp = K.logprobs.token_logprobs(x, tok, temp)
+    assert lp.dtype == torch.float32
+    assert (lp - ref[torch.arange(N), tok]).abs().max().item() < 1e-4
+    full = K.logprobs.full_logprobs(x, temp)
+    assert (full - ref).abs().max().item() < 1e-4
+    assert torch.equal(full[torch.arange(N), tok], lp)
+    one = K.logprobs.token_logprobs(x[3:4].contiguous(), tok[3:4].contiguous(), temp[3:4].clone())
+    assert torch.equal(one, lp[3:4])
+
+
+# ---------------------------------------------------------------- attention
+def _ref_attn(q, k, v, scale, causal=True, window=None):
+    T, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    kk = k.double().repeat_interleave(G, 1)
+    vv = v.double().repeat_interleave(G, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    vis = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if window:
+        vis &= j > i - window
+    s = s.masked_fill(~vis, float("-inf"))
+    return torch.einsum("hts,shd->thd", torch.softmax(s, -1), vv)
+
+
+@pytest.fixture
+def small_partition():
+    att = K.attention
+    old = att.KV_PARTITION
+    att.KV_PARTITION = 128   # canonical 512 on the GPU; 128 here exercises the merge cheaply
+    yield
+    att.KV_PARTITION = old
+
+
+def _seqs(lens, Hq=4, Hkv=2, D=32, seed=20):
+    T = sum(lens)
+    q, k, v = (_randn(T, Hq, D, seed=seed), _randn(T, Hkv, D, seed=seed + 1),
+               _randn(T, Hkv, D, seed=seed + 2))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_attention_prefill_values_and_batch(small_partition, window):
+    att = K.attention
+    lens = [300, 37]
+    q, k, v, cu = _seqs(lens)
+    scale = 1 / math.sqrt(32)
+    out = att.attention_prefill(q, k, v, cu, scale, True, window)
+    for b, L in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        ref = _ref_attn(q[s:e], k[s:e], v[s:e], scale, True, window)
+        assert (out[s:e].double() - ref).abs().max().item() < 0.03
+        one = att.attention_prefill(q[s:e].contiguous(), k[s:e].contiguous(),
+                                    v[s:e].contiguous(), torch.tensor([0, L], dtype=torch.int32),
+                                    scale, True, window)
+        assert torch.equal(one, out[s:e]), "sequence alone vs in a batch"
+    # query tile size and fused vs split partitions do not change the bits
+    for bm, mode in ((16, "split"), (64, "fused"), (32, "split")):
+        o2 = att.attention_prefill(q, k, v, cu, scale, True, window, force_mode=mode, block_m=bm)
+        assert torch.equal(o2, out), (bm, mode)
+
+
+def test_attention_prefill_noncausal_fp32():
+    q, k, v, cu = _seqs([40])
+    q, k, v = q.float(), k.float(), v.float()
+    out = K.attention.attention_prefill(q, k, v, cu, 0.2, False, None)
+    ref = _ref_attn(q, k, v, 0.2, False)
+    assert (out.double() - ref).abs().max().item() < 1e-4
+
+
+def _paged_cache(k, v, page, nblocks, seed):
+    """Scatter one sequence's K/V into a cache with a shuffled block table; garbage elsewhere."""
+    T, Hkv, D = k.shape
+    need = (T + page - 1) // page
+    perm = torch.randperm(nblocks, generator=_g(seed))[:need]
+    kc = torch.full((nblocks, page, Hkv, D), float("nan"), dtype=k.dtype)
+    vc = torch.full((nblocks, page, Hkv, D), float("nan"), dtype=k.dtype)
+    pos = torch.arange(T)
+    slots_b, slots_o = perm[pos // page], pos % page
+    kc[slots_b, slots_o] = k
+    vc[slots_b, slots_o] = v
+    return kc, vc, perm.to(torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_attention_prefill_chunked_decode_bits(small_partition, window):
+    """Prefill vs chunked prefill (any split) vs one-token decode, page sizes 8/16/32."""
+    att = K.attention
+    L = 290
+    q, k, v, cu = _seqs([L], seed=30)
+    scale = 0.17
+    ref = att.attention_prefill(q, k, v, cu, scale, True, window)
+    for page in (8, 16, 32):
+        kc, vc, bt_row = _paged_cache(k, v, page, 60, seed=page)
+        # two sequences in one paged batch: decode token t of seq A + chunk of seq A again
+        decode_ts = [0, 63, 64, 127, 128, 255, 289]
+        B = len(decode_ts)
+        bt = bt_row[None, :].repeat(B, 1).contiguous()
+        qd = torch.stack([q[t] for t in decode_ts]).contiguous()
+        seq_lens = torch.tensor([t + 1 for t in decode_ts], dtype=torch.int32)
+        od = att.attention_decode(qd, kc, vc, bt, seq_lens, scale, window)
+        for i, t in enumerate(decode_ts):
+            assert torch.equal(od[i], ref[t]), (page, t)
+        # chunked prefill: chunks [0,a), [a,b), [b,L) each against the cache
+        for a, b in ((100, 200), (1, 289), (64, 130)):
+            for s, e in ((0, a), (a, b), (b, L)):
+                oc = att.attention_paged(q[s:e].contiguous(), kc, vc, bt[:1].contiguous(),
+                                         torch.tensor([0, e - s], dtype=torch.int32),
+                                         torch.tensor([e], dtype=torch.int32), scale, window)
+                assert torch.equal(oc, ref[s:e]), (page, s, e)
+    # fused vs split partitions in the paged kernel
+    kc, vc, bt_row = _paged_cache(k, v, 16, 40, seed=3)
+    args = (q[150:].contiguous(), kc, vc, bt_row[None].contiguous(),
+            torch.tensor([0, L - 150], dtype=torch.int32), torch.tensor([L], dtype=torch.int32),
+            scale, window)
+    assert torch.equal(att.attention_paged(*args, force_mode="split"), ref[150:])
+    assert torch.equal(att.attention_paged(*args, force_mode="fused", block_m=64), ref[150:])
+
+
+def test_attention_rowsum_mma_variant(small_partition):
+    """Experimental ROWSUM_MMA (row sums of P on the tensor core): same structure holds."""
+    att = K.attention
+    old = att.ROWSUM_MMA
+    att.ROWSUM_MMA = True
+    try:
+        L = 150
+        q, k, v, cu = _seqs([L], seed=40)
+        ref = att.attention_prefill(q, k, v, cu, 0.2, True, None)
+        assert (ref.double() - _ref_attn(q, k, v, 0.2)).abs().max().item() < 0.03
+        kc, vc, bt_row = _paged_cache(k, v, 16, 20, seed=5)
+        ts = [0, 64, 129, 149]
+        od = att.attention_decode(torch.stack([q[t] for t in ts]).contiguous(), kc, vc,
+                                  bt_row[None].repeat(len(ts), 1).contiguous(),
+                                  torch.tensor([t + 1 for t in ts], dtype=torch.int32), 0.2)
+        for i, t in enumerate(ts):
+            assert torch.equal(od[i], ref[t])
+    finally:
+        att.ROWSUM_MMA = old
