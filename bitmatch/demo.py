@@ -98,7 +98,7 @@ def _plot(path, diffs_on, diffs_off, title):
     plt.close(fig)
 
 
-def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=16, max_tokens=12, temperature=0.9,
+def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, max_tokens=8, temperature=0.9,
         seed=0, quiet=False, plot=True) -> dict:
     from bitmatch.engine import Engine, SamplingParams
     from bitmatch.logprobs import token_logprobs
@@ -124,19 +124,20 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=16, 
 
     # rollouts: varied batch compositions and schedules
     say(f"bitmatch demo: {name}")
-    cuts = [1, 3, 7]
+    cuts = [1, 4]
     groups, a = [], 0
     for c in cuts + [num_prompts]:
         if a >= num_prompts:
             break
         groups.append(list(range(a, min(num_prompts, a + c))))
         a += c
-    configs = [dict(max_num_seqs=1, block_size=16), dict(max_num_seqs=3, block_size=32, enable_chunked_prefill=False),
-               dict(max_num_seqs=7, block_size=16, max_num_batched_tokens=16), dict(max_num_seqs=64, block_size=32)]
+    configs = [dict(max_num_seqs=1, block_size=16), dict(max_num_seqs=4, block_size=32, enable_chunked_prefill=False),
+               dict(max_num_seqs=64, block_size=16, max_num_batched_tokens=24)]
     completions = [None] * num_prompts
     roll_lp = [None] * num_prompts
     for g, cfg in zip(groups, configs):
-        eng = Engine(model, tokenizer, seed=seed, **cfg)
+        need = sum(-(-(len(prompts[i]) + max_tokens) // cfg["block_size"]) for i in g)
+        eng = Engine(model, tokenizer, seed=seed, num_gpu_blocks=need + 4, **cfg)
         outs = eng.generate([prompts[i] for i in g], [sps[i] for i in g], use_tqdm=False)
         for i, o in zip(g, outs):
             completions[i] = list(o.outputs[0].token_ids)
@@ -172,7 +173,7 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=16, 
                 f"{c.k3_kl:>10.3g}")
 
     say(f"rollouts: {num_prompts} requests in batches of {[len(g) for g in groups]} "
-        f"(max_num_seqs 1/3/7/64, block sizes 16/32, chunked prefill on/off), {max_tokens} tokens each, T={temperature}")
+        f"(max_num_seqs 1/4/64, block sizes 16/32, chunked prefill on/off, 24-token step budget), {max_tokens} tokens each, T={temperature}")
     say(f"trainer : one right-padded batch of {num_prompts} sequences (reversed order), bitmatch.token_logprobs")
     say(f"  {'':<22} {'tokens':>8} {'mismatches':>11} {'max |diff|':>12} {'mean |diff|':>12} {'k3 KL':>10}")
     say(row("bitmatch on", on))
@@ -205,8 +206,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bitmatch demo", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF checkpoint path or hub name (default: tiny model built in code)")
     ap.add_argument("--out", default="bitmatch-demo", help="output folder for report.json and diff.png")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

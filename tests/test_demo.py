@@ -12,7 +12,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert rc == 0, text
     rep = json.load(open(out / "report.json"))
     on, off = rep["bitmatch_on"], rep["bitmatch_off"]
-    assert on["total"] > 100 and on["mismatches"] == 0 and on["max_abs_diff"] == 0 and on["k3_kl"] == 0
+    assert on["total"] >= 90 and on["mismatches"] == 0 and on["max_abs_diff"] == 0 and on["k3_kl"] == 0
     assert off["total"] == on["total"] and off["mismatches"] > 0 and off["max_abs_diff"] > 0
     assert os.path.getsize(out / "diff.png") > 1000
     assert "Diff = 0, KL = 0" in text and "BITMATCHED" in text

@@ -20,21 +20,21 @@ def completion(o: RequestOutput):
 
 def test_same_seed_same_tokens_whatever_the_batch(model):
     target = random_prompts(1, 25, 25, seed=1)[0]
-    sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, ignore_eos=True, seed=1234)
+    sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=6, ignore_eos=True, seed=1234)
     alone = Engine(model, max_num_seqs=1, num_gpu_blocks=128).generate([target], sp, use_tqdm=False)[0]
-    others = random_prompts(9, 1, 60, seed=2)
-    other_sp = [SamplingParams(temperature=0.6, max_tokens=7, ignore_eos=True, seed=i) for i in range(9)]
+    others = random_prompts(5, 1, 40, seed=2)
+    other_sp = [SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True, seed=i) for i in range(5)]
     eng = Engine(model, max_num_seqs=7, max_num_batched_tokens=48, block_size=32, num_gpu_blocks=64, seed=9)
     outs = eng.generate(others[:4] + [target] + others[4:], other_sp[:4] + [sp] + other_sp[4:], use_tqdm=False)
     assert completion(outs[4]) == completion(alone)
     # different seed: different tokens
-    sp2 = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, ignore_eos=True, seed=4321)
+    sp2 = SamplingParams(temperature=1.0, top_k=50, max_tokens=6, ignore_eos=True, seed=4321)
     assert completion(eng.generate([target], sp2, use_tqdm=False)[0])[0] != completion(alone)[0]
 
 
 def test_seed_none_derived_from_engine_seed_and_request_index(model):
-    prompts = random_prompts(4, 5, 20, seed=3)
-    sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(3, 5, 20, seed=3)
+    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     a = Engine(model, seed=7, num_gpu_blocks=64).generate(prompts, sp, use_tqdm=False)
     b = Engine(model, seed=7, num_gpu_blocks=64, max_num_seqs=1).generate(prompts, sp, use_tqdm=False)
     c = Engine(model, seed=8, num_gpu_blocks=64).generate(prompts, sp, use_tqdm=False)
@@ -103,13 +103,25 @@ def test_weights_shared_update_seen_at_next_generate():
 
 
 def test_greedy_matches_stock_hf_generate(model):
-    prompts = random_prompts(3, 5, 30, seed=12)
+    """Same model, so the same greedy tokens; the kernels differ in rounding, so a divergence is
+    allowed only at a near-tie of the stock HF logits (within 2 bf16 ulps)."""
+    prompts = random_prompts(4, 5, 30, seed=12)
     outs = Engine(model, num_gpu_blocks=64).generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
                                                                              ignore_eos=True), use_tqdm=False)
+    exact = 0
     for p, o in zip(prompts, outs):
         ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == ref
+        got = o.outputs[0].token_ids
+        if got == ref:
+            exact += 1
+            continue
+        k = next(i for i in range(6) if got[i] != ref[i])
+        with torch.no_grad():
+            logits = model(torch.tensor([p + got[:k]])).logits[0, -1].float()
+        gap = float(logits[ref[k]] - logits[got[k]])
+        assert 0 <= gap <= 2 * 2.0 ** -7 * max(1.0, abs(float(logits[ref[k]]))), (p, got, ref, gap)
+    assert exact >= 2
 
 
 @pytest.mark.parametrize("kwargs, name", [

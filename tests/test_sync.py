@@ -251,6 +251,7 @@ def test_logprobs_after_update_equal_trainers(transport):
     for p in trainer.parameters():
         p.data = compute_cast(p.data, torch.bfloat16)  # the trainer's compute weights
     engine_model = tiny_model("qwen3", dtype=torch.bfloat16, seed=5)  # stale
+    stale = tiny_model("qwen3", dtype=torch.bfloat16, seed=5)  # control: the same check must fail on it
     rx = sync.receive(engine_model)
     if transport == "inprocess":
         sync.publish(master, 1, to=rx)
@@ -262,10 +263,12 @@ def test_logprobs_after_update_equal_trainers(transport):
     prompts = [[1, 5, 9, 20], [1, 7, 7, 7, 7, 30, 31]]
     outs = engine.generate(prompts, SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
-    sync.stamp_weight_version(outs, version)
-    sync.check_weight_version(outs, 1)
+    rollouts = sync.stamp_weight_version([{"output": o} for o in outs], version)  # TRL-style dicts
+    sync.check_weight_version(rollouts, 1)
     for o in outs:
         ids = torch.tensor([o.prompt_token_ids + list(o.outputs[0].token_ids)])
         lp = token_logprobs(trainer, ids, temperature=0.9)[0, len(o.prompt_token_ids) - 1:]
         got = torch.tensor(o.outputs[0].logprobs, dtype=torch.float32)
         assert torch.equal(lp.detach().view(torch.int32), got.view(torch.int32)), (lp, got)
+        lp_stale = token_logprobs(stale, ids, temperature=0.9)[0, len(o.prompt_token_ids) - 1:]
+        assert not torch.equal(lp_stale.detach(), got)

@@ -114,7 +114,11 @@ def stamp_weight_version(outputs, version: int):
         if isinstance(o, dict):
             o["weight_version"] = version
         else:
-            setattr(o, "weight_version", version)
+            try:
+                setattr(o, "weight_version", version)
+            except AttributeError as e:  # a slotted class without the field
+                raise TypeError(f"{type(o).__name__} has no weight_version field to stamp; declare "
+                                f"`weight_version: int | None = None` on it or stamp dict rollouts") from e
     return outputs
 
 

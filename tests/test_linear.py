@@ -1,0 +1,66 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bitmatch.kernels as K
+from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_thread_invariant
+
+torch.manual_seed(0)
+W = (torch.randn(1024, 1024) * 0.03).bfloat16()
+B = torch.randn(1024).bfloat16()
+ROWS = torch.randn(6, 1024).bfloat16()
+
+
+def _ours(x):
+    return K.linear(x, W, B)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_batch_invariant(dtype):
+    w, b, rows = W.to(dtype), B.to(dtype), ROWS.to(dtype)
+    assert_batch_invariant(lambda x: K.linear(x, w, b), rows, cases=8, seed=1)
+
+
+def test_linear_random_shapes_batch_invariant():
+    g = torch.Generator().manual_seed(3)
+    for k, n in [(7, 5), (300, 130), (4100, 33)]:  # K crosses the 4096 exact chunk
+        w = torch.randn(n, k, generator=g).bfloat16()
+        rows = (torch.randn(4, k, generator=g) * torch.logspace(-3, 3, k)).bfloat16()
+        assert_batch_invariant(lambda x: K.linear(x, w), rows, max_batch=64, cases=5, seed=k)
+
+
+def test_linear_control_stock_fails():
+    with pytest.raises(BitMismatch):
+        assert_batch_invariant(lambda x: F.linear(x, W, B), ROWS, cases=30, seed=1)
+
+
+def test_linear_thread_invariant():
+    assert_thread_invariant(_ours, (torch.randn(70, 1024).bfloat16(),), threads=(1, 2))
+
+
+def test_linear_accuracy_and_leading_dims():
+    x = torch.randn(2, 3, 1024).bfloat16()
+    out = K.linear(x, W, B)
+    ref = (x.double() @ W.double().T + B.double())
+    assert out.shape == (2, 3, 1024) and out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+def test_linear_grad_matches_float64():
+    x = torch.randn(5, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    (K.linear(x, w, b) ** 2).sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    (F.linear(x64, w64, b64) ** 2).sum().backward()
+    for t, r in ((x, x64), (w, w64), (b, b64)):
+        assert torch.allclose(t.grad.double(), r.grad, rtol=1e-4, atol=1e-4)  # fp32 backward
+
+
+def test_linear_bad_inputs():
+    with pytest.raises(ValueError, match="dtype"):
+        K.linear(torch.randn(2, 4).half(), torch.randn(3, 4).half())
+    with pytest.raises(ValueError, match="weight's K"):
+        K.linear(torch.randn(2, 4), torch.randn(3, 5))
+    with pytest.raises(ValueError, match="bias"):
+        K.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
