@@ -220,7 +220,9 @@ def assert_thread_invariant(fn, args, threads=(1, 2)) -> None:
                     "c = torch.load(sys.argv[1], weights_only=False);"
                     "f = getattr(importlib.import_module(c['module']), c['name']);"
                     "torch.save(f(*c['args']), sys.argv[2])")
-            env = dict(os.environ, OMP_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
+            # the parent's sys.path, so fn's module (e.g. a test file pytest put on the path) imports
+            env = dict(os.environ, OMP_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n),
+                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             res = subprocess.run([sys.executable, "-c", code, path, outp, str(n)], env=env,
                                  capture_output=True, text=True, timeout=600)
             if res.returncode:

@@ -83,14 +83,17 @@ def test_token_logprobs_batch_invariant(dtype):
 def test_token_logprobs_control_stock_fails():
     # engine axis: vLLM divides fp32 logits by T, TRL's fused head multiplies by 1/T; the
     # harness sees the two stock formulas (alone = rollout, batched = trainer) disagree
-    rows = (torch.randn(5, 3001) * 4).float()
-    toks = torch.randint(0, 3001, (5,))
+    # seeded: about one row in five differs between the two formulas, so 32 rows and 40 cases
+    # find one deterministically
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.randn(32, 3001, generator=g) * 4).float()
+    toks = torch.randint(0, 3001, (32,), generator=g)
 
     def stock(x, t):
         z = x / 0.7 if x.shape[0] == 1 else x * (1 / 0.7)
         return torch.log_softmax(z, -1).gather(1, t[:, None])[:, 0]
     with pytest.raises(BitMismatch):
-        assert_batch_invariant(stock, (rows, toks), cases=25, seed=9)
+        assert_batch_invariant(stock, (rows, toks), max_batch=64, cases=40, seed=9)
 
 
 def test_token_logprobs_grad_and_errors():
