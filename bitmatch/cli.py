@@ -6,25 +6,29 @@ import sys
 import time
 
 
-def _cases():
-    """(op, axes, fn) triples; fn runs the harness and returns the number of cases run."""
+def _cases(device: str):
+    """(op, axes, fn, is_control) rows; fn runs the harness and returns the number of cases run.
+
+    Controls run the same harness on a stock formula and must find a mismatch: they show the
+    harness can fail on this machine.
+    """
     import torch
+    import torch.nn.functional as F
 
     import bitmatch.kernels as K
     from bitmatch import testing as T
 
     g = torch.Generator().manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, generator=g).bfloat16()  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, generator=g).bfloat16().to(device)  # noqa: E731
     w, wn, res = rnd(256, 512) * 0.05, (1 + 0.1 * rnd(512).float()).bfloat16(), rnd(4, 512)
     rows = rnd(4, 512)
     q, k = rnd(16, 4, 64), rnd(16, 2, 64)
-    cos, sin = K.rotary_cos_sin(torch.arange(16) * 37, 64, 10000.0, dtype=torch.bfloat16)
-    lg, tok = rnd(4, 5000) * 4, torch.randint(0, 5000, (4,), generator=g)
+    cos, sin = K.rotary_cos_sin(torch.arange(16, device=device) * 37, 64, 10000.0, dtype=torch.bfloat16)
+    lg, tok = rnd(32, 5000) * 4, torch.randint(0, 5000, (32,), generator=g).to(device)
     seqs = [(rnd(n, 4, 64), rnd(n, 2, 64), rnd(n, 2, 64)) for n in (1, 23, 61)]
     n = 12
-    return [
+    rows_ = [
         ("linear", "batch, padding", lambda: T.assert_batch_invariant(lambda x: K.linear(x, w), rows, cases=n) or n),
-        ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2),
         ("rms_norm", "batch, padding", lambda: T.assert_batch_invariant(lambda x: K.rms_norm(x, wn, 1e-6), rows, cases=n) or n),
         ("fused_add_rms_norm", "batch, padding",
          lambda: T.assert_batch_invariant(lambda x, r: K.fused_add_rms_norm(x, r, wn, 1e-6), (rows, res), cases=n) or n),
@@ -38,6 +42,20 @@ def _cases():
         ("token_logprobs", "batch, padding",
          lambda: T.assert_batch_invariant(lambda x, t: K.token_logprobs(x, t, 0.7), (lg, tok), max_batch=64, cases=n) or n),
     ]
+    if device == "cpu":  # thread count is a CPU axis; CUDA launch parallelism is covered by the batch axis
+        rows_.insert(1, ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2))
+    out = [(op, axes, fn, False) for op, axes, fn in rows_]
+    # controls: fp32 F.linear (one row takes another BLAS path than many), SDPA across schedules,
+    # and the two stock temperature formulas (vLLM divides by T, TRL multiplies by 1/T)
+    wf, rf = w.float(), torch.randn(32, 512, generator=g).to(device)
+    out += [
+        ("control: F.linear fp32", "batch", lambda: T.assert_batch_invariant(lambda x: F.linear(x, wf), rf, cases=20) or 20, True),
+        ("control: SDPA", "schedule", lambda: T.assert_schedule_invariant(
+            seqs, 0.125, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8, True),
+        ("control: x/T vs x*(1/T)", "engine", lambda: T.assert_batch_invariant(
+            _stock_logprobs, (lg.float(), tok), max_batch=64, cases=40, seed=9) or 40, True),
+    ]
+    return out
 
 
 def _lin(x, w):
@@ -45,27 +63,50 @@ def _lin(x, w):
     return K.linear(x, w)
 
 
+def _stock_logprobs(x, t):
+    import torch
+    z = x / 0.7 if x.shape[0] == 1 else x * (1 / 0.7)
+    return torch.log_softmax(z, -1).gather(1, t[:, None])[:, 0]
+
+
 def check(argv=None) -> int:
-    """Run every op's invariance self-test on this machine's backend and print a table."""
+    """Run every op's invariance self-test on this machine's backends and print a table;
+    controls run the same harness on stock ops and must find mismatches."""
     import torch
 
     from bitmatch.testing import BitMismatch
     ap = argparse.ArgumentParser(prog="bitmatch check", description=check.__doc__)
-    ap.parse_args(argv)
-    backend = "triton (cuda)" if torch.cuda.is_available() else "reference (cpu)"
-    print(f"{'op':<22} {'backend':<16} {'axes checked':<52} {'cases':>5} {'mismatches':>10} {'time':>7}")
-    failed = 0
-    for op, axes, fn in _cases():
-        t0 = time.time()
-        try:
-            cases, bad = fn(), 0
-        except BitMismatch as e:
-            cases, bad = 1, 1
-            print(f"  MISMATCH: {e}", file=sys.stderr)
-        failed += bad
-        print(f"{op:<22} {'reference (cpu)':<16} {axes:<52} {cases:>5} {bad:>10} {time.time() - t0:>6.1f}s")
-    print(f"\nbackend on this machine: {backend}; "
-          f"{'all ops bitmatched' if not failed else f'{failed} op(s) MISMATCHED'}")
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
+                    help="cpu: reference backend; cuda: Triton backend; all: every available one")
+    ap.add_argument("--verbose", action="store_true", help="print each mismatch found")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bitmatch check: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    devices = ["cpu", "cuda"] if a.device == "all" and torch.cuda.is_available() else \
+        (["cpu"] if a.device == "all" else [a.device])
+    print(f"{'op':<24} {'backend':<16} {'axes checked':<52} {'cases':>5} {'mismatches':>10} {'time':>7}")
+    failed, weak = 0, 0
+    for device in devices:
+        backend = "triton (cuda)" if device == "cuda" else "reference (cpu)"
+        for op, axes, fn, control in _cases(device):
+            t0 = time.time()
+            try:
+                cases, bad = fn(), 0
+            except BitMismatch as e:
+                cases, bad = 1, 1
+                if a.verbose or not control:
+                    print(f"  MISMATCH: {e}", file=sys.stderr)
+            if control:
+                weak += not bad
+            else:
+                failed += bad
+            found = f"{bad} (want >0)" if control else str(bad)
+            label = f"stock ({device})" if control else backend
+            print(f"{op:<24} {label:<16} {axes:<52} {cases:>5} {found:>10} {time.time() - t0:>6.1f}s")
+    verdict = "all ops bitmatched" if not failed else f"{failed} op(s) MISMATCHED"
+    ctl = "every control found a mismatch" if not weak else f"{weak} control(s) found NO mismatch"
+    print(f"\nbackends: {', '.join(devices)}; {verdict}; {ctl}")
     return 1 if failed else 0
 
 

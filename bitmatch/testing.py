@@ -80,8 +80,8 @@ def assert_batch_invariant(fn, rows, *, max_batch: int = 512, cases: int = 20, s
     alone = [_as_tuple(fn(*(r[i:i + 1] for r in rows))) for i in range(n_rows)]
 
     def default_neighbours(n, g):
-        idx = torch.randint(0, n_rows, (n,), generator=g)
-        scale = torch.rand(n, generator=g) * 4 + 0.25
+        idx = torch.randint(0, n_rows, (n,), generator=g).to(rows[0].device)
+        scale = (torch.rand(n, generator=g) * 4 + 0.25).to(rows[0].device)
         return tuple(r[idx] * scale.view(-1, *([1] * (r.dim() - 1))).to(r.dtype)
                      if r.is_floating_point() else r[idx] for r in rows)
     make = neighbours or default_neighbours
@@ -98,7 +98,7 @@ def assert_batch_invariant(fn, rows, *, max_batch: int = 512, cases: int = 20, s
         pos = min(int(c["pos"] * size), size - 1)
         parts = [tuple(torch.cat([o[:pos], r[c["row"]:c["row"] + 1], o[pos:]]) for o, r in zip(others, rows))]
         if c["pad"] != "none" and c["npad"]:
-            pad = tuple(torch.zeros(c["npad"], *r.shape[1:], dtype=r.dtype) for r in rows)
+            pad = tuple(torch.zeros(c["npad"], *r.shape[1:], dtype=r.dtype, device=r.device) for r in rows)
             parts = [pad, parts[0]] if c["pad"] == "left" else [parts[0], pad]
             if c["pad"] == "left":
                 pos += c["npad"]
@@ -110,14 +110,50 @@ def assert_batch_invariant(fn, rows, *, max_batch: int = 512, cases: int = 20, s
     _run_cases(strategy, check, cases, seed)
 
 
-def _stock_prefill(q, k, v, cu, scale, window=None):
+def _bitmatch_prefill(q, k, v, cu, scale, window=None):
     import bitmatch.kernels as K
     return K.attention_prefill(q, k, v, cu, scale, True, window)
 
 
-def _stock_paged(q, kc, vc, bt, qsl, lens, scale, window=None):
+def _bitmatch_paged(q, kc, vc, bt, qsl, lens, scale, window=None):
     import bitmatch.kernels as K
     return K.attention_paged(q, kc, vc, bt, qsl, lens, scale, window)
+
+
+# --- stock versions for the controls: the same harness must find mismatches in them
+
+def _sdpa(q, k, v, scale, offset, window):
+    import torch.nn.functional as F
+    rep = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    i = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + offset
+    j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
+    mask = j <= i
+    if window is not None:
+        mask &= j > i - window
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+
+
+def stock_sdpa_prefill(q, k, v, cu, scale, window=None):
+    """torch SDPA per sequence: a control for ``assert_schedule_invariant(prefill_fn=...)``."""
+    outs = []
+    for b in range(len(cu) - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        outs.append(_sdpa(q[s:e], k[s:e], v[s:e], scale, offset=0, window=window))
+    return torch.cat(outs)
+
+
+def stock_sdpa_paged(q, kc, vc, bt, qsl, lens, scale, window=None):
+    """torch SDPA over keys gathered from the paged cache: the control for ``paged_fn``."""
+    bs = kc.shape[1]
+    kf, vf = kc.reshape(-1, *kc.shape[2:]), vc.reshape(-1, *vc.shape[2:])
+    outs = []
+    for b in range(len(lens)):
+        s, e, n = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        pos = torch.arange(n, device=q.device)
+        slots = bt[b, pos // bs].long() * bs + pos % bs
+        outs.append(_sdpa(q[s:e], kf[slots], vf[slots], scale, offset=n - (e - s), window=window))
+    return torch.cat(outs)
 
 
 def _paged_layout(seqs_kv, block_size, g):
@@ -126,14 +162,14 @@ def _paged_layout(seqs_kv, block_size, g):
     need = [(k.shape[0] + block_size - 1) // block_size for k, _ in seqs_kv]
     total = sum(need) + 3
     perm = torch.randperm(total, generator=g).to(torch.int32)
-    kc = torch.full((total, block_size, *k0.shape[1:]), float("nan"), dtype=k0.dtype)
+    kc = torch.full((total, block_size, *k0.shape[1:]), float("nan"), dtype=k0.dtype, device=k0.device)
     vc = kc.clone()
-    table = torch.zeros(len(seqs_kv), max(need), dtype=torch.int32)
+    table = torch.zeros(len(seqs_kv), max(need), dtype=torch.int32, device=k0.device)
     at = 0
     for b, (k, v) in enumerate(seqs_kv):
-        table[b, :need[b]] = perm[at:at + need[b]]
+        table[b, :need[b]] = perm[at:at + need[b]].to(table.device)
         at += need[b]
-        pos = torch.arange(k.shape[0])
+        pos = torch.arange(k.shape[0], device=k.device)
         slots = table[b, pos // block_size].long() * block_size + pos % block_size
         kc.view(-1, *k.shape[1:])[slots] = k
         vc.view(-1, *v.shape[1:])[slots] = v
@@ -150,9 +186,10 @@ def assert_schedule_invariant(seqs, scale: float, *, sliding_window=None, prefil
     prefill, as random chunk splits against a paged cache, or token by token (decode), with
     a random block size and a shuffled block table. Stale cache slots hold NaN.
     """
-    prefill = prefill_fn or _stock_prefill
-    paged = paged_fn or _stock_paged
-    ref = [prefill(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), scale, sliding_window)
+    prefill = prefill_fn or _bitmatch_prefill
+    paged = paged_fn or _bitmatch_paged
+    dev = seqs[0][0].device
+    ref = [prefill(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), scale, sliding_window)
            for q, k, v in seqs]
     strategy = st.fixed_dictionaries({
         "mode": st.sampled_from(["packed", "chunked", "decode"]),
@@ -165,7 +202,7 @@ def assert_schedule_invariant(seqs, scale: float, *, sliding_window=None, prefil
         chosen = [seqs[i] for i in order]
         if c["mode"] == "packed":
             lens = [q.shape[0] for q, _, _ in chosen]
-            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
             out = prefill(*(torch.cat([s[j] for s in chosen]) for j in range(3)), cu, scale, sliding_window)
             for i, (b, n) in enumerate(zip(order, lens)):
                 assert_bitwise_equal(out[int(cu[i]):int(cu[i]) + n], ref[b], f"schedule case {c} seq {b}")
@@ -196,8 +233,8 @@ def assert_schedule_invariant(seqs, scale: float, *, sliding_window=None, prefil
                     rows.append(table[i])
                     who.append((i, done[i], end))
                     done[i] = end
-            out = paged(torch.cat(qs), kc, vc, torch.stack(rows), torch.tensor(qsl, dtype=torch.int32),
-                        torch.tensor(lens, dtype=torch.int32), scale, sliding_window)
+            out = paged(torch.cat(qs), kc, vc, torch.stack(rows), torch.tensor(qsl, dtype=torch.int32, device=dev),
+                        torch.tensor(lens, dtype=torch.int32, device=dev), scale, sliding_window)
             for (i, s, e), a, b in zip(who, qsl[:-1], qsl[1:]):
                 outs[i].append(out[a:b])
             step += 1
@@ -233,4 +270,4 @@ def assert_thread_invariant(fn, args, threads=(1, 2)) -> None:
 
 
 __all__ = ["BitMismatch", "assert_bitwise_equal", "assert_batch_invariant",
-           "assert_schedule_invariant", "assert_thread_invariant"]
+           "assert_schedule_invariant", "assert_thread_invariant", "stock_sdpa_prefill", "stock_sdpa_paged"]

@@ -2,9 +2,8 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
-from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_schedule_invariant
-
-from _stock import sdpa_paged, sdpa_prefill
+from bitmatch.testing import (BitMismatch, assert_batch_invariant, assert_schedule_invariant, stock_sdpa_paged,
+                              stock_sdpa_prefill)
 
 
 def _seqs(lens, hq, hkv, d, dtype=torch.bfloat16, seed=0):
@@ -26,14 +25,14 @@ def test_schedule_invariant_fp32():
 def test_control_sdpa_is_schedule_variant():
     seqs = _seqs([1, 29, 70], 4, 2, 64)
     with pytest.raises(BitMismatch):
-        assert_schedule_invariant(seqs, 0.125, prefill_fn=sdpa_prefill, paged_fn=sdpa_paged, cases=8, seed=1)
+        assert_schedule_invariant(seqs, 0.125, prefill_fn=stock_sdpa_prefill, paged_fn=stock_sdpa_paged, cases=8, seed=1)
 
 
 def test_prefill_close_to_sdpa():
     (q, k, v), = _seqs([50], 8, 2, 64)
     cu = torch.tensor([0, 50], dtype=torch.int32)
     ours = K.attention_prefill(q, k, v, cu, 0.125).float()
-    ref = sdpa_prefill(q.float(), k.float(), v.float(), cu, 0.125)
+    ref = stock_sdpa_prefill(q.float(), k.float(), v.float(), cu, 0.125)
     assert (ours - ref).abs().max() < 2e-2
 
 
@@ -51,7 +50,7 @@ def test_prefill_grad_matches_float64():
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
     (K.attention_prefill(q, k, v, cu, 0.3) ** 2).sum().backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    (sdpa_prefill(q64, k64, v64, cu, 0.3) ** 2).sum().backward()
+    (stock_sdpa_prefill(q64, k64, v64, cu, 0.3) ** 2).sum().backward()
     for t, r in ((q, q64), (k, k64), (v, v64)):
         assert torch.allclose(t.grad.double(), r.grad, rtol=1e-4, atol=1e-5)
 
