@@ -102,14 +102,24 @@ def _prefill_plain(q, k, v, cu_seqlens, scale, causal, window):
 class AttentionPrefillFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, causal, window):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.args = (scale, causal, window)
-        if backend_for(q) == "reference":
+        ctx.triton = backend_for(q) == "triton"
+        if not ctx.triton:
+            ctx.save_for_backward(q, k, v, cu_seqlens)
             return attention_prefill_reference(q, k, v, cu_seqlens, scale, causal, window)
-        return triton_impl("attention", "attention_prefill")(q, k, v, cu_seqlens, scale, causal, window)
+        # Triton: keep the output and its logsumexp for the flash backward (same output bits)
+        out, lse = triton_impl("attention", "attention_prefill")(q, k, v, cu_seqlens, scale, causal,
+                                                                 window, return_lse=True)
+        ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.triton:
+            q, k, v, cu, out, lse = ctx.saved_tensors
+            gq, gk, gv = triton_impl("attention_bwd", "attention_prefill_backward")(
+                g.contiguous(), q, k, v, out, lse, cu, *ctx.args)
+            return gq, gk, gv, None, None, None, None
         q, k, v, cu = ctx.saved_tensors
         fn = lambda a, b, c: _prefill_plain(a, b, c, cu, *ctx.args)  # noqa: E731
         gq, gk, gv = recompute_grads(fn, (q, k, v), ctx.needs_input_grad[:3], (g,))

@@ -55,6 +55,12 @@ def _finalize(L, A):
 
 
 @triton.jit
+def _store_lse(lse_ptr, q_rows, row_ok, M, L):
+    # base-2 logsumexp of the scaled scores, for the backward (not part of the output's bits)
+    tl.store(lse_ptr + q_rows, M + tl.log2(tl.where(L == 0.0, 1.0, L)), mask=row_ok)
+
+
+@triton.jit
 def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
                pos, row_ok, kv_len, j_begin, j_end, qk_scale, window,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -127,13 +133,14 @@ def _tile_info(qstart_ptr, seqlens_ptr, b, tile, PAGED: tl.constexpr, CAUSAL: tl
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
                  qstart_ptr, seqlens_ptr, bt_ptr, bt_stride, page_size,
                  qk_scale, window, Hq, Hkv, G, NP,
                  D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                 INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                 INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+                 STORE_LSE: tl.constexpr):
     TPT: tl.constexpr = BLOCK_M // GP
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -184,13 +191,15 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr,
         out = _finalize(L, A)
         tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+        if STORE_LSE:
+            _store_lse(lse_ptr, q_rows, row_ok, M, L)
 
 
 @triton.jit
-def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, qstart_ptr, seqlens_ptr, window, Hq, Hkv,
+def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens_ptr, window, Hq, Hkv,
                   G, NP, D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
-                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr):
     TPT: tl.constexpr = BLOCK_M // GP
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -219,6 +228,8 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, qstart_ptr, seqlens_ptr, win
     q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
     tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])
+    if STORE_LSE:
+        _store_lse(lse_ptr, q_rows, row_ok, M, L)
 
 
 # Launch-shape knobs (free: they do not change the bits).
@@ -245,15 +256,16 @@ def _sm_count(device):
 
 
 def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window, max_nq,
-         max_kv, paged, force_mode=None, block_m=None):
+         max_kv, paged, force_mode=None, block_m=None, return_lse=False):
     T, Hq, D = q.shape
     Hkv = k.shape[-2]
     G = Hq // Hkv
     GP = triton.next_power_of_2(G)
     B = qstart.numel() - 1
     out = torch.empty_like(q)
+    lse = torch.empty((T, Hq), device=q.device, dtype=torch.float32) if return_lse else out
     if T == 0 or B == 0:
-        return out
+        return (out, lse) if return_lse else out
     interp = interpreting(q)
     if block_m is None:
         if paged and max_nq * GP <= 64:
@@ -298,30 +310,64 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         wsa = torch.empty((rows, D), device=q.device, dtype=torch.float32)
         wsm = torch.empty((rows,), device=q.device, dtype=torch.float32)
         wsl = torch.empty((rows,), device=q.device, dtype=torch.float32)
-        _attn_kernel[(n_tiles, B * Hkv, NP)](q, k, v, out, wsa, wsm, wsl, qstart, seqlens,
+        _attn_kernel[(n_tiles, B * Hkv, NP)](q, k, v, out, wsa, wsm, wsl, lse, qstart, seqlens,
                                              block_table, bt_stride, page_size, qk_scale, win,
                                              Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
-                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA, **common, **kw)
-        _merge_kernel[(n_tiles, B * Hkv)](out, wsa, wsm, wsl, qstart, seqlens, win, Hq, Hkv,
-                                          G, NP, **common,
+                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA, STORE_LSE=False,
+                                             **common, **kw)
+        _merge_kernel[(n_tiles, B * Hkv)](out, wsa, wsm, wsl, lse, qstart, seqlens, win, Hq, Hkv,
+                                          G, NP, STORE_LSE=return_lse, **common,
                                           **({} if interp else dict(num_warps=4,
                                                                     enable_fp_fusion=False)))
     else:
-        _attn_kernel[(n_tiles, B * Hkv, 1)](q, k, v, out, out, out, out, qstart, seqlens,
+        _attn_kernel[(n_tiles, B * Hkv, 1)](q, k, v, out, out, out, out, lse, qstart, seqlens,
                                             block_table, bt_stride, page_size, qk_scale, win,
                                             Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
-                                            PREC=prec, ROWSUM_MMA=ROWSUM_MMA, **common, **kw)
-    return out
+                                            PREC=prec, ROWSUM_MMA=ROWSUM_MMA,
+                                            STORE_LSE=return_lse, **common, **kw)
+    return (out, lse) if return_lse else out
 
 
 def attention_prefill(q, k, v, cu_seqlens, scale, causal=True, sliding_window=None, *,
-                      max_seqlen=None, force_mode=None, block_m=None):
-    """Packed varlen prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] int32."""
+                      max_seqlen=None, force_mode=None, block_m=None, return_lse=False):
+    """Packed varlen prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] int32.
+    return_lse: also the base-2 logsumexp [T, Hq] fp32 the backward needs (same output bits)."""
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
     return _run(q, k, v, cu, cu, None, 1, scale, bool(causal), sliding_window, max_seqlen,
-                max_seqlen, False, force_mode, block_m)
+                max_seqlen, False, force_mode, block_m, return_lse)
+
+
+class AttentionPrefillTriton(torch.autograd.Function):
+    """attention_prefill with the Triton flash backward (attention_bwd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale, causal, window, max_seqlen):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+        out, lse = attention_prefill(q, k, v, cu, scale, causal, window, max_seqlen=max_seqlen,
+                                     return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.args = (scale, causal, window, max_seqlen)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        from .attention_bwd import attention_prefill_backward
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        scale, causal, window, max_seqlen = ctx.args
+        dq, dk, dv = attention_prefill_backward(g, q, k, v, out, lse, cu, scale, causal, window,
+                                                max_seqlen=max_seqlen)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention_prefill_autograd(q, k, v, cu_seqlens, scale, causal=True, sliding_window=None, *,
+                               max_seqlen=None):
+    """attention_prefill (same output bits) differentiable through the Triton backward."""
+    return AttentionPrefillTriton.apply(q, k, v, cu_seqlens, scale, causal, sliding_window,
+                                        max_seqlen)
 
 
 def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,

@@ -1,0 +1,205 @@
+"""Attention backward for packed varlen prefill (causal or not, GQA, sliding window).
+
+Flash-attention-2 style, from the forward's saved base-2 logsumexp (lse2 = m + log2(l) of the
+scores scaled by scale*log2(e)): P is recomputed tile by tile, never stored.
+
+- _bwd_dq_kernel: one program per query tile (rows = tokens x the GQA heads of one KV head, as
+  in the forward); computes delta = rowsum(dO * O) for its rows, stores it, then walks the KV
+  blocks its rows can see and accumulates dQ.
+- _bwd_dkdv_kernel: one program per KV block of one KV head, launched after the dQ kernel (it
+  reads delta); walks the query tiles that can see the block (all G query heads of the group),
+  accumulating dK and dV in registers: the GQA sum happens inside the program, no atomics.
+
+Gradients need to be correct, not invariant: tile sizes are tuned freely (BWD_* knobs). Every
+sum is still a fixed order for a given launch shape (no atomics), so a backward is
+deterministic run to run.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+_LOG2E = 1.4426950408889634
+
+# Launch knobs (free: the backward is not part of the canonical order).
+BWD_DQ_BLOCK_M = 128
+BWD_DQ_BLOCK_N = 64
+BWD_DQ_WARPS = 8
+BWD_DQ_STAGES = 2
+BWD_KV_BLOCK_M = 64
+BWD_KV_BLOCK_N = 128
+BWD_KV_WARPS = 8
+BWD_KV_STAGES = 2
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
+    if INTERP:
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr,
+                   qk_scale, sm_scale, window, Hq, Hkv, G, n_tiles,
+                   D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   INTERP: tl.constexpr, PREC: tl.constexpr):
+    TPT: tl.constexpr = BLOCK_M // GP
+    # late query tiles see the most keys under a causal mask: launch them first
+    tile = n_tiles - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    t_lo = tile * TPT
+    if t_lo >= nq:
+        return
+    r = tl.arange(0, BLOCK_M)
+    tok = t_lo + r // GP
+    g = r % GP
+    row_ok = (tok < nq) & (g < G)
+    rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    rp = rows[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptr + rp, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + rp, mask=row_ok[:, None], other=0.0)
+    o = tl.load(o_ptr + rp, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + rows, delta, mask=row_ok)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    t_hi = tl.minimum(nq, t_lo + TPT)
+    if CAUSAL:
+        kv_end = t_hi
+    else:
+        kv_end = nq
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(0, t_lo - window + 1)
+        kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    stride_tok = Hkv * D
+    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    for j0 in range(kv_begin, kv_end, BLOCK_N):
+        j = j0 + offs_n
+        jok = j < nq
+        base = (q0 + j).to(tl.int64) * stride_tok + kvh * D
+        kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
+        vt = tl.load(v_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
+        s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        vis = jok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            vis = vis & (j[None, :] <= tok[:, None])
+        if HAS_WINDOW:
+            vis = vis & (j[None, :] > tok[:, None] - window)
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = _dot(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, INTERP, PREC)
+    dq = dq * sm_scale
+    tl.store(dq_ptr + rp, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_ptr,
+                     qk_scale, sm_scale, window, Hq, Hkv, G,
+                     D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     INTERP: tl.constexpr, PREC: tl.constexpr):
+    TPT: tl.constexpr = BLOCK_M // GP
+    blk = tl.program_id(0)   # early KV blocks are seen by the most queries: launched first
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    j0 = blk * BLOCK_N
+    if j0 >= nq:
+        return
+    offs_d = tl.arange(0, D)
+    j = j0 + tl.arange(0, BLOCK_N)
+    jok = j < nq
+    stride_tok = Hkv * D
+    kp = ((q0 + j).to(tl.int64) * stride_tok + kvh * D)[:, None] + offs_d[None, :]
+    k = tl.load(k_ptr + kp, mask=jok[:, None], other=0.0)
+    v = tl.load(v_ptr + kp, mask=jok[:, None], other=0.0)
+    dk = tl.zeros((BLOCK_N, D), tl.float32)
+    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    t_begin = 0
+    if CAUSAL:
+        t_begin = (j0 // TPT) * TPT
+    t_end = nq
+    if HAS_WINDOW:
+        t_end = tl.minimum(nq, j0 + BLOCK_N - 1 + window)
+    r = tl.arange(0, BLOCK_M)
+    for t0 in range(t_begin, t_end, TPT):
+        tok = t0 + r // GP
+        g = r % GP
+        row_ok = (tok < nq) & (g < G)
+        rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
+        rpt = rows[None, :] * D + offs_d[:, None]
+        qt = tl.load(q_ptr + rpt, mask=row_ok[None, :], other=0.0)      # [D, BLOCK_M]
+        dot_ = tl.load(do_ptr + rpt, mask=row_ok[None, :], other=0.0)   # [D, BLOCK_M]
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        st = _dot(k, qt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
+        vis = jok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            vis = vis & (j[:, None] <= tok[None, :])
+        if HAS_WINDOW:
+            vis = vis & (j[:, None] > tok[None, :] - window)
+        pt = tl.where(vis, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
+        dv = _dot(pt.to(v.dtype), tl.trans(dot_), dv, INTERP, PREC)
+        dpt = _dot(v, dot_, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(k.dtype), tl.trans(qt), dk, INTERP, PREC)
+    dk = dk * sm_scale
+    tl.store(dk_ptr + kp, dk.to(dk_ptr.dtype.element_ty), mask=jok[:, None])
+    tl.store(dv_ptr + kp, dv.to(dv_ptr.dtype.element_ty), mask=jok[:, None])
+
+
+def attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal=True,
+                               sliding_window=None, *, max_seqlen=None):
+    """Gradients (dq, dk, dv) of attention_prefill from its output o and base-2 logsumexp
+    lse [T, Hq] (attention.attention_prefill(..., return_lse=True)). Inputs contiguous."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    GP = triton.next_power_of_2(G)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    B = cu.numel() - 1
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if T == 0 or B == 0:
+        return dq, dk.zero_(), dv.zero_()
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+    do = do.contiguous()
+    delta = torch.empty((T, Hq), device=q.device, dtype=torch.float32)
+    interp = interpreting(q)
+    prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
+    has_window = sliding_window is not None and sliding_window > 0
+    win = int(sliding_window) if has_window else 0
+    qk_scale = float(scale) * _LOG2E
+    if interp:
+        bm_q, bn_q, bm_kv, bn_kv = max(16, GP * 4), 16, max(16, GP * 4), 32
+        kw_q = kw_kv = {}
+    else:
+        bm_q, bn_q = max(BWD_DQ_BLOCK_M, GP), BWD_DQ_BLOCK_N
+        bm_kv, bn_kv = max(BWD_KV_BLOCK_M, GP), BWD_KV_BLOCK_N
+        kw_q = dict(num_warps=BWD_DQ_WARPS, num_stages=BWD_DQ_STAGES)
+        kw_kv = dict(num_warps=BWD_KV_WARPS, num_stages=BWD_KV_STAGES)
+    common = dict(D=D, GP=GP, CAUSAL=bool(causal), HAS_WINDOW=has_window, INTERP=interp,
+                  PREC=prec)
+    n_tiles = triton.cdiv(max_seqlen, bm_q // GP)
+    _bwd_dq_kernel[(n_tiles, B * Hkv)](q, k, v, o, do, lse, delta, dq, cu, qk_scale,
+                                       float(scale), win, Hq, Hkv, G, n_tiles,
+                                       BLOCK_M=bm_q, BLOCK_N=bn_q, **common, **kw_q)
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn_kv), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), win, Hq, Hkv, G,
+        BLOCK_M=bm_kv, BLOCK_N=bn_kv, **common, **kw_kv)
+    return dq, dk, dv
