@@ -1,0 +1,106 @@
+"""bitmatch's vLLM plugin: rollout logprobs equal, bit for bit, to ``bitmatch.token_logprobs``.
+
+Loaded by vLLM through the ``vllm.general_plugins`` entry point in every vLLM process (front
+end, engine core, workers, the model-inspection subprocess). It does nothing unless enabled by
+``BITMATCH=1`` in the environment, or by ``bitmatch.adapters.vllm.enable()`` before the engine
+is built (which sets the variable, so the processes vLLM starts inherit it). When enabled:
+
+- ``Qwen2/Qwen3/Llama/MistralForCausalLM`` resolve to bitmatch classes (``model.py``) whose
+  forward and logits are ``bitmatch.models.dense``'s, on vLLM's parameters and paged KV cache;
+- the V1 sampler reports ``kernels.token_logprobs`` for the sampled token (``sampler.py``);
+- an unsupported engine setting fails when the engine is configured, and an unsupported
+  sampling option fails when the request is admitted, each naming what is unsupported
+  (``checks.py``). Nothing falls back silently to vLLM's own kernels.
+
+``register()`` is idempotent: vLLM may call it several times per process.
+"""
+from __future__ import annotations
+
+import os
+
+ENV_VAR = "BITMATCH"
+_TRUE = ("1", "true", "yes", "on")
+# HF architecture -> bitmatch class in bitmatch.adapters.vllm.model (imported lazily by vLLM)
+MODEL_CLASSES = {
+    "Qwen2ForCausalLM": "BitmatchQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "BitmatchQwen3ForCausalLM",
+    "LlamaForCausalLM": "BitmatchLlamaForCausalLM",
+    "MistralForCausalLM": "BitmatchMistralForCausalLM",
+}
+_registered = False
+
+__all__ = ["register", "enable", "is_enabled", "ENV_VAR", "MODEL_CLASSES"]
+
+
+def is_enabled() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() in _TRUE
+
+
+def enable() -> None:
+    """Turn the plugin on for this process and every vLLM process it starts (call before the engine)."""
+    os.environ[ENV_VAR] = "1"
+    register()
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: a no-op unless enabled; safe to call repeatedly."""
+    global _registered
+    if _registered or not is_enabled():
+        return
+    from vllm import ModelRegistry
+
+    for arch, cls in MODEL_CLASSES.items():
+        # replaces vLLM's built-in class for this architecture (also for TRL, which cannot pass hf_overrides)
+        ModelRegistry.register_model(arch, f"bitmatch.adapters.vllm.model:{cls}")
+    _patch_sampler()
+    _patch_engine_args()
+    _patch_request_validation()
+    _registered = True
+
+
+def _patch_sampler() -> None:
+    import vllm.v1.worker.gpu_model_runner as runner  # the CPU model runner subclasses it
+
+    from .sampler import BitmatchSampler
+
+    runner.Sampler = BitmatchSampler  # read when a model runner is built, after plugins load
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_bitmatch", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        from .checks import check_engine_config
+
+        cfg = orig(self, *args, **kwargs)
+        check_engine_config(cfg)  # in the caller's process, before any engine process starts
+        return cfg
+
+    create_engine_config._bitmatch = True
+    create_engine_config.__wrapped__ = orig
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_request_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    orig = InputProcessor._validate_params
+    if getattr(orig, "_bitmatch", False):
+        return
+
+    def _validate_params(self, params, *args, **kwargs):
+        from .checks import check_request
+
+        out = orig(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams):
+            check_request(params, self.model_config.logprobs_mode)
+        return out
+
+    _validate_params._bitmatch = True
+    _validate_params.__wrapped__ = orig
+    InputProcessor._validate_params = _validate_params

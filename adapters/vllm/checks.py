@@ -1,0 +1,103 @@
+"""What the bitmatch vLLM plugin supports, checked before anything runs.
+
+Two gates, both raising an error that names every unsupported setting at once:
+``check_engine_config`` when the engine is configured (main process, and again in each worker
+when the model is built), ``unsupported_request_options`` when a request is admitted. Anything
+that changes the reported logprob and that the plugin does not reproduce is refused here rather
+than reported with other bits (DESIGN.md section 6: reproduce or refuse, never hide).
+"""
+from __future__ import annotations
+
+import torch
+
+from bitmatch.models.dense import SUPPORTED_ARCHITECTURES
+
+SUPPORTED_ARCHS = tuple(SUPPORTED_ARCHITECTURES.values())
+# processed_logprobs is what TRL and verl request; raw_logprobs is the same definition at T = 1
+SUPPORTED_LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class BitmatchUnsupportedError(ValueError):
+    """An engine or request setting the bitmatch vLLM plugin cannot run bit for bit."""
+
+
+def _engine_problems(vllm_config) -> list[str]:
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    out = []
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    if not archs or archs[0] not in SUPPORTED_ARCHS:
+        out.append(f"architecture {archs[0] if archs else None!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if mc.quantization is not None or getattr(vllm_config, "quant_config", None) is not None:
+        out.append(f"quantization={mc.quantization!r} (bitmatch runs unquantized bf16/fp32 weights)")
+    if vllm_config.speculative_config is not None:
+        out.append("speculative decoding (speculative_config is set)")
+    if mc.logprobs_mode not in SUPPORTED_LOGPROBS_MODES:
+        out.append(f"logprobs_mode={mc.logprobs_mode!r} (supported: {', '.join(SUPPORTED_LOGPROBS_MODES)})")
+    if mc.dtype not in SUPPORTED_DTYPES:
+        out.append(f"dtype={mc.dtype} (supported: bfloat16, float32)")
+    if pc.tensor_parallel_size != 1:
+        out.append(f"tensor_parallel_size={pc.tensor_parallel_size} (the ordered TP reduction is not built yet)")
+    if pc.pipeline_parallel_size != 1:
+        out.append(f"pipeline_parallel_size={pc.pipeline_parallel_size}")
+    if vllm_config.lora_config is not None:
+        out.append("enable_lora (vLLM applies LoRA inside its own linear kernels; merge adapters before "
+                   "syncing weights, as TRL does)")
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    if kv_dtype not in ("auto", None):
+        out.append(f"kv_cache_dtype={kv_dtype!r} (the KV cache must hold the model dtype: use 'auto')")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        out.append("the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): the plugin hooks the V1 sampler")
+    if getattr(mc, "return_sampling_mask", False):
+        out.append("return_sampling_mask")
+    return out
+
+
+def check_engine_config(vllm_config) -> None:
+    """Raise BitmatchUnsupportedError naming every unsupported engine setting (no silent fallback)."""
+    problems = _engine_problems(vllm_config)
+    if problems:
+        raise BitmatchUnsupportedError(
+            "bitmatch vLLM plugin is enabled (BITMATCH=1) but this engine configuration is unsupported: "
+            + "; ".join(problems) + ". Change the setting or run without the plugin (unset BITMATCH).")
+
+
+def unsupported_request_options(params, logprobs_mode: str) -> list[str]:
+    """Names of the request's sampling options that would make the reported logprob differ from
+    ``bitmatch.token_logprobs``: top-k/top-p/min-p masks and penalties renormalize the processed
+    distribution, and a grammar bitmask changes the logits before either mode sees them."""
+    out = []
+    if getattr(params, "structured_outputs", None) is not None:
+        out.append("structured_outputs (the grammar mask changes the logits)")
+    if logprobs_mode == "processed_logprobs":
+        if params.top_k not in (0, -1, None):
+            out.append(f"top_k={params.top_k}")
+        if params.top_p is not None and params.top_p < 1.0:
+            out.append(f"top_p={params.top_p}")
+        if params.min_p:
+            out.append(f"min_p={params.min_p}")
+        if params.presence_penalty:
+            out.append(f"presence_penalty={params.presence_penalty}")
+        if params.frequency_penalty:
+            out.append(f"frequency_penalty={params.frequency_penalty}")
+        if params.repetition_penalty not in (None, 1.0):
+            out.append(f"repetition_penalty={params.repetition_penalty}")
+        if params.logit_bias:
+            out.append("logit_bias")
+        if params.allowed_token_ids:
+            out.append("allowed_token_ids")
+        if params.bad_words:
+            out.append("bad_words")
+        if params.min_tokens:
+            out.append(f"min_tokens={params.min_tokens} (masks the stop tokens)")
+    return out
+
+
+def check_request(params, logprobs_mode: str) -> None:
+    bad = unsupported_request_options(params, logprobs_mode)
+    if bad:
+        raise BitmatchUnsupportedError(
+            f"bitmatch vLLM plugin: unsupported sampling option(s) with logprobs_mode={logprobs_mode!r}: "
+            + ", ".join(bad) + ". The trainer's logprob is log_softmax(logits / T) over the full vocabulary; "
+            "these options change the distribution vLLM reports (DESIGN.md section 6).")
