@@ -401,6 +401,53 @@ def time_linear(K, quick, ms=MS):
     return out
 
 
+def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
+    """Persistent TMA kernel (same canonical order) vs the table kernel and cuBLAS at large M:
+    bits against the table kernel's output at the same M (0 = equal), and graph-timed ratios."""
+    lin = K.linear
+    out = {}
+    for name, (N, Kd) in SHAPES.items():
+        wbytes = N * Kd * 2
+        nw = 1 if wbytes >= 3 * L2 else math.ceil(3 * L2 / wbytes)
+        ws = [torch.randn(N, Kd, device=DEV, dtype=BF) * 0.02 for _ in range(min(nw, 4))]
+        S = lin.split_for(N, Kd)
+        r = {}
+        for M in ms:
+            if name == "lm_head" and M > 4096:
+                continue
+            xs = [torch.randn(M, Kd, device=DEV, dtype=BF) for _ in range(len(ws))]
+            nbytes = wbytes + M * Kd * 2 + M * N * 2
+            cfg_t = lin.config_for(M, N, Kd)
+            ref = lin._launch(xs[0], ws[0], None, cfg_t, S)
+            e = {"cublas_ms": bench(lambda i: (lambda: F.linear(xs[i % len(xs)], ws[i % len(ws)])), nbytes),
+                 "table_ms": bench(lambda i: (lambda: lin._launch(xs[i % len(xs)], ws[i % len(ws)], None,
+                                                                  cfg_t, S)), nbytes),
+                 "tma": {}}
+            e["table_ratio"] = e["cublas_ms"] / e["table_ms"]
+            for c in lin.TMA_CONFIGS:
+                try:
+                    o = lin._launch_tma(xs[0], ws[0], None, c, S)
+                    bad = rows_mismatch(o, ref)
+                    t = bench(lambda i: (lambda: lin._launch_tma(xs[i % len(xs)], ws[i % len(ws)], None,
+                                                                 c, S)), nbytes)
+                    e["tma"][str(c)] = {"ms": t, "ratio": e["cublas_ms"] / t, "rows_differing_from_table": bad}
+                except Exception as ex:
+                    e["tma"][str(c)] = {"error": repr(ex)[:300]}
+            ok = {c: v["ratio"] for c, v in e["tma"].items() if "ratio" in v and v["rows_differing_from_table"] == 0}
+            if ok:
+                e["best_tma"] = max(ok, key=lambda c: ok[c])
+                e["best_ratio"] = max(e["table_ratio"], ok[e["best_tma"]])
+            else:
+                e["best_ratio"] = e["table_ratio"]
+            print("linear_tma", name, M, json.dumps(e)[:500], flush=True)
+            r[M] = e
+            del xs, ref
+        out[name] = r
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
 def cublas_nosplit_subprocess(out_dir):
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")
     path = os.path.join(out_dir, "cublas_nosplit.json")
@@ -599,6 +646,287 @@ def time_attention(K, quick, ceil):
     return out
 
 
+# ------------------------------------------------------------------ attention variants
+# Canonical-order variants of the attention kernels compared side by side in one run:
+#   v64:      row sums of P by tl.sum (register layout order); every CUDA tile >= 64 rows
+#             (wgmma), so decode pads its G query rows to 64 (the committed order up to run 3)
+#   rowsum16: row sums of P through the tensor core (ROWSUM_MMA: the MMA's k-order, the same for
+#             mma.sync and wgmma), so decode may use 16-row tiles
+ATT_VARIANTS = {"v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64),
+                "rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16)}
+BEST_DECODE_STAGES = {}
+
+
+class attn_variant:
+    def __init__(self, att, name):
+        self.att, self.cfg = att, dict(ATT_VARIANTS[name])
+        if name in BEST_DECODE_STAGES:
+            self.cfg["DECODE_STAGES"] = BEST_DECODE_STAGES[name]
+
+    def __enter__(self):
+        self.old = {k: getattr(self.att, k) for k in self.cfg}
+        for k, v in self.cfg.items():
+            setattr(self.att, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.att, k, v)
+
+
+def inv_attention_variants(K, quick):
+    res = {}
+    for name in ATT_VARIANTS:
+        try:
+            with attn_variant(K.attention, name):
+                res[name] = inv_attention(K, quick)
+        except Exception:
+            res[name] = {"error": traceback.format_exc()[-2000:]}
+        print("inv_attention", name, json.dumps(res[name])[:600], flush=True)
+    return res
+
+
+def _decode_case(B, ctx, Hkv=8, Hq=32, D=128, page=16):
+    nblk = ctx // page
+    kv_bytes = 2 * B * ctx * Hkv * D * 2
+    nrot = 1 if kv_bytes >= 3 * L2 else min(16, math.ceil(3 * L2 / kv_bytes))
+    kc = torch.randn(nrot * B * nblk, page, Hkv, D, device=DEV, dtype=BF)
+    vc = torch.randn_like(kc)
+    bts = [(torch.randperm(B * nblk, device=DEV).int() + r * B * nblk).view(B, nblk).contiguous()
+           for r in range(nrot)]
+    qs = [torch.randn(B, Hq, D, device=DEV, dtype=BF) for _ in range(nrot)]
+    sl = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    return kc, vc, bts, qs, sl, kv_bytes, nrot
+
+
+def sweep_decode(K, ceil):
+    """Pipeline depth of the paged kernel per variant (launch knob: bits unchanged, checked)."""
+    att = K.attention
+    scale = 128 ** -0.5
+    bw = ceil["copy_bw_TBps"] * 1e12
+    res = {}
+    cases = [(1, 8192), (16, 4096), (64, 1024), (256, 4096)]
+    data = {c: _decode_case(*c) for c in cases}
+    for name in ATT_VARIANTS:
+        r = {}
+        for st in (2, 3, 4):
+            with attn_variant(K.attention, name):
+                old = att.DECODE_STAGES
+                att.DECODE_STAGES = st
+                try:
+                    for (B, ctx), (kc, vc, bts, qs, sl, kv_bytes, nrot) in data.items():
+                        t = bench(lambda i: (lambda: att.attention_decode(
+                            qs[i], kc, vc, bts[i], sl, scale, max_query_len=1, max_seq_len=ctx)),
+                            kv_bytes, n=nrot, rep=40, warmup=10)
+                        r.setdefault(str(st), {})[f"B{B}_ctx{ctx}"] = {
+                            "ms": t, "ratio_vs_roofline": kv_bytes / bw * 1e3 / t}
+                except Exception:
+                    r[str(st)] = {"error": traceback.format_exc()[-1500:]}
+                finally:
+                    att.DECODE_STAGES = old
+            print("sweep_decode", name, st, json.dumps(r.get(str(st)))[:400], flush=True)
+        ok = {st: geomean([e["ratio_vs_roofline"] for e in v.values()]) for st, v in r.items()
+              if "error" not in v}
+        if ok:
+            best = max(ok, key=lambda k: ok[k])
+            BEST_DECODE_STAGES[name] = int(best)
+            r["best_stages"] = int(best)
+            r["geomean_by_stages"] = ok
+        res[name] = r
+    del data
+    torch.cuda.empty_cache()
+    return res
+
+
+def time_attention_variants(K, quick, ceil):
+    res = {}
+    for name in ATT_VARIANTS:
+        try:
+            with attn_variant(K.attention, name):
+                res[name] = time_attention(K, quick, ceil)
+                res[name]["decode_stages"] = K.attention.DECODE_STAGES
+        except Exception:
+            res[name] = {"error": traceback.format_exc()[-2000:]}
+    return res
+
+
+# ------------------------------------------------------------------ attention backward
+BWD_CFGS = {  # (dq BM, BN, warps, stages), (dkdv BM, BN, warps, stages)
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
+    "kv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+
+
+def _set_bwd(mod, dq=None, kv=None):
+    if dq:
+        mod.BWD_DQ_BLOCK_M, mod.BWD_DQ_BLOCK_N, mod.BWD_DQ_WARPS, mod.BWD_DQ_STAGES = dq
+    if kv:
+        mod.BWD_KV_BLOCK_M, mod.BWD_KV_BLOCK_N, mod.BWD_KV_WARPS, mod.BWD_KV_STAGES = kv
+
+
+def _ref_grads_fp32(q, k, v, lens, scale, causal, window, do):
+    """fp32 autograd of the plain math per sequence (the reference for both sides)."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    outs, s = [], 0
+    for L in lens:
+        qq = leaves[0][s:s + L].transpose(0, 1)
+        kk = leaves[1][s:s + L].transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+        vv = leaves[2][s:s + L].transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+        i = torch.arange(L, device=DEV)
+        mask = torch.ones(L, L, dtype=torch.bool, device=DEV)
+        if causal:
+            mask &= i[None, :] <= i[:, None]
+        if window:
+            mask &= i[None, :] > i[:, None] - window
+        sc = (qq @ kk.transpose(1, 2)) * scale
+        outs.append((sc.masked_fill(~mask, float("-inf")).softmax(-1) @ vv).transpose(0, 1))
+        s += L
+    torch.cat(outs).backward(do.float())
+    return [t.grad for t in leaves]
+
+
+def attention_backward(K, quick):
+    """Triton flash backward: gradients vs fp32 autograd (bf16 tolerance, with SDPA flash's own
+    error as the yardstick), a small tile sweep, and timings vs SDPA flash backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    att = K.attention
+    bwd = importlib.import_module(att.__name__.rsplit(".", 1)[0] + ".attention_bwd")
+    Hq, Hkv, D = 32, 8, 128
+    scale = D ** -0.5
+    res = {"correctness": {}, "sweep": {}, "time": {}}
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for causal, window, lens in ((True, None, [1000, 517, 2300]), (True, 300, [1000, 517, 2300]),
+                                 (False, None, [700, 129])):
+        T = sum(lens)
+        q, k, v = (torch.randn(T, h, D, device=DEV, dtype=BF, generator=g) for h in (Hq, Hkv, Hkv))
+        do = torch.randn(T, Hq, D, device=DEV, dtype=BF, generator=g)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = att.attention_prefill_autograd(*leaves, cu, scale, causal, window)
+        same_fwd = bool(torch.equal(out.detach(), att.attention_prefill(q, k, v, cu, scale, causal, window)))
+        out.backward(do)
+        ref = _ref_grads_fp32(q, k, v, lens, scale, causal, window, do)
+        r = {"forward_bits_equal_to_attention_prefill": same_fwd}
+        for nm, got, rf in zip("qkv", (t.grad for t in leaves), ref):
+            r[f"d{nm}_max_abs_err_rel_to_max"] = float((got.float() - rf).abs().max() / rf.abs().max())
+            r[f"d{nm}_rms_err_rel"] = float(((got.float() - rf).pow(2).mean() / rf.pow(2).mean()).sqrt())
+            r[f"d{nm}_finite"] = bool(torch.isfinite(got).all())
+        if window is None:  # SDPA flash's own bf16 error on the same case (its mask is causal/none)
+            try:
+                sd = [t.clone().requires_grad_() for t in (q, k, v)]
+                s0 = 0
+                for L in lens:
+                    qq, kk, vv = (x[s0:s0 + L].transpose(0, 1)[None] for x in sd)
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale,
+                                                           enable_gqa=True)
+                    o.backward(do[s0:s0 + L].transpose(0, 1)[None])
+                    s0 += L
+                for nm, got, rf in zip("qkv", (t.grad for t in sd), ref):
+                    r[f"sdpa_flash_d{nm}_max_abs_err_rel_to_max"] = float(
+                        (got.float() - rf).abs().max() / rf.abs().max())
+                    r[f"sdpa_flash_d{nm}_rms_err_rel"] = float(
+                        ((got.float() - rf).pow(2).mean() / rf.pow(2).mean()).sqrt())
+            except Exception as e:
+                r["sdpa_flash_error"] = repr(e)[:300]
+        res["correctness"][f"causal={causal}_window={window}"] = r
+        print("bwd correctness", causal, window, json.dumps(r), flush=True)
+        del q, k, v, do, leaves, out, ref
+    torch.cuda.empty_cache()
+
+    def case(S, B):
+        T = B * S
+        q, k, v = (torch.randn(T, h, D, device=DEV, dtype=BF) for h in (Hq, Hkv, Hkv))
+        do = torch.randn(T, Hq, D, device=DEV, dtype=BF)
+        cu = torch.arange(0, T + 1, S, dtype=torch.int32, device=DEV)
+        return q, k, v, do, cu
+
+    def ours_bwd_fn(q, k, v, do, cu, S):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = att.attention_prefill_autograd(*leaves, cu, scale, True, None, max_seqlen=S)
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    # sweep: dq tiles with the default dkdv, then dkdv tiles with the best dq (S=4096, B=4)
+    old = (bwd.BWD_DQ_BLOCK_M, bwd.BWD_DQ_BLOCK_N, bwd.BWD_DQ_WARPS, bwd.BWD_DQ_STAGES), \
+          (bwd.BWD_KV_BLOCK_M, bwd.BWD_KV_BLOCK_N, bwd.BWD_KV_WARPS, bwd.BWD_KV_STAGES)
+    q, k, v, do, cu = case(4096, 4)
+    best_dq, best_kv = old
+    try:
+        for part in ("dq", "kv"):
+            best = None
+            for c in BWD_CFGS[part]:
+                _set_bwd(bwd, **{part: c})
+                try:
+                    t = triton_bench(ours_bwd_fn(q, k, v, do, cu, 4096))
+                except Exception as e:
+                    res["sweep"][f"{part}{c}"] = repr(e)[:300]
+                    continue
+                res["sweep"][f"{part}{c}"] = t
+                if best is None or t < best[0]:
+                    best = (t, c)
+                print("bwd sweep", part, c, t, flush=True)
+            if best:
+                _set_bwd(bwd, **{part: best[1]})
+                if part == "dq":
+                    best_dq = best[1]
+                else:
+                    best_kv = best[1]
+        res["chosen"] = {"dq": best_dq, "kv": best_kv}
+        gqa_ok = [True]
+        del q, k, v, do
+        torch.cuda.empty_cache()
+        for S in (512, 1024, 2048, 4096, 8192):
+            B = max(1, 16384 // S)
+            q, k, v, do, cu = case(S, B)
+            qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous().requires_grad_()
+                          for x in (q, k, v))
+            dod = do.view(B, S, Hq, D).transpose(1, 2).contiguous()
+
+            def sdpa_fwd():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    if gqa_ok[0]:
+                        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                              scale=scale, enable_gqa=True)
+                    return F.scaled_dot_product_attention(
+                        qd, kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1),
+                        is_causal=True, scale=scale)
+
+            try:
+                o_sd = sdpa_fwd()
+                torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True)
+            except Exception as e:  # flash without GQA: K/V expanded inside the timed graph
+                res["sdpa_gqa_note"] = f"enable_gqa refused ({repr(e)[:200]}); K/V expanded"
+                gqa_ok[0] = False
+                o_sd = sdpa_fwd()
+            t_sd_b = triton_bench(lambda: torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True))
+            t_sd_fb = triton_bench(lambda: torch.autograd.grad(sdpa_fwd(), (qd, kd, vd), dod))
+            t_us_b = triton_bench(ours_bwd_fn(q, k, v, do, cu, S))
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            t_us_fb = triton_bench(lambda: torch.autograd.grad(
+                att.attention_prefill_autograd(ql, kl, vl, cu, scale, True, None, max_seqlen=S),
+                (ql, kl, vl), do))
+            fl_b = 2.5 * 4 * B * Hq * S * S * D / 2
+            res["time"][f"S{S}_B{B}"] = {
+                "sdpa_flash_bwd_ms": t_sd_b, "ours_bwd_ms": t_us_b, "ratio_bwd": t_sd_b / t_us_b,
+                "sdpa_flash_fwd_bwd_ms": t_sd_fb, "ours_fwd_bwd_ms": t_us_fb,
+                "ratio_fwd_bwd": t_sd_fb / t_us_fb,
+                "ours_bwd_TFLOPs": fl_b / (t_us_b * 1e-3) / 1e12,
+                "sdpa_bwd_TFLOPs": fl_b / (t_sd_b * 1e-3) / 1e12}
+            print("bwd time", S, json.dumps(res["time"][f"S{S}_B{B}"]), flush=True)
+            del q, k, v, do, qd, kd, vd, dod, o_sd, ql, kl, vl
+            torch.cuda.empty_cache()
+    finally:
+        # the timings above ran with the chosen tiles; leave them set for later sections
+        _set_bwd(bwd, dq=best_dq, kv=best_kv)
+    return res
+
+
+def triton_bench(fn, rep=60, warmup=15):
+    """Eager median (do_bench flushes L2 before each call); for ms-scale autograd calls."""
+    import triton
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
 # ------------------------------------------------------------------ sweep
 SWEEP_MS = MS
 SWEEP_FIXED_SPLIT = False
@@ -732,6 +1060,15 @@ def summarize(data):
         summ["linear_geomean_M<=256"] = geomean(small)
         summ["linear_geomean_M>=1024"] = geomean(large)
         summ["linear_min_M>=1024"] = min(large) if large else None
+    if "time_linear_tma" in s and "time_linear" in s:
+        best = []
+        for name, r in s["time_linear"].items():
+            for M, e in r.items():
+                if int(M) >= 1024:
+                    t = s["time_linear_tma"].get(name, {}).get(str(M)) or s["time_linear_tma"].get(name, {}).get(M)
+                    best.append(max(e["ratio"], t["best_ratio"]) if t else e["ratio"])
+        summ["linear_geomean_M>=1024_best_of_table_and_tma"] = geomean(best)
+        summ["linear_min_M>=1024_best_of_table_and_tma"] = min(best) if best else None
     if "cublas_nosplit" in s and "time_linear" in s:
         rs = {}
         for name, r in s["time_linear"].items():
@@ -742,12 +1079,45 @@ def summarize(data):
         summ["linear_vs_cublas_nosplit"] = rs
         summ["linear_vs_cublas_nosplit_geomean_M<=256"] = geomean(
             [v for k, v in rs.items() if int(k.split("_M")[1]) <= 256])
+    def att_summary(a):
+        out = {}
+        if a.get("prefill"):
+            out["prefill_ratio_min"] = min(e["ratio"] for e in a["prefill"].values())
+            out["prefill_ratios"] = {k: e["ratio"] for k, e in a["prefill"].items()}
+        if a.get("decode"):
+            d = a["decode"]
+            out["decode_vs_roofline_min"] = min(e["ratio_vs_roofline"] for e in d.values())
+            out["decode_vs_roofline_geomean"] = geomean([e["ratio_vs_roofline"] for e in d.values()])
+            out["decode_vs_roofline_geomean_kv_bytes>=64MiB"] = geomean(
+                [e["ratio_vs_roofline"] for e in d.values() if e["roofline_ms"] * 4.3e9 >= 64 * 2 ** 20])
+            out["decode_vs_sdpa_geomean"] = geomean([e["ratio_vs_sdpa"] for e in d.values()])
+            out["decode_vs_roofline"] = {k: e["ratio_vs_roofline"] for k, e in d.items()}
+        return out
+
     if "time_attention" in s:
-        a = s["time_attention"]
-        summ["prefill_ratio_min"] = min(e["ratio"] for e in a["prefill"].values())
-        summ["decode_vs_roofline_min"] = min(e["ratio_vs_roofline"] for e in a["decode"].values())
-        summ["decode_vs_roofline_geomean"] = geomean([e["ratio_vs_roofline"] for e in a["decode"].values()])
-        summ["decode_vs_sdpa_geomean"] = geomean([e["ratio_vs_sdpa"] for e in a["decode"].values()])
+        summ.update(att_summary(s["time_attention"]))
+    for name, a in s.get("time_attention_variants", {}).items():
+        if isinstance(a, dict) and "error" not in a:
+            summ[f"attention_{name}"] = att_summary(a)
+    for name, r in s.get("inv_attention_variants", {}).items():
+        bad = 0
+        if isinstance(r, dict) and "error" not in r:
+            for w in ("window=None", "window=300"):
+                x = r.get(w, {})
+                bad += x.get("prefill_alone_vs_batch_rows", 0)
+                bad += sum(m["rows"] for m in x.get("prefill_tiles_modes", {}).values())
+                bad += sum(v.get("decode_rows_mismatch", 0) + v.get("chunked_rows_mismatch", 0)
+                           + v.get("mixed_batch_rows_mismatch", 0)
+                           for kk, v in x.items() if kk.startswith("page"))
+            summ[f"inv_attention_{name}_mismatching_rows"] = bad
+        else:
+            summ[f"inv_attention_{name}_mismatching_rows"] = "error"
+    if "attention_backward" in s and s["attention_backward"].get("time"):
+        t = s["attention_backward"]["time"]
+        summ["attention_bwd_vs_sdpa_flash"] = {k: e["ratio_bwd"] for k, e in t.items()}
+        summ["attention_fwd_bwd_vs_sdpa_flash"] = {k: e["ratio_fwd_bwd"] for k, e in t.items()}
+        summ["attention_bwd_geomean"] = geomean([e["ratio_bwd"] for e in t.values()])
+        summ["attention_fwd_bwd_geomean"] = geomean([e["ratio_fwd_bwd"] for e in t.values()])
     if "time_rowwise" in s:
         summ["rowwise_ratios"] = {k: v["ratio"] for k, v in s["time_rowwise"].items()}
     data["summary"] = summ
@@ -801,15 +1171,25 @@ def main():
         rec.err("ceilings")
     steps = [("inv_rowwise", lambda: inv_rowwise(K)),
              ("inv_attention", lambda: inv_attention(K, args.quick)),
+             ("inv_attention_variants", lambda: inv_attention_variants(K, args.quick)),
+             ("attention_backward", lambda: attention_backward(K, args.quick)),
              ("inv_linear", lambda: inv_linear(K, args.quick)),
              ("sweep_attention", lambda: sweep_attention(K)),
              ("sweep_linear", lambda: sweep_linear(K)),
+             ("sweep_decode", lambda: sweep_decode(K, ceil)),
              ("time_rowwise", lambda: time_rowwise(K)),
              ("time_attention", lambda: time_attention(K, args.quick, ceil)),
+             ("time_attention_variants", lambda: time_attention_variants(K, args.quick, ceil)),
              ("time_linear", lambda: time_linear(K, args.quick)),
+             ("time_linear_tma", lambda: time_linear_tma(K)),
              ("cublas_nosplit", lambda: cublas_nosplit_subprocess(args.out))]
+    # the variant sections replace the single-variant ones unless asked for by --only
+    default_skip = {"inv_attention", "time_attention"}
     for name, fn in steps:
-        if not want(name) or (name.startswith("sweep") and not args.sweep):
+        if not want(name) or (name.startswith("sweep_") and name != "sweep_decode"
+                              and not args.sweep):
+            continue
+        if only is None and name in default_skip:
             continue
         t0 = time.time()
         try:

@@ -118,6 +118,29 @@ def test_linear_ragged_k():
     assert torch.equal(K.linear.linear(x[2:3].contiguous(), w), y[2:3])
 
 
+@pytest.mark.parametrize("M,N,Kd,split", [(70, 48, 512, 2), (33, 40, 168, 1), (130, 64, 768, 3)])
+def test_linear_tma_persistent_same_order(M, N, Kd, split):
+    """The persistent TMA kernel (large-M path) keeps the canonical order: equal bits to the
+    table kernel (same BK: the interpreter rounds each BK block's float64 dot to fp32), with
+    ragged edges in M, N and K and a persistent grid smaller than the tile count."""
+    lin = K.linear
+    x, w, b = _randn(M, Kd, seed=1), _randn(N, Kd, seed=2), _randn(N, seed=3)
+    old = dict(lin.SPLIT_TABLE)
+    try:
+        lin.SPLIT_TABLE[(N, Kd)] = split
+        S = lin.split_for(N, Kd)
+        assert S == split
+        ref = lin._launch(x, w, b, (16, 16, 64, 8, 4, 4, "fused"), S)
+        assert torch.equal(lin._launch_tma(x, w, b, (32, 16, 64, 8, 4, 3), S), ref)
+        lin.TMA_TABLE[(N, Kd)] = [(64, 32, 16, 64, 2, 4, 3)]
+        assert torch.equal(lin.linear(x, w, b), ref)                       # M >= 64: TMA path
+        assert torch.equal(lin.linear(x[:9].contiguous(), w, b), ref[:9])  # M < 64: table
+    finally:
+        lin.SPLIT_TABLE.clear()
+        lin.SPLIT_TABLE.update(old)
+        lin.TMA_TABLE.pop((N, Kd), None)
+
+
 # ---------------------------------------------------------------- norms
 def _hf_rms(x, w, eps):
     h = x.float()

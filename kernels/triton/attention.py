@@ -385,11 +385,26 @@ def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 max_query_len, max_seq_len, True, force_mode, block_m)
 
 
+_QSL = {}
+
+
+def _decode_qsl(B, device):
+    """query_start_loc 0..B of a decode batch, cached per (B, device): one launch less per step.
+    Not cached while a CUDA graph is being captured (the tensor would live in the graph's pool)."""
+    key = (B, str(device))
+    t = _QSL.get(key)
+    if t is None:
+        t = torch.arange(B + 1, device=device, dtype=torch.int32)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _QSL[key] = t
+    return t
+
+
 def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window=None,
                      **kw):
     """One query per sequence: q [B, Hq, D] (= attention_paged with one query each)."""
     B = q.shape[0]
-    qsl = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    qsl = _decode_qsl(B, q.device)
     kw.setdefault("max_query_len", 1)
     return attention_paged(q, k_cache, v_cache, block_table, qsl, seq_lens, scale,
                            sliding_window, **kw)

@@ -198,8 +198,115 @@ def _launch(x, weight, bias, cfg, split):
     return out
 
 
+# ---------------------------------------------------------------- persistent TMA path
+# Same canonical order as _linear_kernel's fused mode (SPLIT chunks, each a sequential
+# tensor-core accumulation from zero, summed in chunk order onto 0.0, + bias, one rounding), but
+# operands arrive by TMA (zero-filled past the edges, which adds exact zeros like the masked
+# loads) and a persistent grid of one program per SM walks the output tiles. Used for large M
+# where the table below names a config; the harness (benchmarks/gpu_ops.py inv_linear) checks
+# its bits against the table kernel's on every Qwen3-8B shape.
+# (min_M, BM, BN, BK, GROUP_M, warps, stages) per weight shape: first row with M >= min_M wins.
+TMA_TABLE = {}
+TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
+
+
+@triton.jit
+def _linear_tma_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K_CHUNK, NUM_PROGS, stride_om,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       INTERP: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
+        group_id = tile // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
+        om = pid_m * BM
+        on = pid_n * BN
+        offs_n = on + tl.arange(0, BN)
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in range(0, K_CHUNK, BK):
+                a = x_desc.load([om, s * K_CHUNK + kk])
+                b = w_desc.load([on, s * K_CHUNK + kk])
+                if INTERP:
+                    acc += tl.dot(a.to(tl.float64), b.T.to(tl.float64)).to(tl.float32)
+                else:
+                    acc = tl.dot(a, b.T, acc)
+            total = total + acc
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        offs_m = om + tl.arange(0, BM)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def tma_supported(x, weight):
+    """TMA needs 16-byte aligned row strides and 2-byte types (bf16/fp16) for this kernel."""
+    M, K = x.shape
+    N = weight.shape[0]
+    return (x.dtype in (torch.bfloat16, torch.float16) and K % 8 == 0 and N % 8 == 0
+            and x.is_contiguous() and weight.is_contiguous())
+
+
+def _launch_tma(x, weight, bias, cfg, split):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M, K = x.shape
+    N = weight.shape[0]
+    BM, BN, BK, GROUP_M, warps, stages = cfg
+    if not tma_supported(x, weight):
+        raise ValueError(f"bitmatch.kernels.linear: the TMA path needs bf16/fp16, K and N "
+                         f"multiples of 8 and contiguous inputs; got {x.dtype}, K={K}, N={N}")
+    interp = interpreting(x)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    # the same chunking as _launch: SPLIT equal chunks, or one chunk of whole BK blocks
+    k_chunk = K // split if split > 1 else triton.cdiv(K, BK) * BK
+    if split > 1 and k_chunk % BK:
+        raise ValueError(f"bitmatch.kernels.linear: K chunk {k_chunk} is not a multiple of BK={BK}")
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
+    w_desc = TensorDescriptor.from_tensor(weight, [BN, BK])
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    progs = min(tiles, _num_sms(x.device))
+    kw = {} if interp else dict(num_warps=warps, num_stages=stages)
+    _linear_tma_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, M, N,
+                                 k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BM=BM,
+                                 BN=BN, BK=BK, GROUP_M=GROUP_M, INTERP=interp, **kw)
+    return out
+
+
+_SMS = {}
+
+
+def _num_sms(device):
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def tma_config_for(M, N, K):
+    for row in TMA_TABLE.get((N, K), ()):
+        if M >= row[0]:
+            return row[1:]
+    return None
+
+
 def linear(x, weight, bias=None):
     """x [M, K] @ weight[N, K]^T (+ bias[N]) -> [M, N] in x.dtype (inputs contiguous)."""
     M, K = x.shape
     N = weight.shape[0]
+    cfg = tma_config_for(M, N, K)
+    if cfg is not None and tma_supported(x, weight):
+        return _launch_tma(x, weight, bias, cfg, split_for(N, K))
     return _launch(x, weight, bias, config_for(M, N, K), split_for(N, K))
