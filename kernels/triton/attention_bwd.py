@@ -90,12 +90,21 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         vt = tl.load(v_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
-        vis = jok[None, :] & row_ok[:, None]
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        # masks only where a row can miss a key of the block (diagonal, window edge, sequence
+        # end); rows past the sequence or G have q = dO = lse = delta = 0: exact zero ds rows
+        full = j0 + BLOCK_N <= nq
         if CAUSAL:
-            vis = vis & (j[None, :] <= tok[:, None])
+            full = full & (j0 + BLOCK_N - 1 <= t_lo)
         if HAS_WINDOW:
-            vis = vis & (j[None, :] > tok[:, None] - window)
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            full = full & (j0 > t_hi - 1 - window)
+        if not full:
+            vis = jok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                vis = vis & (j[None, :] <= tok[:, None])
+            if HAS_WINDOW:
+                vis = vis & (j[None, :] > tok[:, None] - window)
+            p = tl.where(vis, p, 0.0)
         dp = _dot(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, INTERP, PREC)
@@ -146,12 +155,21 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
         st = _dot(k, qt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
-        vis = jok[:, None] & row_ok[None, :]
+        pt = tl.exp2(st * qk_scale - lse[None, :])
+        # rows past the sequence / G give exact zero contributions (q = dO = lse = delta = 0);
+        # keys past the sequence only pollute their own dK/dV rows, which are not stored
+        full = t0 >= 0
         if CAUSAL:
-            vis = vis & (j[:, None] <= tok[None, :])
+            full = full & (t0 >= j0 + BLOCK_N - 1)
         if HAS_WINDOW:
-            vis = vis & (j[:, None] > tok[None, :] - window)
-        pt = tl.where(vis, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            full = full & (t0 + TPT - 1 < j0 + window)
+        if not full:
+            vis = jok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                vis = vis & (j[:, None] <= tok[None, :])
+            if HAS_WINDOW:
+                vis = vis & (j[:, None] > tok[None, :] - window)
+            pt = tl.where(vis, pt, 0.0)
         dv = _dot(pt.to(v.dtype), tl.trans(dot_), dv, INTERP, PREC)
         dpt = _dot(v, dot_, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
         dst = pt * (dpt - delta[None, :])
