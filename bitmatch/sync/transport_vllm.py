@@ -1,8 +1,9 @@
 """vLLM colocate transport: weights go through the model's own ``load_weights``.
 
 Written against vLLM's interface (``model.load_weights(iterable of (hf_name, tensor))``, reached
-directly in single-process/colocate mode or through ``llm.collective_rpc``); tested only with a
-fake model that mimics it. vLLM writes in place, so atomicity comes from a backup: the touched
+directly in single-process/colocate mode or through ``llm.collective_rpc``); tested with a fake
+model that mimics it and with real vLLM 0.32 (CPU) under the bitmatch plugin, both paths
+(tests/test_vllm_logprobs.py). vLLM writes in place, so atomicity comes from a backup: the touched
 engine parameters are copied aside first (``backup=True``, one model copy of memory), the new
 version is loaded bucket by bucket, then every HF tensor's fingerprint is recomputed on the
 engine's own bytes through names.py (row blocks of qkv_proj / gate_up_proj). On any failure the
@@ -44,14 +45,19 @@ def _rpc_params(worker):
 
 class VllmColocateSender:
     """Publish into a vLLM engine in this process. Give ``llm`` (a vllm.LLM) or ``model`` (the
-    object with ``load_weights`` and ``named_parameters``; what a worker-side call receives)."""
+    object with ``load_weights`` and ``named_parameters``; what a worker-side call receives).
+    ``use_rpc=True`` goes through ``llm.collective_rpc`` even when the model is reachable here
+    (the path a multi-process engine always takes; functions need
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` there)."""
 
     def __init__(self, llm=None, *, model=None, arch: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: bool = True, use_rpc: bool = False):
         if model is None and llm is None:
             raise ValueError("VllmColocateSender needs llm= or model=")
+        if use_rpc and llm is None:
+            raise ValueError("VllmColocateSender(use_rpc=True) needs llm=")
         self.llm = llm
-        self.model = model if model is not None else _driver_model(llm)
+        self.model = model if model is not None else (None if use_rpc else _driver_model(llm))
         self.arch = arch
         self.bucket_bytes, self.backup = bucket_bytes, backup
         self.state = WeightState()

@@ -1,0 +1,224 @@
+"""Real vLLM (CPU build) with the bitmatch plugin: every sampled token's reported logprob equals
+``bitmatch.token_logprobs`` on the patched HF model, bit for bit.
+
+Each test runs vLLM in a child process (this file run as a script: the plugin's enable/disable
+is per process, and vLLM's engine is in-process there, VLLM_ENABLE_V1_MULTIPROCESSING=0); the
+child writes the sampled tokens and reported logprobs to JSON, and the test recomputes them on
+the trainer side. Prompts of 2..72 tokens with ``max_num_batched_tokens`` 32/64 force chunked
+prefill; ``max_num_seqs`` 1, 8 and 64 change the batches every token is computed in.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (pip install -e '.[vllm]' or scripts/install_vllm.sh)"),
+]
+
+N_PROMPTS, MAX_TOKENS, TEMPS = 64, 10, (0.7, 1.0)
+ENGINES = [dict(max_num_seqs=1, max_num_batched_tokens=32), dict(max_num_seqs=8, max_num_batched_tokens=32),
+           dict(max_num_seqs=64, max_num_batched_tokens=64)]
+MODELS = {  # name -> (family, overrides): Qwen3 untied (q/k norms, GQA 4), Llama tied (GQA 2)
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
+    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)),
+}
+
+
+def _prompts():
+    from bitmatch.testing_models import random_prompts
+
+    return random_prompts(N_PROMPTS, min_len=2, max_len=72, seed=7)
+
+
+def _write_checkpoint(path, name, seed=0):
+    from bitmatch.testing_models import tiny_model
+
+    family, overrides = MODELS[name]
+    model = tiny_model(family, dtype=torch.bfloat16, seed=seed, **overrides)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------- child side
+
+def _generate(llm, prompts):
+    import vllm
+
+    reqs, temps = [], []
+    for t in TEMPS:
+        reqs += [{"prompt_token_ids": p} for p in prompts]
+        temps += [t] * len(prompts)
+    params = [vllm.SamplingParams(temperature=t, max_tokens=MAX_TOKENS, logprobs=0) for t in temps]
+    outs = llm.generate(reqs, params, use_tqdm=False)
+    rows = []
+    for i, (o, t) in enumerate(zip(outs, temps)):
+        c = o.outputs[0]
+        rows.append([i % len(prompts), t, list(c.token_ids),
+                     [lp[tok].logprob for lp, tok in zip(c.logprobs, c.token_ids)]])
+    return rows
+
+
+def _perturbed(src, seed):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+    return model
+
+
+def _child(spec):
+    if spec["plugin"]:
+        import bitmatch.adapters.vllm as bv
+
+        bv.enable()
+    import vllm
+
+    from bitmatch.sync.transport_vllm import VllmColocateSender
+
+    prompts, result = _prompts(), {"runs": [], "errors": {}}
+    for i, eng in enumerate(spec["engines"]):
+        llm = vllm.LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                       gpu_memory_utilization=0.1, max_model_len=128, enforce_eager=True,
+                       logprobs_mode="processed_logprobs", **eng)
+        result["runs"].append({"label": f"max_num_seqs={eng['max_num_seqs']}", "weights": spec["model"],
+                               "rows": _generate(llm, prompts)})
+        last = i == len(spec["engines"]) - 1
+        for k, path in enumerate(spec.get("updates", []) if last else []):
+            new = _perturbed(spec["model"], seed=100 + k)
+            VllmColocateSender(llm, use_rpc=k == 1).send(new, version=k + 1)  # direct, then collective_rpc
+            new.save_pretrained(path)
+            label = "after update via " + ("collective_rpc" if k == 1 else "in-process load_weights")
+            result["runs"].append({"label": label, "weights": path, "rows": _generate(llm, prompts)})
+        if last and spec.get("bad_request"):
+            try:
+                llm.generate([{"prompt_token_ids": prompts[0]}], vllm.SamplingParams(top_p=0.9, logprobs=0))
+                result["errors"]["top_p"] = None
+            except Exception as e:  # noqa: BLE001 - the message is what the test checks
+                result["errors"]["top_p"] = f"{type(e).__name__}: {e}"
+        del llm
+        gc.collect()
+    for key, kwargs in spec.get("bad_engines", {}).items():
+        try:
+            vllm.LLM(skip_tokenizer_init=True, gpu_memory_utilization=0.1, max_model_len=128, **kwargs)
+            result["errors"][key] = None
+        except Exception as e:  # noqa: BLE001
+            result["errors"][key] = f"{type(e).__name__}: {e}"
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+
+
+def _run_child(tmp_path, **spec):
+    spec["out"] = str(tmp_path / "result.json")
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.pop("BITMATCH", None)  # the child enables the plugin itself when the spec says so
+    p = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+# --------------------------------------------------------------------------------- trainer side
+
+def _compare(run, models):
+    """(tokens compared, list of mismatches) of one run against bitmatch.token_logprobs."""
+    import transformers
+
+    import bitmatch
+    from bitmatch.testing_models import pad_batch
+
+    if run["weights"] not in models:
+        m = transformers.AutoModelForCausalLM.from_pretrained(run["weights"], dtype=torch.bfloat16).eval()
+        models[run["weights"]] = bitmatch.patch(m)
+    model, prompts = models[run["weights"]], _prompts()
+    total, bad = 0, []
+    for t in TEMPS:
+        rows = [r for r in run["rows"] if r[1] == t and r[2]]
+        ids, mask = pad_batch([prompts[i] + toks for i, _, toks, _ in rows], "right")
+        with torch.no_grad():
+            ref = bitmatch.token_logprobs(model, ids, mask, temperature=t)
+        for k, (i, _, toks, lps) in enumerate(rows):
+            start = len(prompts[i]) - 1
+            got = torch.tensor(lps, dtype=torch.float32)
+            want = ref[k, start:start + len(toks)]
+            total += len(toks)
+            for j in (got != want).nonzero().flatten().tolist():
+                bad.append((run["label"], t, i, j, float(got[j]), float(want[j])))
+    return total, bad
+
+
+def _assert_all_equal(result):
+    models, total, bad = {}, 0, []
+    for run in result["runs"]:
+        n, b = _compare(run, models)
+        assert n > N_PROMPTS * len(TEMPS), f"{run['label']}: only {n} tokens sampled"
+        total += n
+        bad += b
+    print(f"\n{total} sampled tokens compared bitwise over {len(result['runs'])} engine runs")
+    assert not bad, f"{len(bad)} of {total} logprobs differ (label, T, prompt, pos, vllm, trainer): {bad[:10]}"
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_vllm_logprobs_bitwise_equal_trainer(tmp_path, name):
+    ckpt = _write_checkpoint(tmp_path / name, name)
+    spec = dict(model=ckpt, plugin=True, engines=ENGINES)
+    if name == "qwen3":  # weight updates pushed into the running engine, both transport paths
+        spec.update(updates=[str(tmp_path / "v1"), str(tmp_path / "v2")], bad_request=True)
+    result = _run_child(tmp_path, **spec)
+    _assert_all_equal(result)
+    if name == "qwen3":
+        assert [r["label"] for r in result["runs"]][-2:] == ["after update via in-process load_weights",
+                                                            "after update via collective_rpc"]
+        err = result["errors"]["top_p"]
+        assert err is not None and "top_p=0.9" in err and "bitmatch" in err, err
+
+
+def test_vllm_control_plugin_disabled_mismatches(tmp_path):
+    ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")
+    result = _run_child(tmp_path, model=ckpt, plugin=False, engines=ENGINES[1:2])
+    total, bad = _compare(result["runs"][0], {})
+    print(f"\nplugin disabled: {len(bad)} of {total} logprobs differ from the trainer's")
+    assert total > N_PROMPTS * len(TEMPS) and len(bad) > total // 2, (len(bad), total)
+
+
+def test_vllm_unsupported_options_fail_at_engine_start(tmp_path):
+    import transformers
+
+    ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=128, n_positions=256)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+    gpt2.config.architectures = ["GPT2LMHeadModel"]
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    bad = {"logprobs_mode": dict(model=ckpt, logprobs_mode="processed_logits"),
+           "architecture": dict(model=str(tmp_path / "gpt2"), logprobs_mode="processed_logprobs"),
+           "speculative": dict(model=ckpt, logprobs_mode="processed_logprobs",
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                   "prompt_lookup_max": 3})}
+    result = _run_child(tmp_path, model=ckpt, plugin=True, engines=[], bad_engines=bad)
+    errs = result["errors"]
+    want = {"logprobs_mode": "logprobs_mode='processed_logits'", "architecture": "GPT2LMHeadModel",
+            "speculative": "speculative decoding"}
+    for key, text in want.items():
+        assert errs[key] is not None and text in errs[key] and "bitmatch" in errs[key], (key, errs[key])
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        _child(json.load(f))
