@@ -28,11 +28,38 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _alias_checkout_package():
+    """Make `bitmatch` and `bitmatch.kernels` importable from this checkout when the package is
+    not installed (the device machine): the public ops import their backend by absolute name."""
+    for name, folder in (("bitmatch", "bitmatch"), ("bitmatch.kernels", "kernels")):
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(ROOT, folder, "__init__.py"),
+            submodule_search_locations=[os.path.join(ROOT, folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        if name == "bitmatch.kernels":
+            sys.modules["bitmatch"].kernels = mod
+
+
 def load_kernels():
     try:
         import bitmatch.kernels.triton  # noqa: F401
         name = "bitmatch.kernels.triton"
     except Exception:
+        for n in [m for m in sys.modules if m == "bitmatch" or m.startswith("bitmatch.")]:
+            del sys.modules[n]
+        try:
+            _alias_checkout_package()
+            import bitmatch.kernels.triton  # noqa: F401,F811
+            return types.SimpleNamespace(**{m: importlib.import_module(f"bitmatch.kernels.triton.{m}")
+                                            for m in ("linear", "norm", "rotary", "activation",
+                                                      "attention", "logprobs")}), \
+                "bitmatch.kernels.triton (checkout alias)"
+        except Exception:
+            traceback.print_exc()
         name = "_bitmatch_kernels_triton_checkout"
         spec = importlib.util.spec_from_file_location(
             name, os.path.join(ROOT, "kernels", "triton", "__init__.py"),
@@ -413,8 +440,6 @@ def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
         S = lin.split_for(N, Kd)
         r = {}
         for M in ms:
-            if name == "lm_head" and M > 4096:
-                continue
             xs = [torch.randn(M, Kd, device=DEV, dtype=BF) for _ in range(len(ws))]
             nbytes = wbytes + M * Kd * 2 + M * N * 2
             cfg_t = lin.config_for(M, N, Kd)
@@ -446,6 +471,56 @@ def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
         del ws
         torch.cuda.empty_cache()
     return out
+
+
+def time_fwd_bwd_public(K):
+    """Training step of the public ops (bitmatch.kernels, autograd) vs stock autograd, eager:
+    linear at M = 4096 (its backward is kernels/linear.py's fp32 matmuls) and attention_prefill
+    (Triton forward + flash backward, through kernels/attention.py's wiring)."""
+    import bitmatch.kernels as BK
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    res = {"linear": {}, "attention": {}}
+    for name in ("qkv", "o", "gate_up", "down"):
+        N, Kd = SHAPES[name]
+        M = 4096
+        x = torch.randn(M, Kd, device=DEV, dtype=BF, requires_grad=True)
+        w = (torch.randn(N, Kd, device=DEV, dtype=BF) * 0.02).requires_grad_()
+        g = torch.randn(M, N, device=DEV, dtype=BF)
+        t_st = triton_bench(lambda: torch.autograd.grad(F.linear(x, w), (x, w), g))
+        t_us = triton_bench(lambda: torch.autograd.grad(BK.linear(x, w), (x, w), g))
+        res["linear"][f"{name}_M{M}"] = {"stock_fwd_bwd_ms": t_st, "ours_fwd_bwd_ms": t_us,
+                                         "ratio": t_st / t_us}
+        print("fwd_bwd linear", name, t_st, t_us, flush=True)
+        del x, w, g
+    Hq, Hkv, D, S, B = 32, 8, 128, 4096, 4
+    T = S * B
+    q, k, v = (torch.randn(T, h, D, device=DEV, dtype=BF) for h in (Hq, Hkv, Hkv))
+    do = torch.randn(T, Hq, D, device=DEV, dtype=BF)
+    cu = torch.arange(0, T + 1, S, dtype=torch.int32, device=DEV)
+    lp = [t.clone().requires_grad_() for t in (q, k, v)]
+    lf = [t.clone().requires_grad_() for t in (q, k, v)]
+    gp = torch.autograd.grad(BK.attention_prefill(*lp, cu, D ** -0.5), lp, do)
+    gf = torch.autograd.grad(K.attention.attention_prefill_autograd(*lf, cu, D ** -0.5), lf, do)
+    res["attention"]["public_grads_equal_triton_function"] = all(
+        bool(torch.equal(a, b)) for a, b in zip(gp, gf))
+    qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dod = do.view(B, S, Hq, D).transpose(1, 2).contiguous()
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=D ** -0.5,
+                                                  enable_gqa=True)
+
+    try:
+        t_st = triton_bench(lambda: torch.autograd.grad(sdpa(), (qd, kd, vd), dod))
+        t_us = triton_bench(lambda: torch.autograd.grad(BK.attention_prefill(*lp, cu, D ** -0.5),
+                                                        lp, do))
+        res["attention"][f"S{S}_B{B}"] = {"sdpa_flash_fwd_bwd_ms": t_st, "ours_public_fwd_bwd_ms": t_us,
+                                          "ratio": t_st / t_us}
+    except Exception:
+        res["attention"]["error"] = traceback.format_exc()[-1500:]
+    print("fwd_bwd attention", json.dumps(res["attention"]), flush=True)
+    return res
 
 
 def cublas_nosplit_subprocess(out_dir):
@@ -654,14 +729,13 @@ def time_attention(K, quick, ceil):
 #             mma.sync and wgmma), so decode may use 16-row tiles
 ATT_VARIANTS = {"v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64),
                 "rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16)}
-BEST_DECODE_STAGES = {}
+BEST_DECODE_KNOBS = {}   # variant -> {knob: value} chosen by sweep_decode in this run
 
 
 class attn_variant:
     def __init__(self, att, name):
         self.att, self.cfg = att, dict(ATT_VARIANTS[name])
-        if name in BEST_DECODE_STAGES:
-            self.cfg["DECODE_STAGES"] = BEST_DECODE_STAGES[name]
+        self.cfg.update(BEST_DECODE_KNOBS.get(name, {}))
 
     def __enter__(self):
         self.old = {k: getattr(self.att, k) for k in self.cfg}
@@ -706,6 +780,7 @@ def sweep_decode(K, ceil):
     res = {}
     cases = [(1, 8192), (16, 4096), (64, 1024), (256, 4096)]
     data = {c: _decode_case(*c) for c in cases}
+    refs = {}
     for name in ATT_VARIANTS:
         r = {}
         for st in (2, 3, 4):
@@ -714,6 +789,13 @@ def sweep_decode(K, ceil):
                 att.DECODE_STAGES = st
                 try:
                     for (B, ctx), (kc, vc, bts, qs, sl, kv_bytes, nrot) in data.items():
+                        o = att.attention_decode(qs[0], kc, vc, bts[0], sl, scale,
+                                                 max_query_len=1, max_seq_len=ctx)
+                        ref_key = (name, B, ctx)
+                        if ref_key not in refs:
+                            refs[ref_key] = o
+                        r.setdefault("rows_differing_from_first_stages", {})[f"{st}_B{B}_ctx{ctx}"] = \
+                            rows_mismatch(o, refs[ref_key])
                         t = bench(lambda i: (lambda: att.attention_decode(
                             qs[i], kc, vc, bts[i], sl, scale, max_query_len=1, max_seq_len=ctx)),
                             kv_bytes, n=nrot, rep=40, warmup=10)
@@ -725,12 +807,40 @@ def sweep_decode(K, ceil):
                     att.DECODE_STAGES = old
             print("sweep_decode", name, st, json.dumps(r.get(str(st)))[:400], flush=True)
         ok = {st: geomean([e["ratio_vs_roofline"] for e in v.values()]) for st, v in r.items()
-              if "error" not in v}
+              if st in ("2", "3", "4") and "error" not in v}
         if ok:
             best = max(ok, key=lambda k: ok[k])
-            BEST_DECODE_STAGES[name] = int(best)
+            BEST_DECODE_KNOBS[name] = {"DECODE_STAGES": int(best)}
             r["best_stages"] = int(best)
             r["geomean_by_stages"] = ok
+            # fused partitions (one launch, no workspace) vs split, at the best depth
+            fused = {}
+            with attn_variant(K.attention, name):
+                for (B, ctx), (kc, vc, bts, qs, sl, kv_bytes, nrot) in data.items():
+                    try:
+                        o = att.attention_decode(qs[0], kc, vc, bts[0], sl, scale, max_query_len=1,
+                                                 max_seq_len=ctx, force_mode="fused")
+                        t = bench(lambda i: (lambda: att.attention_decode(
+                            qs[i], kc, vc, bts[i], sl, scale, max_query_len=1, max_seq_len=ctx,
+                            force_mode="fused")), kv_bytes, n=nrot, rep=40, warmup=10)
+                        fused[f"B{B}_ctx{ctx}"] = {
+                            "ms": t, "ratio_vs_roofline": kv_bytes / bw * 1e3 / t,
+                            "programs": B * 8, "rows_differing_from_split": rows_mismatch(o, refs[(name, B, ctx)])}
+                    except Exception:
+                        fused[f"B{B}_ctx{ctx}"] = {"error": traceback.format_exc()[-800:]}
+            r["fused_at_best_stages"] = fused
+            # smallest program count from which fused wins at every larger swept batch
+            split_best = r[best]
+            wins = sorted((v["programs"], v["ms"] < split_best[k]["ms"]) for k, v in fused.items()
+                          if "ms" in v and k in split_best)
+            thr = None
+            for progs, win in reversed(wins):
+                if not win:
+                    break
+                thr = progs
+            if thr is not None:
+                BEST_DECODE_KNOBS[name]["DECODE_SPLIT_MAX_PROGRAMS"] = thr
+            r["decode_split_max_programs"] = thr
         res[name] = r
     del data
     torch.cuda.empty_cache()
@@ -743,7 +853,8 @@ def time_attention_variants(K, quick, ceil):
         try:
             with attn_variant(K.attention, name):
                 res[name] = time_attention(K, quick, ceil)
-                res[name]["decode_stages"] = K.attention.DECODE_STAGES
+                res[name]["decode_knobs"] = {"DECODE_STAGES": K.attention.DECODE_STAGES,
+                                             "DECODE_SPLIT_MAX_PROGRAMS": K.attention.DECODE_SPLIT_MAX_PROGRAMS}
         except Exception:
             res[name] = {"error": traceback.format_exc()[-2000:]}
     return res
@@ -876,49 +987,56 @@ def attention_backward(K, quick):
         del q, k, v, do
         torch.cuda.empty_cache()
         for S in (512, 1024, 2048, 4096, 8192):
-            B = max(1, 16384 // S)
-            q, k, v, do, cu = case(S, B)
-            qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous().requires_grad_()
-                          for x in (q, k, v))
-            dod = do.view(B, S, Hq, D).transpose(1, 2).contiguous()
-
-            def sdpa_fwd():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    if gqa_ok[0]:
-                        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                              scale=scale, enable_gqa=True)
-                    return F.scaled_dot_product_attention(
-                        qd, kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1),
-                        is_causal=True, scale=scale)
-
             try:
-                o_sd = sdpa_fwd()
-                torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True)
-            except Exception as e:  # flash without GQA: K/V expanded inside the timed graph
-                res["sdpa_gqa_note"] = f"enable_gqa refused ({repr(e)[:200]}); K/V expanded"
-                gqa_ok[0] = False
-                o_sd = sdpa_fwd()
-            t_sd_b = triton_bench(lambda: torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True))
-            t_sd_fb = triton_bench(lambda: torch.autograd.grad(sdpa_fwd(), (qd, kd, vd), dod))
-            t_us_b = triton_bench(ours_bwd_fn(q, k, v, do, cu, S))
-            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-            t_us_fb = triton_bench(lambda: torch.autograd.grad(
-                att.attention_prefill_autograd(ql, kl, vl, cu, scale, True, None, max_seqlen=S),
-                (ql, kl, vl), do))
-            fl_b = 2.5 * 4 * B * Hq * S * S * D / 2
-            res["time"][f"S{S}_B{B}"] = {
-                "sdpa_flash_bwd_ms": t_sd_b, "ours_bwd_ms": t_us_b, "ratio_bwd": t_sd_b / t_us_b,
-                "sdpa_flash_fwd_bwd_ms": t_sd_fb, "ours_fwd_bwd_ms": t_us_fb,
-                "ratio_fwd_bwd": t_sd_fb / t_us_fb,
-                "ours_bwd_TFLOPs": fl_b / (t_us_b * 1e-3) / 1e12,
-                "sdpa_bwd_TFLOPs": fl_b / (t_sd_b * 1e-3) / 1e12}
-            print("bwd time", S, json.dumps(res["time"][f"S{S}_B{B}"]), flush=True)
-            del q, k, v, do, qd, kd, vd, dod, o_sd, ql, kl, vl
+                _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale)
+            except Exception:
+                res["time"][f"S{S}_error"] = traceback.format_exc()[-1500:]
             torch.cuda.empty_cache()
     finally:
         # the timings above ran with the chosen tiles; leave them set for later sections
         _set_bwd(bwd, dq=best_dq, kv=best_kv)
     return res
+
+
+def _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B = max(1, 16384 // S)
+    q, k, v, do, cu = case(S, B)
+    qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous().requires_grad_()
+                  for x in (q, k, v))
+    dod = do.view(B, S, Hq, D).transpose(1, 2).contiguous()
+
+    def sdpa_fwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if gqa_ok[0]:
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                      scale=scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                qd, kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1),
+                is_causal=True, scale=scale)
+
+    try:
+        o_sd = sdpa_fwd()
+        torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True)
+    except Exception as e:  # flash without GQA: K/V expanded inside the timed graph
+        res["sdpa_gqa_note"] = f"enable_gqa refused ({repr(e)[:200]}); K/V expanded"
+        gqa_ok[0] = False
+        o_sd = sdpa_fwd()
+    t_sd_b = triton_bench(lambda: torch.autograd.grad(o_sd, (qd, kd, vd), dod, retain_graph=True))
+    t_sd_fb = triton_bench(lambda: torch.autograd.grad(sdpa_fwd(), (qd, kd, vd), dod))
+    t_us_b = triton_bench(ours_bwd_fn(q, k, v, do, cu, S))
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    t_us_fb = triton_bench(lambda: torch.autograd.grad(
+        att.attention_prefill_autograd(ql, kl, vl, cu, scale, True, None, max_seqlen=S),
+        (ql, kl, vl), do))
+    fl_b = 2.5 * 4 * B * Hq * S * S * D / 2
+    res["time"][f"S{S}_B{B}"] = {
+        "sdpa_flash_bwd_ms": t_sd_b, "ours_bwd_ms": t_us_b, "ratio_bwd": t_sd_b / t_us_b,
+        "sdpa_flash_fwd_bwd_ms": t_sd_fb, "ours_fwd_bwd_ms": t_us_fb,
+        "ratio_fwd_bwd": t_sd_fb / t_us_fb,
+        "ours_bwd_TFLOPs": fl_b / (t_us_b * 1e-3) / 1e12,
+        "sdpa_bwd_TFLOPs": fl_b / (t_sd_b * 1e-3) / 1e12}
+    print("bwd time", S, json.dumps(res["time"][f"S{S}_B{B}"]), flush=True)
 
 
 def triton_bench(fn, rep=60, warmup=15):
@@ -1113,7 +1231,7 @@ def summarize(data):
         else:
             summ[f"inv_attention_{name}_mismatching_rows"] = "error"
     if "attention_backward" in s and s["attention_backward"].get("time"):
-        t = s["attention_backward"]["time"]
+        t = {k: e for k, e in s["attention_backward"]["time"].items() if isinstance(e, dict)}
         summ["attention_bwd_vs_sdpa_flash"] = {k: e["ratio_bwd"] for k, e in t.items()}
         summ["attention_fwd_bwd_vs_sdpa_flash"] = {k: e["ratio_fwd_bwd"] for k, e in t.items()}
         summ["attention_bwd_geomean"] = geomean([e["ratio_bwd"] for e in t.values()])
@@ -1131,6 +1249,8 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
     ap.add_argument("--only", default="", help="comma list of sections to run")
     ap.add_argument("--cublas-only", default=None)
+    ap.add_argument("--budget-s", type=float, default=0, help="skip the sections that would start "
+                    "after this many seconds (0: no limit), so a device time limit never cuts the JSON")
     ap.add_argument("--rowsum-mma", action="store_true", help="experimental: attention row sums "
                     "on the tensor core and 16-row decode tiles (ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16)")
     ap.add_argument("--sweep-ms", default="", help="comma list of M for the linear sweep; "
@@ -1145,12 +1265,18 @@ def main():
         return
     os.makedirs(args.out, exist_ok=True)
     rec = Recorder(args.out, args)
+    run_t0 = time.time()
     K, modname = load_kernels()
     if args.rowsum_mma:
         K.attention.ROWSUM_MMA = True
         K.attention.MIN_BLOCK_M_CUDA = 16
     rec.data["machine"] = machine_info()
     rec.data["kernels_module"] = modname
+    try:
+        rec.data["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                              text=True, timeout=10).stdout.strip()
+    except Exception:
+        pass
     rec.data["canonical"] = {"linear_split_table": {str(k): v for k, v in K.linear.SPLIT_TABLE.items()},
                              "linear_config_table": K.linear.CONFIG_TABLE,
                              "kv_block": K.attention.KV_BLOCK, "kv_partition": K.attention.KV_PARTITION,
@@ -1169,20 +1295,22 @@ def main():
         rec.put("ceilings", ceil)
     except Exception:
         rec.err("ceilings")
-    steps = [("inv_rowwise", lambda: inv_rowwise(K)),
-             ("inv_attention", lambda: inv_attention(K, args.quick)),
-             ("inv_attention_variants", lambda: inv_attention_variants(K, args.quick)),
-             ("attention_backward", lambda: attention_backward(K, args.quick)),
-             ("inv_linear", lambda: inv_linear(K, args.quick)),
-             ("sweep_attention", lambda: sweep_attention(K)),
-             ("sweep_linear", lambda: sweep_linear(K)),
+    # most decision-relevant first: a run cut by the device time limit still returns its JSON
+    steps = [("inv_attention_variants", lambda: inv_attention_variants(K, args.quick)),
              ("sweep_decode", lambda: sweep_decode(K, ceil)),
-             ("time_rowwise", lambda: time_rowwise(K)),
-             ("time_attention", lambda: time_attention(K, args.quick, ceil)),
              ("time_attention_variants", lambda: time_attention_variants(K, args.quick, ceil)),
+             ("attention_backward", lambda: attention_backward(K, args.quick)),
              ("time_linear", lambda: time_linear(K, args.quick)),
              ("time_linear_tma", lambda: time_linear_tma(K)),
-             ("cublas_nosplit", lambda: cublas_nosplit_subprocess(args.out))]
+             ("inv_linear", lambda: inv_linear(K, args.quick)),
+             ("inv_rowwise", lambda: inv_rowwise(K)),
+             ("time_rowwise", lambda: time_rowwise(K)),
+             ("time_fwd_bwd_public", lambda: time_fwd_bwd_public(K)),
+             ("cublas_nosplit", lambda: cublas_nosplit_subprocess(args.out)),
+             ("inv_attention", lambda: inv_attention(K, args.quick)),
+             ("time_attention", lambda: time_attention(K, args.quick, ceil)),
+             ("sweep_attention", lambda: sweep_attention(K)),
+             ("sweep_linear", lambda: sweep_linear(K))]
     # the variant sections replace the single-variant ones unless asked for by --only
     default_skip = {"inv_attention", "time_attention"}
     for name, fn in steps:
@@ -1190,6 +1318,10 @@ def main():
                               and not args.sweep):
             continue
         if only is None and name in default_skip:
+            continue
+        if args.budget_s and time.time() - run_t0 > args.budget_s:
+            rec.data.setdefault("skipped_for_time", []).append(name)
+            rec.flush()
             continue
         t0 = time.time()
         try:
@@ -1199,7 +1331,15 @@ def main():
             rec.err(name)
         print(f"== {name} done in {time.time() - t0:.1f}s", flush=True)
         rec.data.setdefault("section_seconds", {})[name] = time.time() - t0
-    summarize(rec.data)
+        try:  # a summary after every section: a run cut short still has one
+            summarize(rec.data)
+        except Exception:
+            rec.data["summary_error"] = traceback.format_exc()[-1000:]
+        rec.flush()
+    try:
+        summarize(rec.data)
+    except Exception:
+        rec.data["summary_error"] = traceback.format_exc()[-1000:]
     rec.data["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rec.flush()
     print(json.dumps(rec.data.get("summary", {}), indent=1, default=str))

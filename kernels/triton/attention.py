@@ -243,6 +243,7 @@ PREFILL_WARPS = 8
 PREFILL_STAGES = 3
 DECODE_WARPS = 4
 DECODE_STAGES = 2
+DECODE_SPLIT_MAX_PROGRAMS = None
 _SM_COUNT = {}
 
 
@@ -285,9 +286,12 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
     if force_mode is not None:
         split = force_mode == "split"
     else:
-        # decode-size tiles: always split partitions over programs (faster at every batch
-        # measured on the H200); prefill tiles: only when too few programs fill the GPU
-        split = NP > 1 and (block_m <= 64 or programs < 2 * _sm_count(q.device))
+        # decode-size tiles: split partitions over programs (unless the batch alone fills the
+        # GPU many times over: DECODE_SPLIT_MAX_PROGRAMS); prefill tiles: only when too few
+        # programs fill the GPU. Either way the same bits (partition merge order is fixed).
+        small_split = block_m <= 64 and (DECODE_SPLIT_MAX_PROGRAMS is None
+                                         or programs < DECODE_SPLIT_MAX_PROGRAMS)
+        split = NP > 1 and (small_split or programs < 2 * _sm_count(q.device))
     prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
     has_window = window is not None and window > 0
     qk_scale = float(scale) * _LOG2E
