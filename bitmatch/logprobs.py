@@ -10,16 +10,21 @@ from bitmatch.models.dense import default_compute_dtype
 DEFAULT_LOGIT_ELEMENTS = 1 << 25  # fp32 logits elements per chunk (128 MiB)
 
 
-def _chunk_logprobs(lm, dtype, temperature, hidden, targets):
+def _chunk_logprobs(lm, dtype, temperature, hidden, targets, entropy=False):
     import bitmatch.kernels as K
 
     logits = compute_logits(lm, hidden, compute_dtype=dtype)
-    return K.token_logprobs(logits, targets, temperature)
+    lp = K.token_logprobs(logits, targets, temperature)
+    if not entropy:
+        return lp
+    # entropy of the same distribution (a metric / bonus: exact bits not required)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lp, -(logp.exp() * logp).sum(-1)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0, chunk_rows: int | None = None,
-                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   compute_dtype: torch.dtype | None = None, return_entropy: bool = False):
     """fp32 [B, L-1]: logprob of ``input_ids[:, 1:]`` given its prefix (0 where the token is padding
     or the first real token of its row), full-vocabulary ``log_softmax(logits.float() / T)``.
 
@@ -27,7 +32,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     token) and run through ``bitmatch.models.forward_hidden``; logits are computed over row
     chunks of ``chunk_rows`` (default: about 2**25 logits per chunk) and, with autograd on,
     recomputed in backward (checkpointed), so the whole [B, L, V] never exists. The bits do
-    not depend on ``chunk_rows``.
+    not depend on ``chunk_rows``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
+    ``softmax(logits.float() / T)`` at the same positions (with gradients): ``(logprobs, entropy)``.
     """
     if isinstance(temperature, torch.Tensor):
         if temperature.numel() != 1:
@@ -47,12 +53,13 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     B, L = input_ids.shape
     p = pack(input_ids, attention_mask)
     out = torch.zeros((B, max(L - 1, 0)), dtype=torch.float32, device=dev)
+    empty = (out, torch.zeros_like(out)) if return_entropy else out
     if p.input_ids.numel() == 0:
-        return out
+        return empty
     hidden = forward_hidden(lm, p.input_ids, p.context(), compute_dtype=dtype)
     src = (~p.seq_end).nonzero(as_tuple=True)[0]   # token predicting the next one
     if src.numel() == 0:
-        return out
+        return empty
     tgt = src + 1
     targets = p.input_ids[tgt]
     h = hidden[src]
@@ -62,8 +69,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     for a in range(0, h.shape[0], rows):
         hc, tc = h[a:a + rows], targets[a:a + rows]
         if torch.is_grad_enabled() and hc.requires_grad:
-            pieces.append(checkpoint(_chunk_logprobs, lm, dtype, temperature, hc, tc, use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, lm, dtype, temperature, hc, tc, return_entropy,
+                                     use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(lm, dtype, temperature, hc, tc))
-    lp = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
+            pieces.append(_chunk_logprobs(lm, dtype, temperature, hc, tc, return_entropy))
+    at = (p.rows[tgt], p.cols[tgt] - 1)
+    if not return_entropy:
+        lp = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return out.index_put(at, lp.to(torch.float32))
+    lp = torch.cat([x[0] for x in pieces])
+    ent = torch.cat([x[1] for x in pieces])
+    return out.index_put(at, lp.to(torch.float32)), torch.zeros_like(out).index_put(at, ent.to(torch.float32))

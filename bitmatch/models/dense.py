@@ -178,6 +178,10 @@ def _plain_linear_params(mod):
 
 
 def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):
+        # PEFT LoRA: the merged weight the rollout receives (bitmatch.adapters.lora)
+        from bitmatch.adapters import lora
+        return lora.linear(mod, x, dtype)
     w, b = _plain_linear_params(mod)
     return _kernels().linear(x, cast_param(w, dtype), cast_param(b, dtype))
 

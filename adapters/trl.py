@@ -1,0 +1,552 @@
+"""TRL adapter: one line makes a stock ``GRPOTrainer`` bitmatched, and proves it on every step.
+
+    from trl import GRPOTrainer
+    import bitmatch.adapters.trl
+
+    trainer = bitmatch.adapters.trl.attach(GRPOTrainer(model=..., args=..., reward_funcs=..., ...))
+    trainer.train()       # raises BitmatchMismatchError on the first rollout/trainer logprob difference
+
+Why a function that takes the built trainer (and not only ``callbacks=[...]``): a TRL callback never
+receives the trainer, and ``on_init_end`` fires before the fused LM head, ``_metrics`` and vLLM
+exist; the logprob substitution must happen on the trainer instance. ``attach`` rebinds three
+methods on the instance (nothing on the class, so other trainers in the process are untouched)
+and adds a ``BitmatchCallback`` that holds the adapter (the transformers ``set_trainer`` pattern):
+it re-checks the wiring at ``on_train_begin`` and keeps the per-step history.
+
+What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at attach time):
+- patches the policy (and ``ref_model`` if any) onto ``bitmatch.kernels`` (``bitmatch.patch``);
+  PEFT LoRA layers run on the merged weight the rollout receives (``bitmatch.adapters.lora``);
+- ``_get_per_token_logps_and_entropies`` (old, ref and current logprobs) calls
+  ``bitmatch.token_logprobs``: fp32 ``log_softmax(logits.float() / T)``, T divided like vLLM (TRL's
+  fused head multiplies by 1/T: other bits), autocast off, weights cast by ``compute_cast``;
+- without vLLM, ``_generate_single_turn`` samples with ``bitmatch.Engine`` (in-process, paged KV
+  cache) and returns its per-token logprobs, which TRL stores as ``sampling_per_token_logps``.
+  The engine runs on the policy's own tensors, or (LoRA, or ``rollout_weights="copy"``) on a
+  rollout copy filled through ``bitmatch.sync.publish`` (fingerprint-verified) whenever the step
+  changed: LoRA layers merged with PEFT's own merge arithmetic, as TRL pushes them to vLLM;
+- with ``use_vllm=True`` the rollout is vLLM's, made bitmatched by the bitmatch vLLM plugin
+  (``bitmatch.adapters.vllm``, enabled with ``BITMATCH=1``); attach refuses to run without it;
+- after every generation step (``_generate_and_score_completions``) it compares the rollout's
+  logprobs with the trainer's logprobs of the same tokens (bit patterns, ``bitmatch.verify.compare``),
+  logs ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` into
+  ``trainer._metrics[mode]`` (they reach wandb / tensorboard with TRL's own), and on any difference
+  applies ``on_mismatch``: ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the
+  step, the first divergent sequence and token, both values as hex bits, the first divergent
+  layer (``bitmatch.verify.locate``) and the path of a small repro bundle.
+
+``watch(trainer)`` installs only the comparison (no patching), to measure a stock run's gap.
+Supported: trl >= 1.16, < 1.17 (``pip install bitmatch[trl]``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import types
+import warnings
+
+import torch
+
+from bitmatch.adapters import lora
+
+logger = logging.getLogger("bitmatch.trl")
+
+SUPPORTED_TRL = (">=1.16", "<1.17")
+ON_MISMATCH = ("raise", "warn", "log")
+_REBOUND = ("_get_per_token_logps_and_entropies", "_generate_single_turn", "_generate_and_score_completions")
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+               "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+__all__ = ["attach", "watch", "BitmatchCallback", "BitmatchMismatchError", "TrlAdapter", "StepCheck"]
+
+
+class BitmatchMismatchError(AssertionError):
+    """A rollout logprob differs from the trainer's for the same token (the run is off-policy)."""
+
+
+def _require_trl():
+    try:
+        import trl
+        from packaging.version import Version
+    except ImportError as e:  # optional dependency
+        raise ImportError("bitmatch.adapters.trl needs TRL: pip install bitmatch[trl]") from e
+    v = Version(trl.__version__)
+    if not (Version("1.16") <= v < Version("1.17")):
+        warnings.warn(f"bitmatch.adapters.trl is tested with trl {','.join(SUPPORTED_TRL)}; found {trl.__version__}",
+                      stacklevel=3)
+    return trl
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+    return TrainerCallback
+
+
+class StepCheck:
+    """The comparison of one generation step (what the callback keeps in ``history``)."""
+
+    __slots__ = ("step", "mode", "total", "mismatches", "diff_max", "kl_k3", "bundle", "message")
+
+    def __init__(self, step, mode, total, mismatches, diff_max, kl_k3, bundle=None, message=None):
+        self.step, self.mode, self.total, self.mismatches = step, mode, total, mismatches
+        self.diff_max, self.kl_k3, self.bundle, self.message = diff_max, kl_k3, bundle, message
+
+    @property
+    def bitmatched(self) -> bool:
+        return self.mismatches == 0
+
+    def __repr__(self):
+        return (f"StepCheck(step={self.step}, mode={self.mode!r}, tokens={self.total}, "
+                f"mismatches={self.mismatches}, diff_max={self.diff_max:.3g}, kl_k3={self.kl_k3:.3g})")
+
+
+class BitmatchCallback(_callback_base()):
+    """Holds the adapter (a TRL callback cannot reach the trainer otherwise); checks the wiring
+    when training starts and keeps the per-step comparisons in ``history``."""
+
+    def __init__(self, adapter: "TrlAdapter"):
+        self.adapter = adapter
+
+    @property
+    def history(self) -> list[StepCheck]:
+        return self.adapter.history
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.adapter.check_wiring()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        h = self.adapter.history
+        if h:
+            bad = sum(1 for c in h if not c.bitmatched)
+            logger.info("bitmatch: %d generation steps checked, %d tokens, %d step(s) with mismatches",
+                        len(h), sum(c.total for c in h), bad)
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+class TrlAdapter:
+    """State behind ``attach`` / ``watch``: the trainer, the engine, the rollout weights, history."""
+
+    def __init__(self, trainer, *, on_mismatch: str, check_only: bool, compute_dtype, rollout_weights: str,
+                 repro_dir, engine_kwargs, max_bundles: int):
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"attach: on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        if rollout_weights not in ("auto", "shared", "copy"):
+            raise ValueError(f"attach: rollout_weights must be 'auto', 'shared' or 'copy', got {rollout_weights!r}")
+        self.trainer = trainer
+        self.on_mismatch = on_mismatch
+        self.check_only = check_only
+        self.history: list[StepCheck] = []
+        self.repro_dir = repro_dir or os.path.join(trainer.args.output_dir, "bitmatch_repro")
+        self.max_bundles = max_bundles
+        self._bundles = 0
+        self.engine = None
+        self.rollout_model = None
+        self.receiver = None
+        self._synced_step = None
+        self.weight_version = None
+        self._orig = {n: getattr(trainer, n) for n in _REBOUND}
+        self.is_peft = any(lora.is_lora_layer(m) for m in trainer.model.modules())
+        self.compute_dtype = None if check_only else self._pick_dtype(compute_dtype)
+        if rollout_weights == "auto":
+            rollout_weights = "copy" if self.is_peft else "shared"
+        if self.is_peft and rollout_weights == "shared":
+            raise ValueError("attach: rollout_weights='shared' cannot serve a PEFT model (the rollout needs the "
+                             "merged weights); use rollout_weights='copy' or 'auto'")
+        self.rollout_weights = rollout_weights
+        self.engine_kwargs = dict(engine_kwargs or {})
+
+    # -- setup ------------------------------------------------------------------------------
+    def _pick_dtype(self, compute_dtype):
+        from bitmatch.models import unwrap_causal_lm
+        p = unwrap_causal_lm(self.trainer.model).model.embed_tokens.weight.dtype
+        if compute_dtype is None:
+            args = self.trainer.args
+            if p == torch.float32 and getattr(args, "bf16", False):
+                return torch.bfloat16   # what bf16 mixed precision computes, and what a bf16 rollout holds
+            return p
+        if compute_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"attach: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+        return compute_dtype
+
+    def install(self):
+        t = self.trainer
+        missing = [n for n in _REBOUND if not callable(getattr(t, n, None))]
+        if missing:
+            raise RuntimeError(f"attach: this GRPOTrainer has no {missing}; bitmatch.adapters.trl supports trl "
+                               f"{','.join(SUPPORTED_TRL)} (pip install bitmatch[trl])")
+        if not self.check_only:
+            self._check_config()
+            import bitmatch
+            for m in self._trained_models():
+                bitmatch.patch(m, compute_dtype=self.compute_dtype)
+            if t.use_vllm:
+                self._check_vllm_plugin()
+            elif t.rollout_func is None:
+                t._generate_single_turn = types.MethodType(_generate_single_turn, t)
+            t._get_per_token_logps_and_entropies = types.MethodType(_per_token_logps_and_entropies, t)
+        t._generate_and_score_completions = types.MethodType(_generate_and_score_completions, t)
+        t._bitmatch = self
+        self.callback = BitmatchCallback(self)
+        t.add_callback(self.callback)
+        return t
+
+    def _trained_models(self):
+        t = self.trainer
+        out = [t.model]
+        if getattr(t, "ref_model", None) is not None:
+            out.append(t.ref_model)
+        return out
+
+    def _check_config(self):
+        t, a = self.trainer, self.trainer.args
+        if not t.temperature > 0:
+            raise ValueError(f"attach: GRPOConfig(temperature={t.temperature}) must be > 0")
+        if getattr(t, "_is_vlm", False):
+            raise ValueError("attach: vision-language models are not supported by bitmatch yet (text-only dense "
+                             "models: Qwen2, Qwen3, Llama, Mistral)")
+        if getattr(t, "aux_loss_enabled", False):
+            raise ValueError("attach: MoE models (aux loss) are not supported by the dense model path yet")
+        if getattr(a, "use_transformers_paged", False) or getattr(t, "use_transformers_continuous_batching", False):
+            raise ValueError("attach: GRPOConfig(use_transformers_paged=True) is not supported; leave it False "
+                             "(bitmatch.Engine generates instead)")
+        if getattr(a, "cast_lm_head_to_fp32", False):
+            raise ValueError("attach: GRPOConfig(cast_lm_head_to_fp32=True) replaces lm_head.forward; set it False "
+                             "(bitmatch computes the logprob in fp32 from the compute-dtype logits, as vLLM)")
+        if not t.use_vllm and t.rollout_func is None:
+            bad = {"repetition_penalty": (a.repetition_penalty, 1.0), "min_p": (a.min_p, None)}
+            for k, (v, ok) in bad.items():
+                if v != ok and not (k == "min_p" and v == 0.0):
+                    raise ValueError(f"attach: GRPOConfig({k}={v}) is not supported by bitmatch.Engine; set "
+                                     f"{k}={ok!r}")
+            if a.generation_kwargs:
+                raise ValueError(f"attach: GRPOConfig(generation_kwargs={a.generation_kwargs}) is not supported by "
+                                 "bitmatch.Engine; use temperature / top_p / top_k / max_completion_length")
+        for m in self._trained_models():
+            for n, mod in m.named_modules():
+                if lora.is_lora_layer(mod):
+                    lora.check_lora_layer(mod, n)
+
+    def _check_vllm_plugin(self):
+        try:
+            import bitmatch.adapters.vllm as plugin  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "attach: GRPOConfig(use_vllm=True) needs the bitmatch vLLM plugin (bitmatch.adapters.vllm, enabled "
+                "with the environment variable BITMATCH=1 before vLLM starts), which is not importable here: "
+                f"{e}. Use use_vllm=False to roll out with bitmatch.Engine") from e
+        if os.environ.get("BITMATCH") != "1":
+            raise RuntimeError("attach: GRPOConfig(use_vllm=True) needs BITMATCH=1 in the environment of every vLLM "
+                               "process (set it before building the trainer / running `trl vllm-serve`)")
+        if not getattr(self.trainer, "vllm_importance_sampling_correction", False):
+            raise ValueError("attach: with use_vllm=True leave GRPOConfig(vllm_importance_sampling_correction=True): "
+                             "TRL then keeps vLLM's logprobs, which bitmatch compares (the ratio is exactly 1)")
+
+    def check_wiring(self):
+        """Raise if something undid attach (a re-wrapped model, a replaced method)."""
+        t = self.trainer
+        if not self.check_only:
+            from bitmatch import is_patched
+            for m in self._trained_models():
+                if not is_patched(m):
+                    raise RuntimeError("bitmatch: the policy is no longer patched at train start; call attach() on "
+                                       "the trainer after any code that rebuilds trainer.model")
+        for n in _REBOUND:
+            f = getattr(t, n)
+            if n == "_get_per_token_logps_and_entropies" and self.check_only:
+                continue
+            if n == "_generate_single_turn" and (self.check_only or t.use_vllm or t.rollout_func is not None):
+                continue
+            if getattr(f, "__func__", None) not in (_per_token_logps_and_entropies, _generate_single_turn,
+                                                   _generate_and_score_completions):
+                raise RuntimeError(f"bitmatch: trainer.{n} was replaced after attach(); attach last")
+
+    # -- rollout --------------------------------------------------------------------------
+    def _build_rollout_copy(self):
+        import transformers
+        from bitmatch.models import unwrap_causal_lm
+        import bitmatch.sync as bsync
+
+        lm = unwrap_causal_lm(self.trainer.model)
+        dev = lm.lm_head.weight.device
+        with torch.device("meta"):
+            view = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=self.compute_dtype)
+        view = view.to_empty(device=dev).eval()
+        view.requires_grad_(False)
+        self.rollout_model = view
+        self.receiver = bsync.receive(view)
+
+    def rollout_weights_source(self):
+        """(HF name, tensor) pairs the rollout must hold: merged LoRA weights, the rest as they are."""
+        return lora.merged_state_dict(self.trainer.accelerator.unwrap_model(self.trainer.model))
+
+    def sync_rollout(self):
+        """Make the rollout hold the current weights (once per optimizer step, as TRL's vLLM sync)."""
+        import bitmatch
+        step = self.trainer.state.global_step
+        if self.engine is None:
+            if self.rollout_weights == "copy":
+                self._build_rollout_copy()
+                model = self.rollout_model
+            else:
+                model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            kw = dict(seed=int(self.trainer.args.seed) + self.trainer.accelerator.process_index)
+            kw.update(self.engine_kwargs)
+            self.engine = bitmatch.Engine(model, **kw)
+        if self.rollout_weights == "copy" and self._synced_step != step:
+            import bitmatch.sync as bsync
+            bsync.publish(self.rollout_weights_source(), step, to=self.receiver, dtype=self.compute_dtype)
+        self._synced_step = step
+        self.weight_version = step
+        if self.receiver is not None:
+            bitmatch.sync.require_ready(self.rollout_model, step)
+
+    # -- comparison -----------------------------------------------------------------------
+    def compare_step(self, output: dict, mode: str) -> StepCheck:
+        from bitmatch.verify import compare
+        t = self.trainer
+        sampling = output.get("sampling_per_token_logps")
+        if sampling is None:
+            raise RuntimeError("bitmatch: this generation step returned no rollout logprobs, so nothing proves the "
+                               "rollout matches the trainer (stock TRL without vLLM keeps none): use attach(), "
+                               "use_vllm=True, or a rollout_func that returns 'logprobs'")
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        keep = output["completion_ids"].size(1)
+        cmask = output["completion_mask"]
+        if "tool_mask" in output:
+            cmask = cmask * output["tool_mask"]
+        trainer_lp = output.get("old_per_token_logps")
+        if trainer_lp is None:
+            with torch.no_grad():
+                trainer_lp, _, _ = t._get_per_token_logps_and_entropies(t.model, ids, mask, keep)
+        res = compare(sampling.float(), trainer_lp.float(), cmask)
+        dev = t.accelerator.device
+        stats = torch.tensor([[res.max_abs_diff, res.mismatches, res.k3_kl * res.total, res.total]],
+                             dtype=torch.float64, device=dev)
+        g = t.accelerator.gather(stats).view(-1, 4)
+        total = int(g[:, 3].sum())
+        check = StepCheck(step=t.state.global_step, mode=mode, total=total, mismatches=int(g[:, 1].sum()),
+                          diff_max=float(g[:, 0].max()), kl_k3=float(g[:, 2].sum()) / max(total, 1))
+        m = t._metrics[mode]
+        m["bitmatch/diff_max"].append(check.diff_max)
+        m["bitmatch/mismatch_tokens"].append(float(check.mismatches))
+        m["bitmatch/kl_k3"].append(check.kl_k3)
+        self.history.append(check)
+        if res.mismatches:
+            self._on_mismatch(check, res, output, ids, mask, cmask, sampling, trainer_lp)
+        elif check.mismatches:  # another rank found it
+            check.message = f"bitmatch: step {check.step}: {check.mismatches} mismatching tokens on another process"
+            self._apply_policy(check)
+        return check
+
+    def _on_mismatch(self, check, res, output, ids, mask, cmask, sampling, trainer_lp):
+        s, j = res.first_divergence
+        plen = output["prompt_ids"].size(1)
+        tok = int(output["completion_ids"][s, j])
+        where, weights = self._locate(ids[s:s + 1], mask[s:s + 1], plen + j + 1)
+        bundle = self._save_bundle(check, res, output, sampling, trainer_lp, cmask, where, weights)
+        check.bundle = bundle
+        check.message = (
+            f"bitmatch: rollout and trainer logprobs differ at step {check.step} ({check.mode}): "
+            f"{check.mismatches} of {check.total} completion tokens, max |diff| {check.diff_max:.3g}, "
+            f"k3 KL {check.kl_k3:.3g}. First divergence: sequence {s}, completion token {j} (token id {tok}): "
+            f"rollout {res.first_rollout_value!r} ({res.first_rollout_hex}) vs trainer "
+            f"{res.first_trainer_value!r} ({res.first_trainer_hex}). {where}{weights}"
+            f" Repro bundle: {bundle if bundle else '(not saved: max_bundles reached)'}")
+        self._apply_policy(check)
+
+    def _apply_policy(self, check):
+        if self.on_mismatch == "raise":
+            raise BitmatchMismatchError(check.message)
+        if self.on_mismatch == "warn":
+            warnings.warn(check.message, stacklevel=2)
+        else:
+            logger.warning(check.message)
+
+    def _locate(self, ids, mask, upto):
+        """(first divergent layer sentence, differing rollout weights sentence)."""
+        if self.check_only:
+            return ("First divergent layer: not located (watch() mode: the trainer is not on bitmatch kernels; "
+                    "use attach()).", "")
+        from bitmatch.verify import locate
+        ids, mask = ids[:, :upto], mask[:, :upto]
+        weights = ""
+        if self.rollout_model is None:
+            rollout = self.engine.model if self.engine is not None else None
+        else:
+            rollout = self.rollout_model
+            bad = self._differing_weights()
+            if bad:
+                weights = (f" Rollout weights differ from the trainer's at {len(bad)} tensor(s), first "
+                           f"{bad[0]!r}.")
+        if rollout is None:  # vLLM: its weights live in another engine
+            return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
+                    "bitmatch.verify.locate against the plugin's model).", weights)
+        block = self.engine.block_size if self.engine is not None else None
+        r = locate(self.trainer.model, rollout, ids, mask, compute_dtype_a=self.compute_dtype,
+                   compute_dtype_b=self.compute_dtype, paged_b_block_size=block)
+        if r.first_divergent is None:
+            where = (f"First divergent layer: none, all {r.ops_compared} op outputs (embed_tokens .. lm_head) are "
+                     "bit-identical between trainer and rollout model: the difference comes after the logits "
+                     "(sampler / logprob) or from the engine's schedule.")
+        else:
+            lyr = f"layer {r.layer}, op {r.op}" if r.layer is not None else f"op {r.op}"
+            where = f"First divergent layer: {r.first_divergent} ({lyr})."
+        return where, weights
+
+    def _differing_weights(self):
+        from bitmatch.sync import fingerprint
+        from bitmatch.precision import compute_cast
+        live = dict(self.rollout_model.named_parameters())
+        bad = []
+        for name, w in self.rollout_weights_source():
+            if name in live and fingerprint(compute_cast(w, self.compute_dtype)) != fingerprint(live[name].detach()):
+                bad.append(name)
+        return bad
+
+    def _weights_fingerprint(self):
+        import xxhash
+        from bitmatch.sync import fingerprints
+        src = self.rollout_weights_source()
+        fp = fingerprints(src, dtype=self.compute_dtype or torch.float32)
+        h = xxhash.xxh64()
+        for k in sorted(fp):
+            h.update(f"{k}={fp[k]};".encode())
+        return h.hexdigest()
+
+    def _save_bundle(self, check, res, output, sampling, trainer_lp, cmask, where, weights):
+        if self._bundles >= self.max_bundles:
+            return None
+        import bitmatch
+        t = self.trainer
+        self._bundles += 1
+        rank = t.accelerator.process_index
+        path = os.path.join(self.repro_dir, f"step{check.step}_{check.mode}_rank{rank}")
+        os.makedirs(path, exist_ok=True)
+        cfg = {
+            "step": check.step, "mode": check.mode, "temperature": t.temperature,
+            "top_p": t.top_p, "top_k": t.top_k,
+            "compute_dtype": str(self.compute_dtype), "rollout_weights": self.rollout_weights,
+            "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
+            "weights_fingerprint": self._weights_fingerprint(),
+            "first_divergence": {"sequence": res.first_divergence[0], "token": res.first_divergence[1],
+                                 "rollout": res.first_rollout_value, "rollout_hex": res.first_rollout_hex,
+                                 "trainer": res.first_trainer_value, "trainer_hex": res.first_trainer_hex},
+            "mismatches": check.mismatches, "total": check.total, "diff_max": check.diff_max,
+            "kl_k3": check.kl_k3, "located": where + weights,
+            "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None,
+            "versions": _versions(), "bitmatch": bitmatch.__version__,
+        }
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1, default=str)
+        torch.save({"prompt_ids": output["prompt_ids"].cpu(), "prompt_mask": output["prompt_mask"].cpu(),
+                    "completion_ids": output["completion_ids"].cpu(), "completion_mask": cmask.cpu(),
+                    "rollout_logprobs": sampling.float().cpu(), "trainer_logprobs": trainer_lp.float().cpu()},
+                   os.path.join(path, "tokens.pt"))
+        return path
+
+
+def _versions():
+    out = {}
+    for mod in ("torch", "transformers", "trl", "peft", "vllm"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return out
+
+
+# ----------------------------------------------------------------------------- rebound methods
+# Bound to the trainer instance (self is the GRPOTrainer); state lives in self._bitmatch.
+
+def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                   compute_entropy=False, compute_aux_loss=False, **mm):
+    """bitmatch's ``_get_per_token_logps_and_entropies``: ``bitmatch.token_logprobs`` at the rollout's
+    temperature and compute dtype, autocast off. The bits do not depend on ``batch_size``."""
+    import bitmatch
+    bm = self._bitmatch
+    used = [k for k, v in mm.items() if v is not None and k in _MULTIMODAL or (k == "num_images" and v)]
+    if used:
+        raise ValueError(f"bitmatch: multimodal inputs {used} are not supported (text-only dense models)")
+    if compute_aux_loss:
+        raise ValueError("bitmatch: compute_aux_loss (MoE) is not supported by the dense model path")
+    batch_size = batch_size or input_ids.size(0)
+    lps, ents = [], []
+    dev_type = input_ids.device.type
+    for a in range(0, input_ids.size(0), batch_size):
+        ids, msk = input_ids[a:a + batch_size], attention_mask[a:a + batch_size]
+        with torch.autocast(device_type=dev_type, enabled=False):
+            out = bitmatch.token_logprobs(model, ids, msk, temperature=self.temperature,
+                                          compute_dtype=bm.compute_dtype, return_entropy=compute_entropy)
+        lp, ent = out if compute_entropy else (out, None)
+        lps.append(lp[:, -logits_to_keep:])
+        if compute_entropy:
+            ents.append(ent[:, -logits_to_keep:])
+    return torch.cat(lps), (torch.cat(ents) if compute_entropy else None), None
+
+
+def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Rollouts through ``bitmatch.Engine``: (completion_ids, per-token logprobs)."""
+    import bitmatch
+    if images is not None or multimodal_fields:
+        raise ValueError("bitmatch: multimodal prompts are not supported (text-only dense models)")
+    bm = self._bitmatch
+    bm.sync_rollout()
+    top_k = self.top_k if self.top_k and self.top_k > 0 else -1
+    sp = bitmatch.SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p or 1.0), top_k=top_k,
+                                 max_tokens=int(self.max_completion_length),
+                                 stop_token_ids=[int(e) for e in self.eos_token_ids], ignore_eos=True)
+    prompts = [list(map(int, p)) for p in prompt_ids]
+    outs = bm.engine.generate(prompts, sp, use_tqdm=False)
+    completion_ids = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [list(o.outputs[0].logprobs) for o in outs]
+    return completion_ids, logprobs
+
+
+def _generate_and_score_completions(self, inputs):
+    """TRL's step, then the proof: rollout logprobs vs the trainer's for the same tokens."""
+    bm = self._bitmatch
+    output = bm._orig["_generate_and_score_completions"](inputs)
+    mode = "train" if self.model.training else "eval"
+    bm.compare_step(output, mode)
+    return output
+
+
+# ----------------------------------------------------------------------------- public API
+
+def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | None = None,
+           rollout_weights: str = "auto", repro_dir: str | None = None, engine_kwargs: dict | None = None,
+           max_bundles: int = 3):
+    """Make ``trainer`` (a built ``trl.GRPOTrainer``) bitmatched; returns the same trainer.
+
+    on_mismatch: "raise" (default: ``BitmatchMismatchError`` at the first differing token), "warn"
+    or "log" (metrics and a warning; training goes on). compute_dtype: the dtype weights are cast
+    to at use on both sides (default: bf16 under ``GRPOConfig(bf16=True)`` with fp32 weights, else
+    the weights' dtype). rollout_weights (without vLLM): "shared" (the engine reads the policy's
+    own tensors), "copy" (a rollout copy synced through ``bitmatch.sync`` every step; required for
+    PEFT), "auto". repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
+    engine_kwargs: passed to ``bitmatch.Engine`` (block_size, kv_cache_bytes, max_num_seqs, ...).
+
+    Invariance: after attach, every logprob the rollout reports equals the trainer's logprob of
+    the same token bit for bit, and each generation step checks it.
+    """
+    _require_trl()
+    if getattr(trainer, "_bitmatch", None) is not None:
+        raise RuntimeError("attach: this trainer is already attached (call attach once per trainer)")
+    if not hasattr(trainer, "_generate_and_score_completions"):
+        raise TypeError(f"attach: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
+    return TrlAdapter(trainer, on_mismatch=on_mismatch, check_only=False, compute_dtype=compute_dtype,
+                      rollout_weights=rollout_weights, repro_dir=repro_dir, engine_kwargs=engine_kwargs,
+                      max_bundles=max_bundles).install()
+
+
+def watch(trainer, *, on_mismatch: str = "log", repro_dir: str | None = None, max_bundles: int = 1):
+    """Only compare (no patching, no engine): log the stock gap between the rollout's logprobs
+    (vLLM's, or a ``rollout_func``'s) and the trainer's, as ``bitmatch/*`` metrics."""
+    _require_trl()
+    if getattr(trainer, "_bitmatch", None) is not None:
+        raise RuntimeError("watch: this trainer is already attached")
+    return TrlAdapter(trainer, on_mismatch=on_mismatch, check_only=True, compute_dtype=None,
+                      rollout_weights="shared", repro_dir=repro_dir, engine_kwargs=None,
+                      max_bundles=max_bundles).install()
