@@ -229,13 +229,13 @@ class TrlAdapter:
 
     def _check_vllm_plugin(self):
         try:
-            import bitmatch.adapters.vllm as plugin  # noqa: F401
+            import bitmatch.adapters.vllm as plugin
         except ImportError as e:
             raise RuntimeError(
                 "attach: GRPOConfig(use_vllm=True) needs the bitmatch vLLM plugin (bitmatch.adapters.vllm, enabled "
                 "with the environment variable BITMATCH=1 before vLLM starts), which is not importable here: "
                 f"{e}. Use use_vllm=False to roll out with bitmatch.Engine") from e
-        if os.environ.get("BITMATCH") != "1":
+        if not plugin.is_enabled():
             raise RuntimeError("attach: GRPOConfig(use_vllm=True) needs BITMATCH=1 in the environment of every vLLM "
                                "process (set it before building the trainer / running `trl vllm-serve`)")
         if not getattr(self.trainer, "vllm_importance_sampling_correction", False):

@@ -1,0 +1,236 @@
+"""TRL adapter end to end: real trl.GRPOTrainer on CPU, tiny Qwen3 built in code, bitmatch.Engine rollouts.
+
+Every generation step is checked by the adapter itself (on_mismatch="raise"): a run that finishes
+proves Diff = 0 on each step; the tests also read the per-step history and TRL's logged metrics.
+The control runs stock TRL with a logprob-reporting HF-generate rollout and must find mismatches.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+_EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("bitmatch_example_trl_grpo", _EX)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ex = _example()
+TEMPERATURE = 0.9   # != 1: the temperature must be divided the same way on both sides
+
+
+def make_trainer(tmp_path, steps=5, lora=False, rollout_func=None, **over):
+    """A tiny GRPO run on the toy task: 2 prompts x 4 generations, 6 completion tokens, T=0.9."""
+    from trl import GRPOTrainer
+
+    kw = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=6, temperature=TEMPERATURE,
+              learning_rate=2e-2 if lora else 3e-3)
+    kw.update(over)
+    args = ex.toy_config(str(tmp_path / "out"), steps, **kw)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    return GRPOTrainer(model=ex.tiny_policy(), reward_funcs=ex.repeat_letter_reward, args=args,
+                       train_dataset=ex.toy_dataset(64), processing_class=ex.char_tokenizer(),
+                       peft_config=peft_config, rollout_func=rollout_func)
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def params_snapshot(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def assert_trained(before, model):
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(before[k], after[k].detach()) for k in before), "no optimizer step changed a weight"
+
+
+# ----------------------------------------------------------------------------- dense
+
+@pytest.mark.parametrize("rollout_weights", ["shared", "copy"])
+def test_grpo_five_steps_diff_zero(tmp_path, rollout_weights):
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path), rollout_weights=rollout_weights)
+    before = params_snapshot(trainer.model)
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert [h.step for h in hist] == [0, 1, 2, 3, 4]          # one check per generation step
+    assert all(h.total > 0 and h.mismatches == 0 and h.diff_max == 0.0 and h.kl_k3 == 0.0 for h in hist), hist
+    assert logged(trainer, "bitmatch/diff_max") == [0.0] * 5
+    assert logged(trainer, "bitmatch/mismatch_tokens") == [0.0] * 5
+    assert logged(trainer, "bitmatch/kl_k3") == [0.0] * 5
+    assert_trained(before, trainer.model)
+    if rollout_weights == "copy":   # a fingerprint-verified publish per optimizer step
+        assert trainer._bitmatch.receiver.version == 4
+        assert trainer._bitmatch.rollout_model is trainer._bitmatch.engine.model
+
+
+def _hf_rollout(prompts, trainer):
+    """Stock rollout with logprobs: HF generate, log_softmax(logits / T) of the sampled tokens (vLLM's rule)."""
+    from trl.models import unwrap_model_for_generation
+
+    tok = trainer.processing_class
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    L = max(map(len, prompt_ids))
+    ids = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_ids])
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as m, torch.no_grad():
+        out = m.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=trainer.temperature,
+                         top_k=0, top_p=1.0, max_new_tokens=trainer.max_completion_length,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         output_logits=True, return_dict_in_generate=True)
+    comp = out.sequences[:, L:]
+    lps = torch.stack([torch.log_softmax(lg.float() / trainer.temperature, -1) for lg in out.logits], 1)
+    lps = lps.gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    completion_ids, logprobs = [], []
+    for c, lp in zip(comp.tolist(), lps.tolist()):
+        n = c.index(tok.eos_token_id) + 1 if tok.eos_token_id in c else len(c)
+        completion_ids.append(c[:n])
+        logprobs.append(lp[:n])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def test_control_stock_trl_has_nonzero_diff(tmp_path):
+    """The same run without bitmatch: stock trainer logprobs vs a stock rollout's differ."""
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.watch(make_trainer(tmp_path, rollout_func=_hf_rollout), on_mismatch="log")
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert len(hist) == 5 and all(h.total > 0 for h in hist)
+    assert sum(h.mismatches for h in hist) > 0, hist
+    assert max(h.diff_max for h in hist) > 0.0
+    assert max(logged(trainer, "bitmatch/mismatch_tokens")) > 0
+
+
+def test_grad_accumulation_and_num_iterations_diff_zero(tmp_path):
+    """gradient_accumulation_steps=2, num_iterations=2: TRL computes old logprobs at generation time;
+    they (the first iteration's) equal the rollout's."""
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, steps=4, gradient_accumulation_steps=2, num_iterations=2,
+                                     per_device_train_batch_size=4))
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert len(hist) == 2 and all(h.total > 0 and h.mismatches == 0 for h in hist), hist
+    assert all("old_per_token_logps" in b for b in trainer._buffered_inputs)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def test_lora_grpo_diff_zero(tmp_path):
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, lora=True))
+    assert trainer._bitmatch.rollout_weights == "copy"
+    base_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_" not in k}
+    lora_before = params_snapshot(trainer.model)
+    assert lora_before and all("lora_" in k for k in lora_before)
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert len(hist) == 5 and all(h.total > 0 and h.mismatches == 0 for h in hist), hist
+    assert_trained(lora_before, trainer.model)
+    for k, v in trainer.model.named_parameters():   # never merged/unmerged in place: base weights untouched
+        if k in base_before:
+            assert torch.equal(v.detach(), base_before[k]), k
+    # the rollout copy holds the merged weights of the last step, not the base ones
+    view = dict(trainer._bitmatch.rollout_model.named_parameters())
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(view[w], base_before[f"base_model.model.{w}".replace(".weight", ".base_layer.weight")])
+
+
+def test_fault_in_rollout_copy_raises_and_names_layer(tmp_path):
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, lora=True))
+    bm = trainer._bitmatch
+    sync = bm.sync_rollout
+
+    def sync_then_corrupt():
+        sync()
+        if trainer.state.global_step == 2:   # one weight of the rollout copy only
+            with torch.no_grad():
+                bm.rollout_model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+
+    bm.sync_rollout = sync_then_corrupt
+    with pytest.raises(bt.BitmatchMismatchError) as ei:
+        trainer.train()
+    msg = str(ei.value)
+    assert "at step 2" in msg
+    assert "First divergent layer: layers.1.mlp.down_proj" in msg
+    assert "'model.layers.1.mlp.down_proj.weight'" in msg
+    assert "First divergence: sequence" in msg and "(0x" in msg
+    assert [h.mismatches == 0 for h in bm.history] == [True, True, False]
+    path = bm.history[-1].bundle
+    assert path and path in msg and os.path.isfile(os.path.join(path, "config.json"))
+    tokens = torch.load(os.path.join(path, "tokens.pt"))
+    assert tokens["completion_ids"].shape == tokens["rollout_logprobs"].shape
+    import json
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert cfg["step"] == 2 and cfg["weights_fingerprint"] and cfg["first_divergence"]["rollout_hex"].startswith("0x")
+
+
+def test_on_mismatch_log_keeps_training(tmp_path):
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, steps=2), rollout_weights="copy", on_mismatch="log")
+    bm = trainer._bitmatch
+    sync = bm.sync_rollout
+
+    def sync_then_corrupt():
+        sync()
+        with torch.no_grad():
+            bm.rollout_model.model.layers[0].self_attn.o_proj.weight.mul_(2.0)
+
+    bm.sync_rollout = sync_then_corrupt
+    trainer.train()
+    assert len(bm.history) == 2 and all(h.mismatches > 0 for h in bm.history)
+    assert all(v > 0 for v in logged(trainer, "bitmatch/mismatch_tokens"))
+    assert "layers.0.self_attn.o_proj" in bm.history[0].message
+
+
+# ----------------------------------------------------------------------------- errors, vLLM
+
+def test_errors_name_the_fix(tmp_path):
+    import bitmatch.adapters.trl as bt
+
+    with pytest.raises(ValueError, match="on_mismatch must be one of"):
+        bt.attach(make_trainer(tmp_path, steps=1), on_mismatch="explode")
+    with pytest.raises(ValueError, match=r"min_p"):
+        bt.attach(make_trainer(tmp_path, steps=1, min_p=0.1))
+    with pytest.raises(ValueError, match=r"rollout_weights='shared' cannot serve a PEFT model"):
+        bt.attach(make_trainer(tmp_path, steps=1, lora=True), rollout_weights="shared")
+    tr = bt.attach(make_trainer(tmp_path, steps=1))
+    with pytest.raises(RuntimeError, match="already attached"):
+        bt.attach(tr)
+
+
+def test_use_vllm_without_plugin_enabled_is_refused(tmp_path, monkeypatch):
+    """use_vllm=True needs the bitmatch vLLM plugin enabled (BITMATCH=1) before vLLM is built;
+    the colocate run itself is tests/test_trl_vllm.py."""
+    import bitmatch.adapters.trl as bt
+
+    monkeypatch.delenv("BITMATCH", raising=False)
+    tr = make_trainer(tmp_path, steps=1)
+    tr.use_vllm = True   # as if GRPOConfig(use_vllm=True): attach checks before anything runs
+    with pytest.raises(RuntimeError, match=r"BITMATCH=1"):
+        bt.attach(tr)
