@@ -860,6 +860,80 @@ def time_attention_variants(K, quick, ceil):
     return res
 
 
+def sweep_prefill_rowsum16(K):
+    """Prefill launch knobs under the rowsum16 order (row sums on the tensor core cost prefill
+    time), against SDPA flash; decode warps too. Bits checked against each variant's default."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    att = K.attention
+    Hq, Hkv, D = 32, 8, 128
+    scale = D ** -0.5
+    res = {"prefill": {}, "decode": {}}
+    cfgs = [(128, 8, 3), (128, 8, 2), (128, 8, 4), (64, 4, 3), (64, 4, 2), (128, 4, 3), (64, 8, 3)]
+    for S in (1024, 4096):
+        B = 16384 // S
+        T = B * S
+        q = torch.randn(T, Hq, D, device=DEV, dtype=BF)
+        k = torch.randn(T, Hkv, D, device=DEV, dtype=BF)
+        v = torch.randn(T, Hkv, D, device=DEV, dtype=BF)
+        cu = torch.arange(0, T + 1, S, dtype=torch.int32, device=DEV)
+        qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous() for x in (q, k, v))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+
+        t_sd = bench(lambda i: sdpa, 10 ** 9)
+        r = {"sdpa_flash_ms": t_sd}
+        for name in ATT_VARIANTS:
+            with attn_variant(att, name):
+                ref = att.attention_prefill(q, k, v, cu, scale, max_seqlen=S)
+                old = (att.PREFILL_BLOCK_M, att.PREFILL_WARPS, att.PREFILL_STAGES)
+                try:
+                    for c in (cfgs if name == "rowsum16" else cfgs[:1]):
+                        att.PREFILL_BLOCK_M, att.PREFILL_WARPS, att.PREFILL_STAGES = c
+                        try:
+                            o = att.attention_prefill(q, k, v, cu, scale, max_seqlen=S)
+                            t = bench(lambda i: (lambda: att.attention_prefill(q, k, v, cu, scale,
+                                                                               max_seqlen=S)), 10 ** 9)
+                            r[f"{name}_bm{c[0]}_w{c[1]}_s{c[2]}"] = {
+                                "ms": t, "ratio_vs_sdpa": t_sd / t, "rows_differing": rows_mismatch(o, ref)}
+                        except Exception as e:
+                            r[f"{name}_bm{c[0]}_w{c[1]}_s{c[2]}"] = repr(e)[:300]
+                finally:
+                    att.PREFILL_BLOCK_M, att.PREFILL_WARPS, att.PREFILL_STAGES = old
+        res["prefill"][f"S{S}_B{B}"] = r
+        print("sweep_prefill", S, json.dumps(r), flush=True)
+        del q, k, v, qd, kd, vd
+        torch.cuda.empty_cache()
+    bw = 4.3e12
+    for (B, ctx) in ((1, 8192), (16, 4096), (64, 1024), (256, 4096)):
+        kc, vc, bts, qs, sl, kv_bytes, nrot = _decode_case(B, ctx)
+        with attn_variant(att, "rowsum16"):
+            old = att.DECODE_WARPS
+            ref = att.attention_decode(qs[0], kc, vc, bts[0], sl, scale, max_query_len=1, max_seq_len=ctx)
+            try:
+                for w in (2, 4, 8):
+                    att.DECODE_WARPS = w
+                    try:
+                        o = att.attention_decode(qs[0], kc, vc, bts[0], sl, scale, max_query_len=1,
+                                                 max_seq_len=ctx)
+                        t = bench(lambda i: (lambda: att.attention_decode(
+                            qs[i], kc, vc, bts[i], sl, scale, max_query_len=1, max_seq_len=ctx)),
+                            kv_bytes, n=nrot, rep=40, warmup=10)
+                        res["decode"][f"B{B}_ctx{ctx}_w{w}"] = {
+                            "ms": t, "ratio_vs_roofline": kv_bytes / bw * 1e3 / t,
+                            "rows_differing": rows_mismatch(o, ref)}
+                    except Exception as e:
+                        res["decode"][f"B{B}_ctx{ctx}_w{w}"] = repr(e)[:300]
+            finally:
+                att.DECODE_WARPS = old
+        del kc, vc
+        torch.cuda.empty_cache()
+    print("sweep_decode_warps", json.dumps(res["decode"]), flush=True)
+    return res
+
+
 # ------------------------------------------------------------------ attention backward
 BWD_CFGS = {  # (dq BM, BN, warps, stages), (dkdv BM, BN, warps, stages)
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
@@ -1310,7 +1384,8 @@ def main():
              ("inv_attention", lambda: inv_attention(K, args.quick)),
              ("time_attention", lambda: time_attention(K, args.quick, ceil)),
              ("sweep_attention", lambda: sweep_attention(K)),
-             ("sweep_linear", lambda: sweep_linear(K))]
+             ("sweep_linear", lambda: sweep_linear(K)),
+             ("sweep_prefill_rowsum16", lambda: sweep_prefill_rowsum16(K))]
     # the variant sections replace the single-variant ones unless asked for by --only
     default_skip = {"inv_attention", "time_attention"}
     for name, fn in steps:

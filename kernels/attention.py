@@ -108,9 +108,12 @@ class AttentionPrefillFunction(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, cu_seqlens)
             return attention_prefill_reference(q, k, v, cu_seqlens, scale, causal, window)
         # Triton: keep the output and its logsumexp for the flash backward (same output bits)
-        out, lse = triton_impl("attention", "attention_prefill")(q, k, v, cu_seqlens, scale, causal,
-                                                                 window, return_lse=True)
-        ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        ctx.max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0  # one host sync
+        out, lse = triton_impl("attention", "attention_prefill")(q, k, v, cu, scale, causal, window,
+                                                                 max_seqlen=ctx.max_seqlen,
+                                                                 return_lse=True)
+        ctx.save_for_backward(q, k, v, cu, out, lse)
         return out
 
     @staticmethod
@@ -118,7 +121,7 @@ class AttentionPrefillFunction(torch.autograd.Function):
         if ctx.triton:
             q, k, v, cu, out, lse = ctx.saved_tensors
             gq, gk, gv = triton_impl("attention_bwd", "attention_prefill_backward")(
-                g.contiguous(), q, k, v, out, lse, cu, *ctx.args)
+                g.contiguous(), q, k, v, out, lse, cu, *ctx.args, max_seqlen=ctx.max_seqlen)
             return gq, gk, gv, None, None, None, None
         q, k, v, cu = ctx.saved_tensors
         fn = lambda a, b, c: _prefill_plain(a, b, c, cu, *ctx.args)  # noqa: E731

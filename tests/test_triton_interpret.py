@@ -330,10 +330,10 @@ def test_attention_prefill_chunked_decode_bits(small_partition, window):
 
 
 def test_attention_rowsum_mma_variant(small_partition):
-    """Experimental ROWSUM_MMA (row sums of P on the tensor core): same structure holds."""
+    """The other row-sum order (ROWSUM_MMA flipped from the default): same structure holds."""
     att = K.attention
     old = att.ROWSUM_MMA
-    att.ROWSUM_MMA = True
+    att.ROWSUM_MMA = not old
     try:
         L = 150
         q, k, v, cu = _seqs([L], seed=40)

@@ -9,8 +9,13 @@ Canonical order for query row (token t of sequence b, head h), independent of sc
 Prefill (contiguous K/V) and paged (K/V gathered through the block table at any page size)
 use the same kernel, so their bits agree; the query tile (how many tokens x GQA heads share a
 program) and whether partitions run in one program ("fused") or on separate programs merged by
-_merge_kernel ("split", for decode / small batches) do not change the bits, provided every CUDA
-tile has >= 64 rows (wgmma): 16/32-row tiles (mma.sync) changed ~2% of rows by 1 ulp on the H200.
+_merge_kernel ("split", for decode / small batches) do not change the bits. The row sum l of P
+is part of the order: it is taken on the tensor core (ROWSUM_MMA: P rounded to the input dtype
+times a ones column, the MMA's k-order, which mma.sync (< 64-row tiles) and wgmma share), so
+16-row decode tiles give prefill's bits (H200 harness, 2026-12-03: 0 mismatching rows on every
+axis). With a register tl.sum instead (ROWSUM_MMA = False) the sum order follows the MMA's
+accumulator layout: 16/32-row tiles then changed ~2% of rows by 1 ulp, so every CUDA tile must
+have >= 64 rows (MIN_BLOCK_M_CUDA = 64), which costs decode ~30% (see ROWSUM_MMA below).
 GQA: a program's rows are (token, head-in-group) pairs of one KV head, so K/V is read once per
 group. Non-causal attention is only for prefill (causal=False), where every row sees the whole
 sequence.
@@ -98,7 +103,8 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=jok[:, None], other=0.0)
         if ROWSUM_MMA:
             # row sum of the (rounded) P through the tensor core: its k-order is the MMA's, not
-            # the register layout's (experimental; lets < 64-row tiles share the bits)
+            # the register layout's, so 16-row (mma.sync) and 64/128-row (wgmma) tiles agree;
+            # the sum over the 16 output columns adds 15 exact zeros
             sel = (tl.arange(0, BLOCK_N)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)
             ones = tl.where(sel, 1.0, 0.0).to(v.dtype)
             rs = _dot(p.to(v.dtype), ones, tl.zeros((BLOCK_M, 16), tl.float32), INTERP, PREC)
@@ -233,11 +239,13 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
 
 
 # Launch-shape knobs (free: they do not change the bits).
-# Experimental, off (not yet run on the GPU): row sums of P through the tensor core, so that
-# decode could use 16-row tiles (0.93 of the copy roofline measured with them) without the
-# mma.sync/wgmma row-sum difference. Changes the canonical order when switched on.
-ROWSUM_MMA = False
-MIN_BLOCK_M_CUDA = 64
+# Canonical-order switch (both orders ran the full H200 harness with 0 mismatches, 2026-12-03,
+# benchmarks/results/h200.json): True = row sums of P on the tensor core, 16-row decode tiles
+# (decode 0.80-0.88 of the K/V roofline at batch 64-256, prefill 0.82-0.92 of SDPA flash);
+# False = register row sums, >= 64-row tiles everywhere (decode 0.59-0.63, prefill 0.87-0.98).
+# Flipping it changes the bits of every attention output (rollout and trainer must agree on it).
+ROWSUM_MMA = True
+MIN_BLOCK_M_CUDA = 16 if ROWSUM_MMA else 64
 PREFILL_BLOCK_M = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
@@ -274,10 +282,10 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
                           triton.next_power_of_2(max_nq * GP))
         else:
             block_m = max(PREFILL_BLOCK_M, GP) if not interp else max(16, min(64, GP * 8))
-    # On the GPU, query tiles below 64 rows compile to mma.sync (mma v2) instead of wgmma, whose
-    # accumulator layout sums a row of P in another order: measured on the H200, 16/32-row tiles
-    # changed ~2% of rows by 1 ulp. So every CUDA launch uses >= 64-row tiles (wgmma): prefill,
-    # chunked and decode then share the row-sum tree. (The interpreter has no such split.)
+    # On the GPU, query tiles below 64 rows compile to mma.sync (mma v2) instead of wgmma; with
+    # register row sums (ROWSUM_MMA False) their accumulator layout sums a row of P in another
+    # order (~2% of rows 1 ulp off on the H200), so then every CUDA launch uses >= 64-row tiles.
+    # (The interpreter has no such split.)
     block_m = max(block_m, GP, 16 if interp else MIN_BLOCK_M_CUDA)
     tpt = block_m // GP
     n_tiles = triton.cdiv(max_nq, tpt)

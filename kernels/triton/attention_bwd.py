@@ -22,11 +22,12 @@ from . import interpreting
 
 _LOG2E = 1.4426950408889634
 
-# Launch knobs (free: the backward is not part of the canonical order).
+# Launch knobs (free: the backward is not part of the canonical order). Chosen on the H200
+# (benchmarks/gpu_ops.py attention_backward sweep, S 4096 x 4, Hq 32 / Hkv 8, D 128, 2026-12-03).
 BWD_DQ_BLOCK_M = 128
-BWD_DQ_BLOCK_N = 64
-BWD_DQ_WARPS = 8
-BWD_DQ_STAGES = 2
+BWD_DQ_BLOCK_N = 32
+BWD_DQ_WARPS = 4
+BWD_DQ_STAGES = 3
 BWD_KV_BLOCK_M = 64
 BWD_KV_BLOCK_N = 128
 BWD_KV_WARPS = 8

@@ -205,9 +205,19 @@ def _launch(x, weight, bias, cfg, split):
 # loads) and a persistent grid of one program per SM walks the output tiles. Used for large M
 # where the table below names a config; the harness (benchmarks/gpu_ops.py inv_linear) checks
 # its bits against the table kernel's on every Qwen3-8B shape.
-# (min_M, BM, BN, BK, GROUP_M, warps, stages) per weight shape: first row with M >= min_M wins.
-TMA_TABLE = {}
+# (min_M, BM, BN, BK, GROUP_M, warps, stages) per weight shape, rows in decreasing min_M: the
+# first row with M >= min_M wins; M below the last row uses the table kernel. Winners of the
+# H200 run of 2026-12-03 (time_linear_tma at M = 512, 1024, 4096, 16384; 0 rows differing from
+# the table kernel at each). Two accumulators of 128x256 spill (o, down: 0.15), hence 128x128.
 TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
+_W, _S, _T = TMA_CONFIGS
+TMA_TABLE = {
+    (6144, 4096): [(4096, *_W), (1024, *_S), (512, *_W)],
+    (4096, 4096): [(1024, *_T), (512, *_S)],
+    (24576, 4096): [(512, *_W)],
+    (4096, 12288): [(4096, *_S), (1024, *_T), (512, *_S)],
+    (151936, 4096): [(512, *_W)],
+}
 
 
 @triton.jit
