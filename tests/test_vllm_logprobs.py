@@ -81,10 +81,11 @@ def _perturbed(src, seed):
 
 
 def _child(spec):
-    if spec["plugin"]:
+    if spec["plugin"] == "enable()":
         import bitmatch.adapters.vllm as bv
 
         bv.enable()
+    # plugin == "env": BITMATCH=1 set by the parent; vLLM loads the plugin through its entry point
     import vllm
 
     from bitmatch.sync.transport_vllm import VllmColocateSender
@@ -92,17 +93,17 @@ def _child(spec):
     prompts, result = _prompts(), {"runs": [], "errors": {}}
     for i, eng in enumerate(spec["engines"]):
         llm = vllm.LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                       gpu_memory_utilization=0.1, max_model_len=128, enforce_eager=True,
+                       gpu_memory_utilization=0.1, max_model_len=128,
                        logprobs_mode="processed_logprobs", **eng)
         result["runs"].append({"label": f"max_num_seqs={eng['max_num_seqs']}", "weights": spec["model"],
                                "rows": _generate(llm, prompts)})
         last = i == len(spec["engines"]) - 1
-        for k, path in enumerate(spec.get("updates", []) if last else []):
+        for k, (path, how) in enumerate(spec.get("updates", []) if last else []):
             new = _perturbed(spec["model"], seed=100 + k)
-            VllmColocateSender(llm, use_rpc=k == 1).send(new, version=k + 1)  # direct, then collective_rpc
+            VllmColocateSender(llm, use_rpc=how == "collective_rpc").send(new, version=k + 1)
             new.save_pretrained(path)
-            label = "after update via " + ("collective_rpc" if k == 1 else "in-process load_weights")
-            result["runs"].append({"label": label, "weights": path, "rows": _generate(llm, prompts)})
+            result["runs"].append({"label": f"after update via {how}", "weights": path,
+                                   "rows": _generate(llm, prompts)})
         if last and spec.get("bad_request"):
             try:
                 llm.generate([{"prompt_token_ids": prompts[0]}], vllm.SamplingParams(top_p=0.9, logprobs=0))
@@ -121,13 +122,16 @@ def _child(spec):
         json.dump(result, f)
 
 
-def _run_child(tmp_path, **spec):
+def _run_child(tmp_path, multiprocess=False, **spec):
     spec["out"] = str(tmp_path / "result.json")
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    env.pop("BITMATCH", None)  # the child enables the plugin itself when the spec says so
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc with a function (multi-process)
+    env.pop("BITMATCH", None)
+    if spec["plugin"] == "env":
+        env["BITMATCH"] = "1"
     p = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True,
                        timeout=1500)
     assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
@@ -178,21 +182,32 @@ def _assert_all_equal(result):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_vllm_logprobs_bitwise_equal_trainer(tmp_path, name):
     ckpt = _write_checkpoint(tmp_path / name, name)
-    spec = dict(model=ckpt, plugin=True, engines=ENGINES)
+    spec = dict(model=ckpt, plugin="enable()", engines=ENGINES)
     if name == "qwen3":  # weight updates pushed into the running engine, both transport paths
-        spec.update(updates=[str(tmp_path / "v1"), str(tmp_path / "v2")], bad_request=True)
+        spec.update(updates=[(str(tmp_path / "v1"), "load_weights"), (str(tmp_path / "v2"), "collective_rpc")],
+                    bad_request=True)
     result = _run_child(tmp_path, **spec)
     _assert_all_equal(result)
     if name == "qwen3":
-        assert [r["label"] for r in result["runs"]][-2:] == ["after update via in-process load_weights",
+        assert [r["label"] for r in result["runs"]][-2:] == ["after update via load_weights",
                                                             "after update via collective_rpc"]
         err = result["errors"]["top_p"]
         assert err is not None and "top_p=0.9" in err and "bitmatch" in err, err
 
 
+def test_vllm_multiprocess_engine_enabled_by_env(tmp_path):
+    """BITMATCH=1 only: vLLM's entry point loads the plugin in its engine-core process; the
+    weight update crosses the process boundary through collective_rpc."""
+    ckpt = _write_checkpoint(tmp_path / "llama", "llama")
+    result = _run_child(tmp_path, multiprocess=True, model=ckpt, plugin="env", engines=ENGINES[1:2],
+                        updates=[(str(tmp_path / "v1"), "collective_rpc")])
+    assert [r["label"] for r in result["runs"]] == ["max_num_seqs=8", "after update via collective_rpc"]
+    _assert_all_equal(result)
+
+
 def test_vllm_control_plugin_disabled_mismatches(tmp_path):
     ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")
-    result = _run_child(tmp_path, model=ckpt, plugin=False, engines=ENGINES[1:2])
+    result = _run_child(tmp_path, model=ckpt, plugin="off", engines=ENGINES[1:2])
     total, bad = _compare(result["runs"][0], {})
     print(f"\nplugin disabled: {len(bad)} of {total} logprobs differ from the trainer's")
     assert total > N_PROMPTS * len(TEMPS) and len(bad) > total // 2, (len(bad), total)
@@ -211,7 +226,7 @@ def test_vllm_unsupported_options_fail_at_engine_start(tmp_path):
            "speculative": dict(model=ckpt, logprobs_mode="processed_logprobs",
                                speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                    "prompt_lookup_max": 3})}
-    result = _run_child(tmp_path, model=ckpt, plugin=True, engines=[], bad_engines=bad)
+    result = _run_child(tmp_path, model=ckpt, plugin="enable()", engines=[], bad_engines=bad)
     errs = result["errors"]
     want = {"logprobs_mode": "logprobs_mode='processed_logits'", "architecture": "GPT2LMHeadModel",
             "speculative": "speculative decoding"}

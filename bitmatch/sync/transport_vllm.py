@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..precision import compute_cast
-from .fingerprint import Manifest, TensorSpec, dtype_name, fingerprint
+from .fingerprint import Manifest, TensorSpec, dtype_from_name, dtype_name, fingerprint
 from .names import architecture_of, build_layout
 from .receiver import FingerprintMismatchError, WeightState, attach_state
 from .source import DEFAULT_BUCKET_BYTES, named_weights, wire_specs
@@ -35,8 +35,27 @@ def _driver_model(llm):
     return obj
 
 
-def _rpc_load(worker, batch):
-    worker.model_runner.model.load_weights(weights=batch)
+def _pack(batch):
+    """(name, dtype name, shape, raw bytes) per tensor: vLLM's multi-process collective_rpc
+    encodes tensors nested in argument lists as plain lists (measured, vLLM 0.32), so the bytes
+    travel as bytes and are viewed back with their dtype on the worker (exact)."""
+    out = []
+    for n, t in batch:
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out.append((n, dtype_name(t.dtype), tuple(t.shape), raw))
+    return out
+
+
+def _unpack(payload):
+    out = []
+    for n, dt, shape, raw in payload:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out.append((n, flat.view(dtype_from_name(dt)).reshape(shape)))
+    return out
+
+
+def _rpc_load(worker, payload):
+    worker.model_runner.model.load_weights(weights=_unpack(payload))
 
 
 def _rpc_params(worker):
@@ -73,7 +92,7 @@ class VllmColocateSender:
         if self.model is not None:
             self.model.load_weights(batch)
         else:
-            self.llm.collective_rpc(_rpc_load, args=(batch,))
+            self.llm.collective_rpc(_rpc_load, args=(_pack(batch),))
 
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
         weights = named_weights(model)
