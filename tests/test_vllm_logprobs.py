@@ -28,9 +28,15 @@ pytestmark = [
 N_PROMPTS, MAX_TOKENS, TEMPS = 64, 10, (0.7, 1.0)
 ENGINES = [dict(max_num_seqs=1, max_num_batched_tokens=32), dict(max_num_seqs=8, max_num_batched_tokens=32),
            dict(max_num_seqs=64, max_num_batched_tokens=64)]
-MODELS = {  # name -> (family, overrides): Qwen3 untied (q/k norms, GQA 4), Llama tied (GQA 2)
-    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
-    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)),
+MODELS = {  # name -> (family, overrides, engines): Qwen3 untied (q/k norms, GQA 4), Llama tied (GQA 2),
+    # and one engine each for Qwen2 (q/k/v bias: sliced like the weights) and Mistral
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False),
+              ENGINES),
+    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+              ENGINES),
+    "qwen2": ("qwen2", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64), ENGINES[1:2]),
+    "mistral": ("mistral", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                tie_word_embeddings=True), ENGINES[2:]),
 }
 
 
@@ -40,11 +46,11 @@ def _prompts():
     return random_prompts(N_PROMPTS, min_len=2, max_len=72, seed=7)
 
 
-def _write_checkpoint(path, name, seed=0):
+def _write_checkpoint(path, name, seed=0, **extra):
     from bitmatch.testing_models import tiny_model
 
-    family, overrides = MODELS[name]
-    model = tiny_model(family, dtype=torch.bfloat16, seed=seed, **overrides)
+    family, overrides, _ = MODELS[name]
+    model = tiny_model(family, dtype=torch.bfloat16, seed=seed, **{**overrides, **extra})
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(path)
     return str(path)
@@ -182,7 +188,7 @@ def _assert_all_equal(result):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_vllm_logprobs_bitwise_equal_trainer(tmp_path, name):
     ckpt = _write_checkpoint(tmp_path / name, name)
-    spec = dict(model=ckpt, plugin="enable()", engines=ENGINES)
+    spec = dict(model=ckpt, plugin="enable()", engines=MODELS[name][2])
     if name == "qwen3":  # weight updates pushed into the running engine, both transport paths
         spec.update(updates=[(str(tmp_path / "v1"), "load_weights"), (str(tmp_path / "v2"), "collective_rpc")],
                     bad_request=True)
@@ -217,6 +223,7 @@ def test_vllm_unsupported_options_fail_at_engine_start(tmp_path):
     import transformers
 
     ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")
+    windowed = _write_checkpoint(tmp_path / "mistral-sw", "mistral", sliding_window=16)
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=128, n_positions=256)
     gpt2 = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)
     gpt2.config.architectures = ["GPT2LMHeadModel"]
@@ -225,11 +232,13 @@ def test_vllm_unsupported_options_fail_at_engine_start(tmp_path):
            "architecture": dict(model=str(tmp_path / "gpt2"), logprobs_mode="processed_logprobs"),
            "speculative": dict(model=ckpt, logprobs_mode="processed_logprobs",
                                speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                   "prompt_lookup_max": 3})}
+                                                   "prompt_lookup_max": 3}),
+           # raised where the model is built (in-process here; a worker's log in multi-process mode)
+           "sliding_window": dict(model=windowed, logprobs_mode="processed_logprobs")}
     result = _run_child(tmp_path, model=ckpt, plugin="enable()", engines=[], bad_engines=bad)
     errs = result["errors"]
     want = {"logprobs_mode": "logprobs_mode='processed_logits'", "architecture": "GPT2LMHeadModel",
-            "speculative": "speculative decoding"}
+            "speculative": "speculative decoding", "sliding_window": "sliding-window attention"}
     for key, text in want.items():
         assert errs[key] is not None and text in errs[key] and "bitmatch" in errs[key], (key, errs[key])
 

@@ -47,7 +47,11 @@ def register() -> None:
     global _registered
     if _registered or not is_enabled():
         return
-    from vllm import ModelRegistry
+    try:
+        from vllm import ModelRegistry
+    except ImportError as e:
+        raise ImportError("bitmatch.adapters.vllm needs vLLM: pip install 'bitmatch[vllm]' "
+                          "(CPU: scripts/install_vllm.sh)") from e
 
     for arch, cls in MODEL_CLASSES.items():
         # replaces vLLM's built-in class for this architecture (also for TRL, which cannot pass hf_overrides)
