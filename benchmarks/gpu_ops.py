@@ -6,8 +6,17 @@ shuffled block tables; launch: tile configs / split vs fused modes), each with a
 stock op, and (b) timings (triton.testing.do_bench medians, random inputs, inputs rotated past
 the L2 cache) of every op against the stock op, as ratios stock_time / bitmatch_time.
 
-  python benchmarks/gpu_ops.py --out DIR [--sweep] [--quick]
-writes DIR/gpu_ops.json (command, machine, versions, every ratio, every mismatch count).
+  python benchmarks/gpu_ops.py --out DIR [--sweep] [--quick] [--only A,B] [--budget-s S]
+writes DIR/gpu_ops.json (command, machine, versions, every ratio, every mismatch count), after
+every section (a summary included), so a run cut short keeps what it measured.
+
+Default sections, most decision-relevant first: inv_attention_variants (the harness for each
+canonical-order variant in ATT_VARIANTS), sweep_decode (pipeline depth, fused vs split),
+time_attention_variants (prefill vs SDPA flash, decode vs the K/V roofline and SDPA flash),
+attention_backward (gradients vs fp32 autograd next to SDPA flash's own error, tile sweep,
+backward and forward+backward vs SDPA flash), time_linear, time_linear_tma (persistent TMA
+kernel vs the table kernel: bits and ratios), inv_linear, inv_rowwise, time_rowwise,
+time_fwd_bwd_public (training step of the public ops vs stock autograd), cublas_nosplit.
 """
 import argparse
 import importlib
@@ -723,12 +732,16 @@ def time_attention(K, quick, ceil):
 
 # ------------------------------------------------------------------ attention variants
 # Canonical-order variants of the attention kernels compared side by side in one run:
-#   v64:      row sums of P by tl.sum (register layout order); every CUDA tile >= 64 rows
-#             (wgmma), so decode pads its G query rows to 64 (the committed order up to run 3)
 #   rowsum16: row sums of P through the tensor core (ROWSUM_MMA: the MMA's k-order, the same for
-#             mma.sync and wgmma), so decode may use 16-row tiles
-ATT_VARIANTS = {"v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64),
-                "rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16)}
+#             mma.sync and wgmma), so decode may use 16-row tiles (the default since 2026-12-03)
+#   rowsum16_skipmask: the same order, no mask select on KV blocks that every valid row sees
+#             whole (SKIP_FULL_BLOCK_MASKS: a launch knob, same bits by construction; not yet run)
+#   v64:      row sums of P by tl.sum (register layout order); every CUDA tile >= 64 rows
+#             (wgmma), so decode pads its G query rows to 64 (the committed order up to 2026-12-02)
+ATT_VARIANTS = {"rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16, SKIP_FULL_BLOCK_MASKS=False),
+                "rowsum16_skipmask": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16,
+                                          SKIP_FULL_BLOCK_MASKS=True),
+                "v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64, SKIP_FULL_BLOCK_MASKS=False)}
 BEST_DECODE_KNOBS = {}   # variant -> {knob: value} chosen by sweep_decode in this run
 
 

@@ -395,3 +395,40 @@ def test_attention_backward_bf16_and_forward_bits():
     out.backward(do)
     for got, ref in zip((t.grad for t in leaves), _ref_attn_grads(q, k, v, cu, 0.3, True, 25, do)):
         assert _rel_err(got, ref) < 0.02
+
+
+def test_attention_skip_full_block_masks_same_bits(small_partition):
+    """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the
+    bits: causal prefill (varlen, G = 3 padded head rows, fused and split tiles), a window wider
+    than a KV block (full blocks between window edge and diagonal), non-causal, chunked paged
+    prefill and decode."""
+    att = K.attention
+    lens = [140, 20]
+    q, k, v, cu = _seqs(lens, Hq=6, Hkv=2, D=16, seed=50)
+    kc, vc, bt_row = _paged_cache(k[:140], v[:140], 16, 12, seed=7)
+    ts = [63, 139]
+
+    def run():
+        return [att.attention_prefill(q, k, v, cu, 0.3, True, None),
+                att.attention_prefill(q, k, v, cu, 0.3, True, None, force_mode="split", block_m=16),
+                att.attention_prefill(q, k, v, cu, 0.3, True, 100),
+                att.attention_prefill(q, k, v, cu, 0.3, False, None),
+                att.attention_paged(q[100:140].contiguous(), kc, vc, bt_row[None].contiguous(),
+                                    torch.tensor([0, 40], dtype=torch.int32),
+                                    torch.tensor([140], dtype=torch.int32), 0.3, 100),
+                att.attention_decode(torch.stack([q[t] for t in ts]).contiguous(), kc, vc,
+                                     bt_row[None].repeat(len(ts), 1).contiguous(),
+                                     torch.tensor([t + 1 for t in ts], dtype=torch.int32), 0.3)]
+
+    old = att.SKIP_FULL_BLOCK_MASKS
+    try:
+        att.SKIP_FULL_BLOCK_MASKS = False
+        ref = run()
+        att.SKIP_FULL_BLOCK_MASKS = True
+        got = run()
+    finally:
+        att.SKIP_FULL_BLOCK_MASKS = old
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert torch.equal(a, b), i
+    assert torch.equal(ref[1], ref[0]) and torch.equal(ref[4], ref[2][100:140])
+    assert torch.equal(ref[5][0], ref[0][63]) and torch.equal(ref[5][1], ref[0][139])

@@ -66,12 +66,24 @@ def _store_lse(lse_ptr, q_rows, row_ok, M, L):
 
 
 @triton.jit
+def _mask_scores(s, j, jok, row_ok, pos, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    vis = jok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        vis = vis & (j[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (j[None, :] > pos[:, None] - window)
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
 def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
-               pos, row_ok, kv_len, j_begin, j_end, qk_scale, window,
+               pos, row_ok, kv_len, j_begin, j_end, qk_scale, window, pos_lo, pos_hi,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr):
-    """Online softmax over KV blocks [j_begin, j_end) (block aligned) from the empty state."""
+               INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+               SKIP_MASKS: tl.constexpr):
+    """Online softmax over KV blocks [j_begin, j_end) (block aligned) from the empty state.
+    pos_lo / pos_hi: positions of the tile's first and last query token (SKIP_MASKS only)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -88,12 +100,20 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
         base = slot * stride_tok + kvh * D
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
-        vis = jok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            vis = vis & (j[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (j[None, :] > pos[:, None] - window)
-        s = tl.where(vis, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SKIP_MASKS:
+            # a block every valid row sees whole (below the diagonal, inside the window, before
+            # the end) needs no mask: for those rows the select is the identity, so the bits
+            # are the same; rows past the tile's end / G (q = 0) are never stored
+            full = j0 + BLOCK_N <= kv_len
+            if CAUSAL:
+                full = full & (j0 + BLOCK_N - 1 <= pos_lo)
+            if HAS_WINDOW:
+                full = full & (j0 > pos_hi - window)
+            if not full:
+                s = _mask_scores(s, j, jok, row_ok, pos, window, CAUSAL, HAS_WINDOW)
+        else:
+            s = _mask_scores(s, j, jok, row_ok, pos, window, CAUSAL, HAS_WINDOW)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         ms = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - ms)
@@ -146,7 +166,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
                  BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
                  INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr,
-                 STORE_LSE: tl.constexpr):
+                 STORE_LSE: tl.constexpr, SKIP_MASKS: tl.constexpr):
     TPT: tl.constexpr = BLOCK_M // GP
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -161,6 +181,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
     g = r % GP
     row_ok = (tok < nq) & (g < G)
     pos = kv_len - nq + tok
+    pos_lo = kv_len - nq + t_lo
+    pos_hi = kv_len - nq + tl.minimum(nq, t_lo + TPT) - 1
     offs_d = tl.arange(0, D)
     q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
     q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -175,9 +197,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
         jb = tl.maximum(p * PART, kv_begin)
         je = tl.minimum((p + 1) * PART, kv_end)
         m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
-                               pos, row_ok, kv_len, jb, je, qk_scale, window, D, BLOCK_M,
-                               BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
-                                   ROWSUM_MMA)
+                               pos, row_ok, kv_len, jb, je, qk_scale, window, pos_lo, pos_hi,
+                               D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
+                               ROWSUM_MMA, SKIP_MASKS)
         widx = ((tile * tl.num_programs(1) + bh) * NP + p).to(tl.int64) * BLOCK_M + r
         tl.store(wsm_ptr + widx, m)
         tl.store(wsl_ptr + widx, l)
@@ -191,8 +213,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
             je = tl.minimum((p + 1) * PART, kv_end)
             m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh,
                                    stride_tok, pos, row_ok, kv_len, jb, je, qk_scale, window,
-                                   D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
-                                   ROWSUM_MMA)
+                                   pos_lo, pos_hi, D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
+                                   INTERP, PREC, ROWSUM_MMA, SKIP_MASKS)
             M, L, A = _merge(M, L, A, m, l, acc)
         out = _finalize(L, A)
         tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -252,6 +274,11 @@ PREFILL_STAGES = 3
 DECODE_WARPS = 4
 DECODE_STAGES = 2
 DECODE_SPLIT_MAX_PROGRAMS = None
+# Launch knob, off until measured on the GPU: skip the mask select on KV blocks that every valid
+# row of the tile sees whole (same bits by construction; interpreter tests check it). Meant to
+# win back prefill time that the tensor-core row sums cost (benchmarks/gpu_ops.py variant
+# "rowsum16_skipmask" times it and runs the harness with it).
+SKIP_FULL_BLOCK_MASKS = False
 _SM_COUNT = {}
 
 
@@ -326,6 +353,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
                                              block_table, bt_stride, page_size, qk_scale, win,
                                              Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
                                              PREC=prec, ROWSUM_MMA=ROWSUM_MMA, STORE_LSE=False,
+                                             SKIP_MASKS=SKIP_FULL_BLOCK_MASKS,
                                              **common, **kw)
         _merge_kernel[(n_tiles, B * Hkv)](out, wsa, wsm, wsl, lse, qstart, seqlens, win, Hq, Hkv,
                                           G, NP, STORE_LSE=return_lse, **common,
@@ -336,7 +364,8 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
                                             block_table, bt_stride, page_size, qk_scale, win,
                                             Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA,
-                                            STORE_LSE=return_lse, **common, **kw)
+                                            STORE_LSE=return_lse,
+                                            SKIP_MASKS=SKIP_FULL_BLOCK_MASKS, **common, **kw)
     return (out, lse) if return_lse else out
 
 
