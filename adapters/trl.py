@@ -235,12 +235,14 @@ class TrlAdapter:
                 "attach: GRPOConfig(use_vllm=True) needs the bitmatch vLLM plugin (bitmatch.adapters.vllm, enabled "
                 "with the environment variable BITMATCH=1 before vLLM starts), which is not importable here: "
                 f"{e}. Use use_vllm=False to roll out with bitmatch.Engine") from e
-        if not plugin.is_enabled():
-            raise RuntimeError("attach: GRPOConfig(use_vllm=True) needs BITMATCH=1 in the environment of every vLLM "
-                               "process (set it before building the trainer / running `trl vllm-serve`)")
-        if not getattr(self.trainer, "vllm_importance_sampling_correction", False):
-            raise ValueError("attach: with use_vllm=True leave GRPOConfig(vllm_importance_sampling_correction=True): "
-                             "TRL then keeps vLLM's logprobs, which bitmatch compares (the ratio is exactly 1)")
+        if getattr(self.trainer, "vllm_mode", "colocate") == "server":
+            # the server is another process: its plugin cannot be checked from here; the per-step
+            # comparison proves it (a stock server fails the first step)
+            logger.info("bitmatch: vLLM server mode: start the server with BITMATCH=1 trl vllm-serve ...")
+        elif not plugin.is_enabled():
+            raise RuntimeError("attach: GRPOConfig(use_vllm=True, vllm_mode='colocate') needs the bitmatch vLLM "
+                               "plugin enabled before the trainer builds vLLM: set BITMATCH=1 in the environment "
+                               "(or call bitmatch.adapters.vllm.enable()) before GRPOTrainer(...)")
 
     def check_wiring(self):
         """Raise if something undid attach (a re-wrapped model, a replaced method)."""

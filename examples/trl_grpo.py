@@ -115,7 +115,14 @@ def main(argv=None):
     if a.max_completion_length is not None:
         over["max_completion_length"] = a.max_completion_length
     if a.use_vllm:
-        over.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1)
+        import bitmatch.adapters.vllm
+        if not a.no_bitmatch:
+            bitmatch.adapters.vllm.enable()   # BITMATCH=1 before GRPOTrainer builds the colocated vLLM
+        for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                     ("VLLM_CPU_OMP_THREADS_BIND", "nobind")):
+            os.environ.setdefault(k, v)   # CPU build settings (DESIGN.md section 4); harmless on GPU
+        over.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+                    vllm_max_model_length=256)
     if a.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
@@ -125,6 +132,12 @@ def main(argv=None):
                           **{"learning_rate": 1e-6, "max_completion_length": 256, **over})
     else:
         model, tokenizer = tiny_policy(), char_tokenizer()
+        if a.use_vllm:   # vLLM loads the model from a path: save the tiny one (bf16, vLLM's CPU dtype)
+            from transformers import AutoModelForCausalLM
+            ckpt = os.path.join(a.output_dir, "tiny-qwen3")
+            model.to(torch.bfloat16).save_pretrained(ckpt)
+            tokenizer.save_pretrained(ckpt)
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
         args = toy_config(a.output_dir, a.steps, **over)
     if a.dataset:
         from datasets import load_dataset
