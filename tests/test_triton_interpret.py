@@ -400,22 +400,21 @@ def test_attention_backward_bf16_and_forward_bits():
 def test_attention_skip_full_block_masks_same_bits(small_partition):
     """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the
     bits: causal prefill (varlen, G = 3 padded head rows, fused and split tiles), a window wider
-    than a KV block (full blocks between window edge and diagonal), non-causal, chunked paged
-    prefill and decode."""
+    than a KV block (full blocks between window edge and diagonal), chunked paged prefill and
+    decode."""
     att = K.attention
-    lens = [140, 20]
+    lens = [130, 9]
     q, k, v, cu = _seqs(lens, Hq=6, Hkv=2, D=16, seed=50)
-    kc, vc, bt_row = _paged_cache(k[:140], v[:140], 16, 12, seed=7)
-    ts = [63, 139]
+    kc, vc, bt_row = _paged_cache(k[:130], v[:130], 16, 12, seed=7)
+    ts = [63, 129]
 
     def run():
         return [att.attention_prefill(q, k, v, cu, 0.3, True, None),
                 att.attention_prefill(q, k, v, cu, 0.3, True, None, force_mode="split", block_m=16),
                 att.attention_prefill(q, k, v, cu, 0.3, True, 100),
-                att.attention_prefill(q, k, v, cu, 0.3, False, None),
-                att.attention_paged(q[100:140].contiguous(), kc, vc, bt_row[None].contiguous(),
-                                    torch.tensor([0, 40], dtype=torch.int32),
-                                    torch.tensor([140], dtype=torch.int32), 0.3, 100),
+                att.attention_paged(q[100:130].contiguous(), kc, vc, bt_row[None].contiguous(),
+                                    torch.tensor([0, 30], dtype=torch.int32),
+                                    torch.tensor([130], dtype=torch.int32), 0.3, 100),
                 att.attention_decode(torch.stack([q[t] for t in ts]).contiguous(), kc, vc,
                                      bt_row[None].repeat(len(ts), 1).contiguous(),
                                      torch.tensor([t + 1 for t in ts], dtype=torch.int32), 0.3)]
@@ -430,5 +429,33 @@ def test_attention_skip_full_block_masks_same_bits(small_partition):
         att.SKIP_FULL_BLOCK_MASKS = old
     for i, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), i
-    assert torch.equal(ref[1], ref[0]) and torch.equal(ref[4], ref[2][100:140])
-    assert torch.equal(ref[5][0], ref[0][63]) and torch.equal(ref[5][1], ref[0][139])
+    assert torch.equal(ref[1], ref[0]) and torch.equal(ref[3], ref[2][100:130])
+    assert torch.equal(ref[4][0], ref[0][63]) and torch.equal(ref[4][1], ref[0][129])
+
+
+def test_attention_paged_strided_cache_views():
+    """A paged cache given as strided views (K and V interleaved per slot inside one tensor, the
+    layout bitmatch keeps inside vLLM's cache) gives the bits of the contiguous caches."""
+    att = K.attention
+    L, page, Hkv, D = 70, 16, 2, 16
+    q, k, v, cu = _seqs([L], Hq=4, Hkv=Hkv, D=D, seed=60)
+    kc, vc, bt_row = _paged_cache(k, v, page, 8, seed=9)
+    nb = kc.shape[0]
+    store = torch.full((nb, Hkv, page, 2 * D), float("nan"), dtype=kc.dtype)  # vLLM's shape
+    v5 = torch.as_strided(store, (nb, page, 2, Hkv, D), (store.stride(0), 2 * Hkv * D, Hkv * D, D, 1))
+    ks, vs = v5[:, :, 0], v5[:, :, 1]
+    ks.copy_(kc)
+    vs.copy_(vc)
+    assert not ks.is_contiguous()
+    ts = [0, 37, 69]
+    qd = torch.stack([q[t] for t in ts]).contiguous()
+    bt = bt_row[None].repeat(len(ts), 1).contiguous()
+    sl = torch.tensor([t + 1 for t in ts], dtype=torch.int32)
+    assert torch.equal(att.attention_decode(qd, ks, vs, bt, sl, 0.3),
+                       att.attention_decode(qd, kc, vc, bt, sl, 0.3))
+    args = (q[40:].contiguous(), None, None, bt_row[None].contiguous(),
+            torch.tensor([0, L - 40], dtype=torch.int32), torch.tensor([L], dtype=torch.int32), 0.3)
+    strided = att.attention_paged(args[0], ks, vs, *args[3:])
+    assert torch.equal(strided, att.attention_paged(args[0], kc, vc, *args[3:]))
+    with pytest.raises(ValueError, match="share strides"):
+        att.attention_decode(qd, ks, vc, bt, sl, 0.3)

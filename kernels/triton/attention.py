@@ -76,7 +76,8 @@ def _mask_scores(s, j, jok, row_ok, pos, window, CAUSAL: tl.constexpr, HAS_WINDO
 
 
 @triton.jit
-def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
+def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk, stride_tok,
+               stride_head,
                pos, row_ok, kv_len, j_begin, j_end, qk_scale, window, pos_lo, pos_hi,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -94,10 +95,10 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
         jok = j < kv_len
         if PAGED:
             page = tl.load(bt_row_ptr + j // page_size, mask=jok, other=0).to(tl.int64)
-            slot = page * page_size + (j % page_size)
+            base = page * stride_blk + (j % page_size) * stride_tok
         else:
-            slot = (kv_row0 + j).to(tl.int64)
-        base = slot * stride_tok + kvh * D
+            base = (kv_row0 + j).to(tl.int64) * stride_tok
+        base = base + kvh * stride_head
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         s = s * qk_scale
@@ -161,7 +162,7 @@ def _tile_info(qstart_ptr, seqlens_ptr, b, tile, PAGED: tl.constexpr, CAUSAL: tl
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
                  qstart_ptr, seqlens_ptr, bt_ptr, bt_stride, page_size,
-                 qk_scale, window, Hq, Hkv, G, NP,
+                 stride_blk, stride_tok, stride_head, qk_scale, window, Hq, Hkv, G, NP,
                  D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGED: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
@@ -186,7 +187,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
     offs_d = tl.arange(0, D)
     q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
     q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    stride_tok = Hkv * D
     bt_row_ptr = bt_ptr + b.to(tl.int64) * bt_stride
     if PAGED:
         kv_row0 = 0
@@ -196,7 +196,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
         p = tl.program_id(2)
         jb = tl.maximum(p * PART, kv_begin)
         je = tl.minimum((p + 1) * PART, kv_end)
-        m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_tok,
+        m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
+                               stride_tok, stride_head,
                                pos, row_ok, kv_len, jb, je, qk_scale, window, pos_lo, pos_hi,
                                D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
                                ROWSUM_MMA, SKIP_MASKS)
@@ -212,7 +213,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
             jb = tl.maximum(p * PART, kv_begin)
             je = tl.minimum((p + 1) * PART, kv_end)
             m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh,
-                                   stride_tok, pos, row_ok, kv_len, jb, je, qk_scale, window,
+                                   stride_blk, stride_tok, stride_head, pos, row_ok, kv_len,
+                                   jb, je, qk_scale, window,
                                    pos_lo, pos_hi, D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
                                    INTERP, PREC, ROWSUM_MMA, SKIP_MASKS)
             M, L, A = _merge(M, L, A, m, l, acc)
@@ -291,6 +293,19 @@ def _sm_count(device):
     return _SM_COUNT[idx]
 
 
+def _kv_strides(k, v, paged):
+    """(block, token, head) element strides of K/V, shared by both: a paged cache may be a
+    strided view (e.g. K and V interleaved per slot inside one tensor); addresses only, so the
+    bits do not depend on the layout."""
+    op = "attention_paged" if paged else "attention_prefill"
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        raise ValueError(f"bitmatch.kernels.{op}: K and V must share strides with a contiguous "
+                         f"head_dim; got {k.stride()} and {v.stride()}")
+    if paged:
+        return k.stride(0), k.stride(1), k.stride(2)
+    return 0, k.stride(0), k.stride(1)
+
+
 def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window, max_nq,
          max_kv, paged, force_mode=None, block_m=None, return_lse=False):
     T, Hq, D = q.shape
@@ -335,6 +350,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         bt_stride = 0
     else:
         bt_stride = block_table.stride(0)
+    kv_strides = _kv_strides(k, v, paged)
     small = block_m <= 64
     # enable_fp_fusion=False: no compiler-chosen mul+add -> fma contraction, so the softmax
     # arithmetic is the same in every kernel variant (explicit tl.fma where wanted)
@@ -350,8 +366,8 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         wsm = torch.empty((rows,), device=q.device, dtype=torch.float32)
         wsl = torch.empty((rows,), device=q.device, dtype=torch.float32)
         _attn_kernel[(n_tiles, B * Hkv, NP)](q, k, v, out, wsa, wsm, wsl, lse, qstart, seqlens,
-                                             block_table, bt_stride, page_size, qk_scale, win,
-                                             Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
+                                             block_table, bt_stride, page_size, *kv_strides,
+                                             qk_scale, win, Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
                                              PREC=prec, ROWSUM_MMA=ROWSUM_MMA, STORE_LSE=False,
                                              SKIP_MASKS=SKIP_FULL_BLOCK_MASKS,
                                              **common, **kw)
@@ -361,8 +377,8 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
                                                                     enable_fp_fusion=False)))
     else:
         _attn_kernel[(n_tiles, B * Hkv, 1)](q, k, v, out, out, out, out, lse, qstart, seqlens,
-                                            block_table, bt_stride, page_size, qk_scale, win,
-                                            Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
+                                            block_table, bt_stride, page_size, *kv_strides,
+                                            qk_scale, win, Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA,
                                             STORE_LSE=return_lse,
                                             SKIP_MASKS=SKIP_FULL_BLOCK_MASKS, **common, **kw)
