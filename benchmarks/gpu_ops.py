@@ -741,13 +741,17 @@ def time_attention(K, quick, ceil):
 ATT_VARIANTS = {"rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16, SKIP_FULL_BLOCK_MASKS=False),
                 "rowsum16_skipmask": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16,
                                           SKIP_FULL_BLOCK_MASKS=True),
-                "v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64, SKIP_FULL_BLOCK_MASKS=False)}
+                "v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64, SKIP_FULL_BLOCK_MASKS=False),
+                # canonical change: 256-position partitions double decode's programs at small batch
+                "rowsum16_p256": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16,
+                                      SKIP_FULL_BLOCK_MASKS=False, KV_PARTITION=256)}
+ALL_ATT_VARIANTS = dict(ATT_VARIANTS)   # --variants narrows ATT_VARIANTS; lookups use this
 BEST_DECODE_KNOBS = {}   # variant -> {knob: value} chosen by sweep_decode in this run
 
 
 class attn_variant:
     def __init__(self, att, name):
-        self.att, self.cfg = att, dict(ATT_VARIANTS[name])
+        self.att, self.cfg = att, dict(ALL_ATT_VARIANTS[name])
         self.cfg.update(BEST_DECODE_KNOBS.get(name, {}))
 
     def __enter__(self):
@@ -1336,10 +1340,13 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
     ap.add_argument("--only", default="", help="comma list of sections to run")
     ap.add_argument("--cublas-only", default=None)
+    ap.add_argument("--variants", default="", help="comma list of ATT_VARIANTS to run "
+                    "(default: all, in table order)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the sections that would start "
                     "after this many seconds (0: no limit), so a device time limit never cuts the JSON")
-    ap.add_argument("--rowsum-mma", action="store_true", help="experimental: attention row sums "
-                    "on the tensor core and 16-row decode tiles (ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16)")
+    ap.add_argument("--rowsum-mma", action="store_true", help="attention row sums on the tensor "
+                    "core and 16-row decode tiles (ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16): the "
+                    "default since 2026-12-03, kept so older commands still run")
     ap.add_argument("--sweep-ms", default="", help="comma list of M for the linear sweep; "
                     "also fixes SPLIT to the table's (graph-timed tile sweep only)")
     args = ap.parse_args()
@@ -1350,6 +1357,11 @@ def main():
     if args.cublas_only:
         cublas_only(args.cublas_only)
         return
+    if args.variants:
+        keep = args.variants.split(",")
+        for name in list(ATT_VARIANTS):
+            if name not in keep:
+                del ATT_VARIANTS[name]
     os.makedirs(args.out, exist_ok=True)
     rec = Recorder(args.out, args)
     run_t0 = time.time()
