@@ -484,7 +484,7 @@ def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
 
 def time_fwd_bwd_public(K):
     """Training step of the public ops (bitmatch.kernels, autograd) vs stock autograd, eager:
-    linear at M = 4096 (its backward is kernels/linear.py's fp32 matmuls) and attention_prefill
+    linear at M = 4096 (its backward: stock matmuls in the operand dtype) and attention_prefill
     (Triton forward + flash backward, through kernels/attention.py's wiring)."""
     import bitmatch.kernels as BK
     from torch.nn.attention import SDPBackend, sdpa_kernel
