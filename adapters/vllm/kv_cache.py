@@ -6,8 +6,11 @@ bitmatch keeps vLLM's block boundaries (so vLLM's block zeroing and block copies
 whole blocks) and, inside each block, stores token-major ``[block_size, 2, num_kv_heads,
 head_dim]``: K then V of each slot. Viewed that way the cache is ``k, v: [num_blocks,
 block_size, num_kv_heads, head_dim]``, the layout ``kernels.write_kv_cache`` and
-``kernels.attention_paged`` take. vLLM's own attention kernels never read these bytes
-(bitmatch replaces the model forward), so the two layouts never meet.
+``kernels.attention_paged`` take: non-contiguous views (slot stride 2*Hkv*D), which the CPU
+reference indexes through and the Triton kernel addresses by the views' strides
+(``tests/test_triton_interpret.py::test_attention_paged_strided_cache_views``). vLLM's own
+attention kernels never read these bytes (bitmatch replaces the model forward), so the two
+layouts never meet.
 """
 from __future__ import annotations
 
@@ -38,19 +41,6 @@ def _block_is_dense(kv: torch.Tensor) -> bool:
     return kv.stride(0) == expect
 
 
-def _require_strided_paged_attention(kv: torch.Tensor) -> None:
-    # The views below step 2*Hkv*D elements from slot to slot (K and V interleaved). The CPU
-    # reference kernels index through the views' strides; the Triton attention_paged computes
-    # slot addresses as slot * Hkv * D, so on CUDA it would read the wrong bytes: refuse until
-    # that launcher takes the cache's token stride (the CUDA path is designed, not yet runnable).
-    from bitmatch.kernels import backend_for
-
-    if backend_for(kv) != "reference":
-        raise BitmatchUnsupportedError(
-            f"bitmatch: vLLM on {kv.device.type} needs kernels.attention_paged (Triton) to accept a KV cache "
-            "with token stride 2*Hkv*D (bitmatch's per-block layout inside vLLM's cache); not implemented yet")
-
-
 def paged_kv_views(attn) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``, over the
     layer's vLLM cache tensor (views: writes land in vLLM's memory)."""
@@ -61,7 +51,6 @@ def paged_kv_views(attn) -> tuple[torch.Tensor, torch.Tensor]:
             f"bitmatch: KV cache of {attn.layer_name} has shape {tuple(kv.shape)} strides {kv.stride()}; expected "
             f"a logical [blocks, {heads}, block_size, {2 * d}] view with each block contiguous (a layer-major "
             "vLLM KV layout)")
-    _require_strided_paged_attention(kv)
     nb, bs = kv.shape[0], kv.shape[2]
     v = torch.as_strided(kv, (nb, bs, 2, heads, d), (kv.stride(0), 2 * heads * d, heads * d, d, 1),
                          kv.storage_offset())
