@@ -141,3 +141,22 @@ def test_trl_entropies_match_stock_computation(tmp_path):
     m = mask[:, -keep:].bool()
     assert (ent.double() - ent_ref)[m].abs().max() < 1e-4
     assert (lp.double() - lp_ref)[m].abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_lora_gradients_with_gradient_checkpointing(use_reentrant):
+    """TRL's default gradient checkpointing: the LoRA gradients are the same as without it (reentrant
+    checkpointing needs the embedding output to require grad, as PEFT arranges through HF's hook)."""
+    pm = peft_model(torch.float32, seed=3)
+    ref = copy.deepcopy(pm)
+    for m in (pm, ref):
+        bitmatch.patch(m)
+        m.train()
+    pm.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    pm.enable_input_require_grads()
+    ids = torch.tensor(random_prompts(2, 9, 9, seed=4))
+    for m in (pm, ref):
+        bitmatch.token_logprobs(m, ids, None, temperature=T).sum().backward()
+    got = {k: p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    want = {k: p.grad for k, p in ref.named_parameters() if p.requires_grad}
+    assert all(got[k] is not None and torch.equal(got[k], want[k]) for k in want)

@@ -202,8 +202,14 @@ def fused_add_rms_norm(norm_mod, x, residual, dtype):
 
 
 def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    w = lm.model.embed_tokens.weight
+    emb = lm.model.embed_tokens
+    w = emb.weight
     h = F.embedding(input_ids, w)  # exact gather; cast after gather == gather after cast
+    if torch.is_grad_enabled() and not h.requires_grad and getattr(emb, "_forward_hooks", None) and \
+            getattr(lm, "_require_grads_hooks", None):
+        # HF enable_input_require_grads (PEFT + reentrant checkpointing) hooks the embedding module,
+        # which this gather bypasses: do what its hook does
+        h.requires_grad_(True)
     return cast_param(h, dtype)
 
 
