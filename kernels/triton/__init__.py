@@ -61,4 +61,18 @@ def _patch_interpreter_for_numpy2():
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _patch_interpreter_for_numpy2()
 
-__all__ = ["interpreting"]
+_SM_COUNT = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the CPU interpreter): sizes persistent grids
+    and split decisions, launch knobs that never change bits."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+__all__ = ["interpreting", "sm_count"]

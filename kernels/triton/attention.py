@@ -20,13 +20,11 @@ GQA: a program's rows are (token, head-in-group) pairs of one KV head, so K/V is
 group. Non-causal attention is only for prefill (causal=False), where every row sees the whole
 sequence.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 
 KV_BLOCK = 64
 KV_PARTITION = 512
@@ -281,16 +279,6 @@ DECODE_SPLIT_MAX_PROGRAMS = None
 # tensor-core row sums cost: H200 run of 2026-12-03 (h200.json "followup_run_2"), prefill
 # 0.89-1.08 of SDPA flash with it vs 0.82-0.91 without, zero mismatches on every axis.
 SKIP_FULL_BLOCK_MASKS = True
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _kv_strides(k, v, paged):
@@ -341,7 +329,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         # programs fill the GPU. Either way the same bits (partition merge order is fixed).
         small_split = block_m <= 64 and (DECODE_SPLIT_MAX_PROGRAMS is None
                                          or programs < DECODE_SPLIT_MAX_PROGRAMS)
-        split = NP > 1 and (small_split or programs < 2 * _sm_count(q.device))
+        split = NP > 1 and (small_split or programs < 2 * sm_count(q.device))
     prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
     has_window = window is not None and window > 0
     qk_scale = float(scale) * _LOG2E

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .attention import _dot  # the interpreter's exact-dot switch, shared with the forward
 
 _LOG2E = 1.4426950408889634
 
@@ -32,14 +33,6 @@ BWD_KV_BLOCK_M = 64
 BWD_KV_BLOCK_N = 128
 BWD_KV_WARPS = 8
 BWD_KV_STAGES = 2
-
-
-@triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
-    if INTERP:
-        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.jit

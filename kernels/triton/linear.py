@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 
 _CHUNK_ALIGN = 256  # chunk length is a multiple of every BK in the table
 
@@ -285,7 +285,7 @@ def _launch_tma(x, weight, bias, cfg, split):
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(weight, [BN, BK])
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    progs = min(tiles, _num_sms(x.device))
+    progs = min(tiles, sm_count(x.device))
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
     _linear_tma_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, M, N,
                                  k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BM=BM,
@@ -293,16 +293,6 @@ def _launch_tma(x, weight, bias, cfg, split):
     return out
 
 
-_SMS = {}
-
-
-def _num_sms(device):
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def tma_config_for(M, N, K):
