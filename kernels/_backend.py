@@ -80,17 +80,10 @@ def check_int(name: str, t: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: {name} must be an int32/int64 tensor")
 
 
-def round_to(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round a float64 result to the output dtype (one deterministic rounding step)."""
-    return x64.to(dtype)
-
-
 def recompute_grads(plain_fn, inputs, needs, grads):
-    """Gradients by re-running a plain differentiable fp32 version of the op.
-
-    Backward passes need correct gradients, not invariant ones; this keeps each op's
-    backward a few lines of readable torch.
-    """
+    """Gradients by re-running a plain differentiable fp32 version of the op: the reference
+    (CPU) backends' backward. Backward passes need correct gradients, not invariant ones; the
+    Triton backend has its own fused backward kernels (kernels/triton/*_backward)."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) if isinstance(t, torch.Tensor) and t.is_floating_point()
                   else t for t, n in zip(inputs, needs)]

@@ -29,13 +29,16 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d):
         ctx.save_for_backward(x2d)
-        if backend_for(x2d) == "reference":
+        ctx.backend = backend_for(x2d)
+        if ctx.backend == "reference":
             return silu_and_mul_reference(x2d)
         return triton_impl("activation", "silu_and_mul")(x2d)
 
     @staticmethod
     def backward(ctx, g):
         (x2d,) = ctx.saved_tensors
+        if ctx.backend == "triton":  # one fp32 pass, dx in x's dtype
+            return triton_impl("activation", "silu_and_mul_backward")(x2d, g.contiguous())
         return tuple(recompute_grads(_plain, (x2d,), ctx.needs_input_grad, (g,)))
 
 

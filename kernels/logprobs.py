@@ -46,13 +46,22 @@ def full_logprobs_reference(logits2d, temp):
 class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, token_ids, temp):
-        ctx.save_for_backward(logits2d, token_ids, temp)
-        if backend_for(logits2d) == "reference":
+        ctx.backend = backend_for(logits2d)
+        if ctx.backend == "reference":
+            ctx.save_for_backward(logits2d, token_ids, temp)
             return token_logprobs_reference(logits2d, token_ids, temp)
-        return triton_impl("logprobs", "token_logprobs")(logits2d, token_ids, temp)
+        out, lse = triton_impl("logprobs", "token_logprobs")(logits2d, token_ids, temp, return_lse=True)
+        ctx.save_for_backward(logits2d, token_ids, temp, lse)
+        return out
 
     @staticmethod
     def backward(ctx, g):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        if ctx.backend == "triton":  # one pass over the logits from the forward's lse
+            logits2d, token_ids, temp, lse = ctx.saved_tensors
+            return triton_impl("logprobs", "token_logprobs_backward")(logits2d, token_ids, temp,
+                                                                      lse, g), None, None
         logits2d, token_ids, temp = ctx.saved_tensors
 
         def plain(x):

@@ -41,21 +41,64 @@ def _check(op, x, weight, residual=None):
     check_same_device(op, x=x, weight=weight, residual=residual)
 
 
+def _rms_backward(ctx, x2d, weight, g, g_res, need_x, need_w):
+    """(dx + g_res, dw) of rms_norm(x2d) for upstream g: the Triton backward on CUDA, the plain
+    fp32 recompute on the reference backend."""
+    if g is None:
+        return g_res, None
+    if ctx.backend == "triton":
+        return triton_impl("norm", "rms_norm_backward")(x2d, weight, g.contiguous(), ctx.eps,
+                                                         g_res, need_dw=need_w)
+    gx, gw = recompute_grads(lambda a, b: _rms_plain(a, b, ctx.eps), (x2d, weight),
+                             (need_x, need_w), (g,))
+    return (gx if g_res is None or gx is None else (gx.float() + g_res.float()).to(gx.dtype)), gw
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, eps):
         ctx.save_for_backward(x2d, weight)
         ctx.eps = eps
-        if backend_for(x2d) == "reference":
+        ctx.backend = backend_for(x2d)
+        if ctx.backend == "reference":
             return rms_norm_reference(x2d, weight, eps)
         return triton_impl("norm", "rms_norm")(x2d, weight, eps)
 
     @staticmethod
     def backward(ctx, g):
         x2d, weight = ctx.saved_tensors
-        gx, gw = recompute_grads(lambda a, b: _rms_plain(a, b, ctx.eps), (x2d, weight),
-                                 ctx.needs_input_grad[:2], (g,))
+        gx, gw = _rms_backward(ctx, x2d, weight, g, None, *ctx.needs_input_grad[:2])
         return gx, gw, None
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """(rms_norm(res), res) with res = round(x + residual); one gradient for x and residual."""
+
+    @staticmethod
+    def forward(ctx, x2d, r2d, weight, eps):
+        ctx.set_materialize_grads(False)
+        ctx.eps = eps
+        ctx.backend = backend_for(x2d)
+        if ctx.backend == "reference":
+            res = _add_round(x2d, r2d)
+            out = rms_norm_reference(res, weight, eps)
+        else:
+            out, res = triton_impl("norm", "fused_add_rms_norm")(x2d, r2d, weight, eps)
+        ctx.save_for_backward(res, weight)
+        return out, res
+
+    @staticmethod
+    def backward(ctx, g, g_res):
+        res, weight = ctx.saved_tensors
+        nx, nr, nw, _ = ctx.needs_input_grad
+        gsum, gw = _rms_backward(ctx, res, weight, g, g_res, nx or nr, nw)
+        # d res / d x = d res / d residual = 1: the same gradient (autograd's own add does this)
+        return gsum, gsum, gw, None
+
+
+def _add_round(x, residual):
+    # the sum in float is exact-rounded elementwise, the same bits as the fused kernel's
+    return (x.float() + residual.float()).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,12 +118,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     Invariance: elementwise add then a row-invariant norm; each row depends on its own inputs.
     """
     _check("fused_add_rms_norm", x, weight, residual)
-    if backend_for(x) == "triton" and not (torch.is_grad_enabled() and
-                                           (x.requires_grad or residual.requires_grad or weight.requires_grad)):
-        fn = triton_impl("norm", "fused_add_rms_norm")
-        out, res = fn(x.reshape(-1, x.shape[-1]).contiguous(),
-                      residual.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), float(eps))
-        return out.reshape(x.shape), res.reshape(x.shape)
-    # the sum in float is exact-rounded elementwise, the same bits as the fused kernel's
-    res = (x.float() + residual.float()).to(x.dtype)
-    return rms_norm(res, weight, eps), res
+    H = x.shape[-1]
+    out, res = FusedAddRMSNormFunction.apply(x.reshape(-1, H).contiguous(),
+                                             residual.reshape(-1, H).contiguous(),
+                                             weight.contiguous(), float(eps))
+    return out.reshape(x.shape), res.reshape(x.shape)

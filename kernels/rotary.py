@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, recompute_grads, triton_impl
+from ._backend import backend_for, check_float, check_int, triton_impl
 
 F64 = torch.float64
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -106,28 +106,34 @@ def _rotate_reference(x, cos, sin):
     return torch.cat([o1, o2], dim=-1)
 
 
-def _plain(q, k, cos, sin):
-    def rot(x):
-        h = x.shape[-1] // 2
-        c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
-        x = x.float()
-        return torch.cat([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
-    return rot(q), rot(k)
+def _rotate_back_reference(g, cos, sin):
+    # the transpose of the rotation (rotate by -angle) in fp32, cos/sin rounded as the forward's
+    h = g.shape[-1] // 2
+    c = cos.to(g.dtype).unsqueeze(-2).float()
+    s = sin.to(g.dtype).unsqueeze(-2).float()
+    g1, g2 = g[..., :h].float(), g[..., h:].float()
+    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(g.dtype)
 
 
 class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        ctx.save_for_backward(q, k, cos, sin)
-        if backend_for(q) == "reference":
+        ctx.set_materialize_grads(False)
+        ctx.backend = backend_for(q)
+        ctx.save_for_backward(cos, sin)  # a rotation is linear: the backward needs only cos/sin
+        if ctx.backend == "reference":
             return _rotate_reference(q, cos, sin), _rotate_reference(k, cos, sin)
         return triton_impl("rotary", "apply_rotary")(q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, gq, gk):
-        q, k, cos, sin = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[:2]) + [False, False]
-        gq_, gk_, _, _ = recompute_grads(_plain, (q, k, cos, sin), needs, (gq, gk))
+        cos, sin = ctx.saved_tensors
+        gq, gk = (g.contiguous() if g is not None and n else None
+                  for g, n in zip((gq, gk), ctx.needs_input_grad[:2]))
+        if ctx.backend == "triton":
+            gq_, gk_ = triton_impl("rotary", "apply_rotary_backward")(gq, gk, cos, sin)
+        else:
+            gq_, gk_ = (None if g is None else _rotate_back_reference(g, cos, sin) for g in (gq, gk))
         return gq_, gk_, None, None
 
 

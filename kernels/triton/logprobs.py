@@ -33,13 +33,34 @@ def _lse_row(x_ptr, row, V, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _token_logprobs_kernel(x_ptr, tok_ptr, t_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _token_logprobs_kernel(x_ptr, tok_ptr, t_ptr, out_ptr, lse_ptr, V, STORE_LSE: tl.constexpr,
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + row)
     lse = _lse_row(x_ptr, row, V, t, BLOCK)
     tok = tl.load(tok_ptr + row).to(tl.int64)
     zt = tl.math.div_rn(tl.load(x_ptr + row * V + tok).to(tl.float32), t)
     tl.store(out_ptr + row, zt - lse)
+    if STORE_LSE:  # for the backward; the logprob's bits are the same either way
+        tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(x_ptr, tok_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, V,
+                               BLOCK: tl.constexpr):
+    # d lp_i / d x_ij = (onehot(tok_i)_j - softmax(x_i / T_i)_j) / T_i; columns split over
+    # programs (the row's lse is known), so a few rows still fill the GPU
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    t = tl.load(t_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(g_ptr + row) / t
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
+    p = tl.exp(tl.math.div_rn(x, t) - lse)
+    d = scale * (tl.where(cols == tok, 1.0, 0.0) - p)
+    tl.store(dx_ptr + row * V + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -58,16 +79,32 @@ def _kw(interp):
     return {} if interp else dict(num_warps=8)
 
 
-def token_logprobs(logits, token_ids, temperature):
+def token_logprobs(logits, token_ids, temperature, return_lse=False):
+    """fp32 [N] logprobs; with ``return_lse``, also the fp32 [N] log-sum-exp of logits / T (what
+    the backward needs), at no change to the logprobs' bits."""
     N, V = logits.shape
     out = torch.empty((N,), device=logits.device, dtype=torch.float32)
+    lse = torch.empty((N,), device=logits.device, dtype=torch.float32) if return_lse else out
+    if N:
+        interp = interpreting(logits)
+        t = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
+        _token_logprobs_kernel[(N,)](logits, token_ids.contiguous(), t, out, lse, V,
+                                     STORE_LSE=return_lse, BLOCK=BLOCK_V, **_kw(interp))
+    return (out, lse) if return_lse else out
+
+
+def token_logprobs_backward(logits, token_ids, temperature, lse, g):
+    """d(sum_i g_i * lp_i)/d logits, [N, V] in logits' dtype, from the forward's lse."""
+    N, V = logits.shape
+    dx = torch.empty_like(logits)
     if N == 0:
-        return out
+        return dx
     interp = interpreting(logits)
     t = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
-    _token_logprobs_kernel[(N,)](logits, token_ids.contiguous(), t, out, V, BLOCK=BLOCK_V,
-                                 **_kw(interp))
-    return out
+    _token_logprobs_bwd_kernel[(N, triton.cdiv(V, BLOCK_V))](
+        logits, token_ids.contiguous(), t, lse, g.to(torch.float32).contiguous(), dx, V,
+        BLOCK=BLOCK_V, **({} if interp else dict(num_warps=4)))
+    return dx
 
 
 def full_logprobs(logits, temperature):

@@ -13,7 +13,7 @@ from . import interpreting
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HALF,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -27,16 +27,22 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HALF,
     m = mh[:, None] & md[None, :]
     x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    a = (x1 * c[None, :]).to(dt).to(tl.float32)
-    b = (x2 * s[None, :]).to(dt).to(tl.float32)
-    e = (x2 * c[None, :]).to(dt).to(tl.float32)
-    f = (x1 * s[None, :]).to(dt).to(tl.float32)
     obase = out_ptr + t * H * 2 * HALF + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(obase, (a - b).to(dt), mask=m)
-    tl.store(obase + HALF, (e + f).to(dt), mask=m)
+    if BACKWARD:
+        # the transpose of the rotation (x = upstream gradient): rotate by -angle in fp32,
+        # one rounding (gradients need not follow the forward's rounding points)
+        tl.store(obase, (x1 * c[None, :] + x2 * s[None, :]).to(dt), mask=m)
+        tl.store(obase + HALF, (x2 * c[None, :] - x1 * s[None, :]).to(dt), mask=m)
+    else:
+        a = (x1 * c[None, :]).to(dt).to(tl.float32)
+        b = (x2 * s[None, :]).to(dt).to(tl.float32)
+        e = (x2 * c[None, :]).to(dt).to(tl.float32)
+        f = (x1 * s[None, :]).to(dt).to(tl.float32)
+        tl.store(obase, (a - b).to(dt), mask=m)
+        tl.store(obase + HALF, (e + f).to(dt), mask=m)
 
 
-def _apply(x, cos, sin):
+def _apply(x, cos, sin, backward=False):
     T, H, D = x.shape
     out = torch.empty_like(x)
     if T == 0 or H == 0:
@@ -47,9 +53,16 @@ def _apply(x, cos, sin):
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_D))
     kw = {} if interp else dict(num_warps=4)
     _rotary_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, out, H, half,
-                                                 BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, **kw)
+                                                 BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BACKWARD=backward, **kw)
     return out
 
 
 def apply_rotary(q, k, cos, sin):
     return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def apply_rotary_backward(gq, gk, cos, sin):
+    """(dq, dk) for upstream (gq, gk) (either may be None): the inverse rotation, with cos/sin
+    rounded to the gradient's dtype as the forward rounds them."""
+    return (None if gq is None else _apply(gq, cos, sin, True),
+            None if gk is None else _apply(gk, cos, sin, True))
