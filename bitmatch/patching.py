@@ -134,6 +134,13 @@ def patch(model, compute_dtype: torch.dtype | None = None):
     dense.model_spec(lm)
     if compute_dtype is not None and compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"patch: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if compute_dtype is None:  # the kernels would meet e.g. fp16 only later, inside a norm: refuse now
+        bad = sorted({str(p.dtype) for p in lm.parameters()
+                      if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+        if bad:
+            raise ValueError(f"patch: the model's parameters are {', '.join(bad)}, but bitmatch computes in "
+                             "bf16 or fp32: load it with dtype=torch.bfloat16 (or torch.float32), call "
+                             "model.to(torch.bfloat16), or pass patch(model, compute_dtype=torch.bfloat16)")
     object.__setattr__(lm, "_bitmatch_compute_dtype", compute_dtype)
     _bind(lm, _causal_forward, lm)
     object.__setattr__(lm.model, "_bitmatch_lm", lm)

@@ -4,9 +4,14 @@ Shaped like ``vllm.LLM.generate``. The engine shares the HF module's parameter t
 copy): an optimizer step on the module is seen by the next ``generate``. Every logprob it
 reports equals, bit for bit, what ``bitmatch.token_logprobs`` computes for the same token in
 the trainer, whatever the batch, chunking, block size, preemption or prefix-cache reuse.
+
+Fed by a receiver (``bitmatch.sync.receive(model)``), the engine refuses to step until a verified
+weight version is in place, holds the receiver's lock for each step (no switch inside a step),
+and stamps every ``RequestOutput`` with the version and fingerprint it was sampled with.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -44,8 +49,9 @@ class Engine:
         from bitmatch.models import check_supported, kv_cache_spec, unwrap_causal_lm
 
         if isinstance(model, (str, os.PathLike)):
+            from bitmatch.hub import resolve_checkpoint
             from bitmatch.models import load_model
-            path = os.fspath(model)
+            path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
             if tokenizer is None:
                 try:
@@ -67,6 +73,8 @@ class Engine:
         self.model, self.tokenizer, self.seed = model, tokenizer, seed
         self.device = next(model.parameters()).device
         self.vocab_size = lm.lm_head.weight.shape[0]
+        self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
+        self._lm = lm
         per_block = kv_bytes_per_block(kv_cache_spec(model), self.block_size)
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
@@ -116,6 +124,10 @@ class Engine:
             raise ValueError(f"Engine: prompt must be a list of token ids or a string, got {type(prompt)}")
         if len(prompt) == 0:
             raise ValueError("Engine: prompt must have at least one token")
+        if self.max_model_len is not None and len(prompt) >= self.max_model_len:
+            raise ValueError(f"Engine: prompt of {len(prompt)} tokens leaves no room under the model's "
+                             f"max_position_embeddings={self.max_model_len} (prompt + completion must fit): "
+                             "shorten or truncate the prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"Engine: prompt token ids must be in [0, {self.vocab_size}), got "
                              f"min {min(prompt)} max {max(prompt)}")
@@ -142,12 +154,68 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
+    def abort_all(self) -> None:
+        """Drop every queued and running request and free their KV blocks."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.block_manager.deallocate(seq)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self._seqs.clear()
+
+    # -- weight versions --------------------------------------------------------------------
+    @property
+    def weight_state(self):
+        """The receiver's WeightState managing this engine's model (None: no receiver)."""
+        from bitmatch.sync import weight_state
+        return weight_state(self.model) or weight_state(self._lm)
+
+    def _holding_weights(self):
+        """Context for one step: under a receiver, its lock and (version, fingerprint) of the
+        verified weights, or WeightsNotReadyError; (None, None) for a model no receiver manages."""
+        st = self.weight_state
+        if st is None:
+            return contextlib.nullcontext((None, None))
+        return self._verified_step(st)
+
+    @contextlib.contextmanager
+    def _verified_step(self, st):
+        from bitmatch.sync import WeightsNotReadyError
+        try:
+            cm = st.generation()
+            version = cm.__enter__()
+        except WeightsNotReadyError as e:
+            raise WeightsNotReadyError(f"Engine: {e}. The engine's model is managed by a bitmatch.sync "
+                                       "receiver: publish a version first (bitmatch.sync.publish(trainer_model, "
+                                       "version, to=receiver)), or create the receiver with "
+                                       "initial_version=N to accept the weights already loaded") from None
+        try:
+            man = st.manifest
+            if man is not None and getattr(self, "_digest_of", (None,))[0] is not man:
+                self._digest_of = (man, man.digest())
+            yield version, (self._digest_of[1] if man is not None else None)
+        finally:
+            cm.__exit__(None, None, None)
+
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; returns the requests that finished in it."""
+        with self._holding_weights() as (version, fp):
+            return self._step(version, fp)
+
+    def _step(self, version, fp) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        for seq, _ in scheduled:
+            if seq.weight_version is None and not seq.token_ids[seq.num_prompt_tokens:]:
+                seq.weight_version, seq.weight_fingerprint = version, fp
+            elif (seq.weight_version, seq.weight_fingerprint) != (version, fp):
+                from bitmatch.sync import WeightVersionError
+                self.abort_all()
+                raise WeightVersionError(
+                    f"Engine: the weights switched from version {seq.weight_version} to {version} while request "
+                    f"{seq.request_id} was running (its tokens would mix two versions); publish between "
+                    "generate() calls, not during one. All running requests were aborted")
         seqs, tokens, lps, sampled = self.model_runner.run(scheduled)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
@@ -158,7 +226,8 @@ class Engine:
             sp = seq.params
             if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
                 self.scheduler.finish(seq, "stop", tok)
-            elif seq.num_completion_tokens >= sp.max_tokens:
+            elif seq.num_completion_tokens >= sp.max_tokens or (
+                    self.max_model_len is not None and len(seq) >= self.max_model_len):
                 self.scheduler.finish(seq, "length")
             else:
                 continue
@@ -182,6 +251,8 @@ class Engine:
         if self.has_unfinished_requests():
             raise RuntimeError("Engine.generate: requests added with add_request are still running; "
                                "step() them to completion first")
+        with self._holding_weights():  # refuse before queueing anything: no verified version yet
+            pass
         self.reset_prefix_cache()  # the weights may have changed since the last call
         try:
             ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -197,6 +268,9 @@ class Engine:
                 for out in self.step():
                     done[out.request_id] = out
                     bar.update(1)
+        except BaseException:  # weights not ready / switched mid-request / interrupted: leave no request behind
+            self.abort_all()
+            raise
         finally:
             bar.close()
         return [done[i] for i in ids]

@@ -43,6 +43,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.weight_version: int | None = None      # set by the engine at the request's first step
+        self.weight_fingerprint: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -98,7 +100,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The result of one request (vLLM's RequestOutput)."""
+    """The result of one request (vLLM's RequestOutput). ``weight_version`` / ``weight_fingerprint``:
+    the verified version (and its manifest digest, ``bitmatch.sync.Manifest.digest``) every token was
+    sampled with, when a ``bitmatch.sync`` receiver manages the engine's model; None otherwise.
+    The trainer checks them with ``bitmatch.sync.check_weight_version``."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -106,6 +111,8 @@ class RequestOutput:
     finished: bool = True
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    weight_version: int | None = None
+    weight_fingerprint: str | None = None
 
     @classmethod
     def from_seq(cls, seq: Sequence, tokenizer=None) -> "RequestOutput":
@@ -117,4 +124,5 @@ class RequestOutput:
                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         return cls(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                    outputs=[out], finished=seq.is_finished, num_preemptions=seq.num_preemptions,
-                   num_cached_tokens=seq.num_cached_tokens)
+                   num_cached_tokens=seq.num_cached_tokens, weight_version=seq.weight_version,
+                   weight_fingerprint=seq.weight_fingerprint)

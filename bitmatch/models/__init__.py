@@ -93,7 +93,10 @@ def load_model(path_or_name: str, dtype: torch.dtype = torch.bfloat16, device=No
     mode, checked for support. Extra kwargs go to from_pretrained."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path_or_name, dtype=dtype, **kwargs)
+    from bitmatch.hub import resolve_checkpoint  # missing folder / bad hub name: clear error, fast
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_checkpoint(path_or_name, who="load_model", **kwargs), dtype=dtype, **kwargs)
     check_supported(model)
     if device is not None:
         model = model.to(device)

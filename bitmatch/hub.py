@@ -1,0 +1,100 @@
+"""Where a checkpoint comes from: a local folder or a hub name, resolved before anything loads.
+
+``resolve_checkpoint`` is the one place ``bitmatch.Engine("...")`` and
+``bitmatch.models.load_model`` turn a string into something ``from_pretrained`` can open:
+- a path that exists is used as it is (``~`` expanded);
+- a string that looks like a local path (absolute, ``./``, ``../``, ``~``, a backslash, or more
+  than one ``/``) and does not exist is a ``FileNotFoundError`` naming the path, raised before
+  any network access (the hub would otherwise answer "Repo id must be in the form ...");
+- anything else is a hub repo id: found in the local cache, it is used without asking the hub;
+  otherwise one request to the hub (no retries, short timeout) says whether it exists, so a
+  typo or an unreachable hub fails in seconds with the fix, instead of a minute of retries.
+"""
+from __future__ import annotations
+
+import os
+
+HUB_TIMEOUT_S = 10.0
+_verified: set[tuple[str, str | None]] = set()  # hub names that already answered in this process
+
+
+def looks_local(name: str) -> bool:
+    """True for strings a user means as a file-system path rather than a hub ``org/name`` id."""
+    return (os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
+            or "\\" in name or name.count("/") > 1 or name.endswith("/"))
+
+
+def _offline(kwargs) -> bool:
+    if kwargs.get("local_files_only"):
+        return True
+    try:
+        from huggingface_hub import constants
+        return bool(constants.HF_HUB_OFFLINE)
+    except ImportError:  # no hub client: only local folders can work
+        return True
+
+
+def _cached(name: str, revision, cache_dir) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+    hit = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir, revision=revision)
+    return isinstance(hit, str)
+
+
+def resolve_checkpoint(path_or_name, *, who: str = "load_model", **kwargs) -> str:
+    """Return the folder or hub id to hand to ``from_pretrained``, or raise a clear error.
+
+    ``who`` names the caller in the message. ``kwargs`` are the caller's from_pretrained options
+    (``revision``, ``token``, ``cache_dir``, ``local_files_only`` are honoured here).
+    Raises FileNotFoundError (missing local path; hub name not cached while offline),
+    ValueError (neither a folder nor a valid hub id; a file instead of a folder; the hub says
+    no such repo) or ConnectionError (hub unreachable and the name not in the cache).
+    """
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise ValueError(f"{who}: expected a checkpoint folder or hub name, got {type(path_or_name).__name__}")
+    name = os.fspath(path_or_name)
+    local = os.path.expanduser(name)
+    if os.path.isdir(local):
+        return local
+    if os.path.exists(local):
+        raise ValueError(f"{who}: {name!r} is a file; give the checkpoint folder that holds config.json "
+                         "and the weights")
+    if isinstance(path_or_name, os.PathLike) or looks_local(name):
+        raise FileNotFoundError(f"{who}: no checkpoint folder at {name!r} (resolved to "
+                                f"{os.path.abspath(local)!r}); check the path, or give a hub name such as "
+                                "'Qwen/Qwen3-0.6B'")
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+        validate_repo_id(name)
+    except ImportError:
+        raise FileNotFoundError(f"{who}: no checkpoint folder {name!r} here, and huggingface_hub is not "
+                                "installed to look it up on the hub") from None
+    except HFValidationError as e:
+        raise ValueError(f"{who}: {name!r} is neither an existing folder nor a valid hub name "
+                         f"('org/name'): {e}") from None
+    revision, cache_dir = kwargs.get("revision"), kwargs.get("cache_dir")
+    if (name, revision) in _verified or _cached(name, revision, cache_dir):
+        return name
+    if _offline(kwargs):
+        raise FileNotFoundError(f"{who}: {name!r} is not a local folder and not in the hub cache, and hub "
+                                "access is off (HF_HUB_OFFLINE / local_files_only): download it first "
+                                "(`hf download " + name + "`) or give a local checkpoint folder")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    try:  # one request, no retry loop: a typo or a dead network is known in seconds
+        HfApi().model_info(name, revision=revision, token=kwargs.get("token"), timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        pass  # it exists; from_pretrained reports the access problem with its own fix
+    except RepositoryNotFoundError:
+        raise ValueError(f"{who}: no model {name!r} on the hub (or it is private: log in with `hf auth login` "
+                         f"or pass token=); if you meant a local folder, it does not exist at "
+                         f"{os.path.abspath(local)!r}") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"{who}: model {name!r} has no revision {revision!r}") from None
+    except Exception as e:  # connection refused, DNS, timeout: not worth a retry loop
+        raise ConnectionError(f"{who}: {name!r} is not a local folder (no {os.path.abspath(local)!r}) and the "
+                              f"hub could not be reached ({type(e).__name__}: {str(e)[:200]}); give a local "
+                              f"checkpoint folder (e.g. './{name}'), or "
+                              "download it where the hub is reachable and set HF_HUB_OFFLINE=1 to use the "
+                              "cache") from None
+    _verified.add((name, revision))
+    return name
