@@ -10,41 +10,96 @@ from bitmatch.models.dense import default_compute_dtype
 DEFAULT_LOGIT_ELEMENTS = 1 << 25  # fp32 logits elements per chunk (128 MiB)
 
 
-def _chunk_logprobs(lm, dtype, temperature, hidden, targets, entropy=False):
+def _chunk_logprobs(lm, dtype, temperature, top_k, top_p, hidden, targets, entropy=False):
     import bitmatch.kernels as K
 
     logits = compute_logits(lm, hidden, compute_dtype=dtype)
+    # the engine's and the vLLM plugin's mask: -inf outside, so the log_softmax renormalizes
+    logits = K.apply_top_k_top_p(logits, temperature, top_k, top_p)
     lp = K.token_logprobs(logits, targets, temperature)
     if not entropy:
         return lp
-    # entropy of the same distribution (a metric / bonus: exact bits not required)
+    # entropy of the same distribution (a metric / bonus: exact bits not required); masked
+    # tokens contribute 0 (not 0 * -inf)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return lp, -(logp.exp() * logp).sum(-1)
+    plogp = torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))
+    return lp, -plogp.sum(-1)
+
+
+def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
+    """Input errors named with their fix, before any forward (the trainer's first line of defence)."""
+    op = "token_logprobs"
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            raise ValueError(f"{op}: temperature must be a float (one temperature for the batch), got a tensor "
+                             f"of shape {tuple(temperature.shape)}")
+        temperature = float(temperature)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"{op}: temperature must be a float > 0, got {temperature!r}")
+    temperature = float(temperature)
+    if temperature == 0.0:
+        raise ValueError(f"{op}: temperature=0 is greedy decoding, which has no distribution to score: greedy "
+                         "rows are scored at T = 1 (as vLLM and bitmatch.Engine report them); pass temperature=1.0")
+    if not temperature > 0:
+        raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise ValueError(f"{op}: top_k must be an int >= 1 (or None / -1 / 0 for no top-k), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"{op}: top_p must be a float in (0, 1] (or None / 1.0 for no top-p), got {top_p!r}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"{op}: input_ids must be a torch.Tensor [batch, seq_len] of token ids, "
+                         f"got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        hint = " (one sequence: pass input_ids.unsqueeze(0), and its mask likewise)" if input_ids.dim() == 1 else ""
+        raise ValueError(f"{op}: input_ids must be 2-D [batch, seq_len], got shape {tuple(input_ids.shape)}{hint}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"{op}: input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}; "
+                         "pass input_ids.long() (the tokenizer's ids, not embeddings or probabilities)")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        raise ValueError(f"{op}: attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    real = input_ids if attention_mask is None else input_ids[attention_mask.to(input_ids.device) != 0]
+    vocab = lm.lm_head.weight.shape[0]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+        raise ValueError(f"{op}: input_ids must be token ids in [0, vocab_size={vocab}) wherever attention_mask "
+                         f"is 1, got min {int(real.min())} max {int(real.max())}; mask out padding / label "
+                         "sentinels such as -100 with attention_mask, or check the tokenizer matches the model")
+    max_pos = getattr(lm.config, "max_position_embeddings", None)
+    if max_pos is not None and input_ids.shape[1] > max_pos:
+        lengths = input_ids.shape[1] if attention_mask is None else int((attention_mask != 0).sum(1).max())
+        if lengths > max_pos:
+            raise ValueError(f"{op}: a sequence has {lengths} tokens, more than the model's "
+                             f"max_position_embeddings={max_pos}; truncate input_ids (or use a model configured "
+                             "for longer contexts)")
+    return temperature
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0, chunk_rows: int | None = None,
-                   compute_dtype: torch.dtype | None = None, return_entropy: bool = False):
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
+                   return_entropy: bool = False):
     """fp32 [B, L-1]: logprob of ``input_ids[:, 1:]`` given its prefix (0 where the token is padding
-    or the first real token of its row), full-vocabulary ``log_softmax(logits.float() / T)``.
+    or the first real token of its row), ``log_softmax(logits.float() / T)`` over the full
+    vocabulary, or, with ``top_k`` / ``top_p``, over the tokens ``kernels.top_k_top_p_mask`` keeps
+    (the renormalized distribution the engine and the vLLM plugin sample from and report as
+    ``sampled_logprobs`` / ``processed_logprobs``); gradients flow through the kept logits.
 
     Left or right padding. The real tokens are packed (positions from 0 at the first real
     token) and run through ``bitmatch.models.forward_hidden``; logits are computed over row
     chunks of ``chunk_rows`` (default: about 2**25 logits per chunk) and, with autograd on,
     recomputed in backward (checkpointed), so the whole [B, L, V] never exists. The bits do
     not depend on ``chunk_rows``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
-    ``softmax(logits.float() / T)`` at the same positions (with gradients): ``(logprobs, entropy)``.
+    the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
+    Invariance: each token's value depends only on its own row's tokens, T, k and p.
     """
-    if isinstance(temperature, torch.Tensor):
-        if temperature.numel() != 1:
-            raise ValueError("token_logprobs: temperature must be a float")
-        temperature = float(temperature)
-    temperature = float(temperature)
-    if not temperature > 0:
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
     lm = unwrap_causal_lm(model)
+    temperature = _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p)
+    top_k = top_k if top_k is not None and top_k > 0 else None      # -1 / 0: no top-k (vLLM's values)
+    top_p = top_p if top_p is not None and top_p < 1.0 else None
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
     dev = lm.lm_head.weight.device
     input_ids = input_ids.to(dev)
@@ -69,10 +124,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     for a in range(0, h.shape[0], rows):
         hc, tc = h[a:a + rows], targets[a:a + rows]
         if torch.is_grad_enabled() and hc.requires_grad:
-            pieces.append(checkpoint(_chunk_logprobs, lm, dtype, temperature, hc, tc, return_entropy,
+            pieces.append(checkpoint(_chunk_logprobs, lm, dtype, temperature, top_k, top_p, hc, tc, return_entropy,
                                      use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(lm, dtype, temperature, hc, tc, return_entropy))
+            pieces.append(_chunk_logprobs(lm, dtype, temperature, top_k, top_p, hc, tc, return_entropy))
     at = (p.rows[tgt], p.cols[tgt] - 1)
     if not return_entropy:
         lp = torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -8,10 +8,12 @@ from .linear import linear
 from .logprobs import full_logprobs, token_logprobs
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
+from .sampling import apply_top_k_top_p, categorical_sample, top_k_top_p_mask, uniform_noise
 
 __all__ = [
     "linear", "rms_norm", "fused_add_rms_norm", "rotary_cos_sin", "apply_rotary", "silu_and_mul",
     "attention_prefill", "attention_paged", "attention_decode", "write_kv_cache",
-    "token_logprobs", "full_logprobs", "use_backend", "backend_for", "SUPPORTED_DTYPES",
+    "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
+    "uniform_noise", "use_backend", "backend_for", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
 ]
