@@ -6,6 +6,7 @@ from .activation import silu_and_mul
 from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .linear import linear
 from .logprobs import full_logprobs, token_logprobs
+from .moe import moe_experts, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
 from .sampling import apply_top_k_top_p, categorical_sample, top_k_top_p_mask, uniform_noise
@@ -16,4 +17,5 @@ __all__ = [
     "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
     "uniform_noise", "use_backend", "backend_for", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
+    "moe_route", "moe_experts",
 ]

@@ -1,0 +1,272 @@
+"""moe_route and moe_experts: a mixture-of-experts layer whose per-token bits never depend on
+the batch (dropless, no capacity factor, no atomics).
+
+Canonical order (what fixes the bits):
+- moe_route: fp32 scores per row (softmax | sigmoid | sqrtsoftplus); experts ranked by
+  (selection score desc, expert index asc), so ties go to the LOWEST expert index; weights are
+  the unbiased scores of the chosen experts; with ``renormalize`` divided by
+  (their fp32 sum taken in rank order + 1e-20, as DeepSeek-V4 / Nemotron-H do; the 1e-20 is a
+  no-op for softmax scores), then times ``scaling``.
+- moe_experts: for each (token t, rank r), e = ids[t, r]: h = linear(x_t, w_in[e]) (one row of
+  ``kernels.linear``: its K order, rounded to x.dtype), a = act(h) (HF's rounding points),
+  y = linear(a, w_out[e]) in x.dtype; out_t = round(sum over r = 0..k-1 IN RANK ORDER of
+  fp32(w[t, r]) * fp32(y[t, r])), each product rounded to fp32, then added, from 0.0.
+Reference (CPU): ``linear_reference`` on each expert's gathered rows (row-invariant, so a row's
+bits do not depend on how many rows its expert got), exact exp/log from ``_exact`` for the
+scores, an elementwise fp32 loop over ranks for the combine.
+Triton (CUDA): kernels/triton/moe.py: one routing program per token, a grouped GEMM over
+tokens sorted by expert with the same K order as kernels/triton/linear.py, a rank-order combine.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _exact
+from ._backend import backend_for, check_float, check_int, check_same_device, recompute_grads, triton_impl
+from .activation import silu_and_mul_reference
+from .linear import linear_reference
+
+F64 = torch.float64
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+ACTIVATIONS = ("swiglu", "relu2")
+RENORM_EPS = 1e-20
+_SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus returns x above it (HF calls it)
+
+
+# ---------------------------------------------------------------- routing
+def _log1p64(y):
+    """log(1 + y) for float64 y >= 0, accurate for tiny y (Goldberg's trick, elementwise)."""
+    u = 1.0 + y
+    return torch.where(u == 1.0, y, _exact.log64(u) * (y / (u - 1.0)))
+
+
+def scores_reference(logits, scoring):
+    """fp32 [T, E] scores, each row from that row alone (exact exp/log, fixed-tree sums)."""
+    z = logits.to(F64)
+    if scoring == "softmax":
+        e = _exact.exp64(z - z.amax(-1, keepdim=True))
+        return (e / _exact.tree_sum(e, -1).unsqueeze(-1)).float()
+    if scoring == "sigmoid":
+        return (1.0 / (1.0 + _exact.exp64(-z))).float()
+    # sqrtsoftplus (DeepSeek-V4): sqrt(softplus(x)), softplus rounded to fp32 first as HF does
+    sp = torch.where(z > _SOFTPLUS_THRESHOLD, z, _log1p64(_exact.exp64(z.clamp(max=_SOFTPLUS_THRESHOLD))))
+    return sp.float().sqrt()
+
+
+def _scores_plain(logits, scoring):
+    z = logits.float()
+    if scoring == "softmax":
+        return torch.softmax(z, -1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(z)
+    return torch.nn.functional.softplus(z).sqrt()
+
+
+def _finish_weights(w, renormalize, scaling):
+    """Rank-order fp32 sum, divide, scale: the same steps on every backend and in backward."""
+    if renormalize:
+        s = w[:, 0]
+        for r in range(1, w.shape[1]):
+            s = s + w[:, r]
+        w = w / (s + RENORM_EPS).unsqueeze(1)
+    return w * scaling
+
+
+def route_reference(logits, bias, top_k, scoring, renormalize, scaling):
+    scores = scores_reference(logits, scoring)
+    sel = scores if bias is None else scores + bias
+    # a stable descending sort keeps equal scores in index order: lowest index wins a tie
+    ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
+    return _finish_weights(scores.gather(1, ids), renormalize, scaling), ids
+
+
+class RouteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, scoring, renormalize, scaling):
+        if backend_for(logits) == "reference":
+            w, ids = route_reference(logits, bias, top_k, scoring, renormalize, scaling)
+        else:
+            w, ids = triton_impl("moe", "moe_route")(logits, bias, top_k, scoring, renormalize, scaling)
+        ctx.save_for_backward(logits, ids)
+        ctx.cfg = (scoring, renormalize, scaling)
+        ctx.mark_non_differentiable(ids)
+        return w, ids
+
+    @staticmethod
+    def backward(ctx, gw, _gids):
+        logits, ids = ctx.saved_tensors
+        scoring, renormalize, scaling = ctx.cfg
+
+        def plain(z):  # the selection is piecewise constant: gradients flow through the weights
+            return _finish_weights(_scores_plain(z, scoring).gather(1, ids), renormalize, scaling)
+        (gl,) = recompute_grads(plain, (logits,), ctx.needs_input_grad[:1], (gw,))
+        return gl, None, None, None, None, None
+
+
+def moe_route(router_logits, top_k, *, scoring="softmax", renormalize=False, correction_bias=None,
+              scaling=1.0):
+    """router_logits fp32 [T, E] (bf16 is upcast exactly) -> (weights fp32 [T, k], ids int64
+    [T, k]), ids in rank order: selection score desc, then expert index asc (ties: lowest index).
+
+    ``correction_bias`` [E] is added to the scores for the selection only (DeepSeek-V3/V4,
+    Nemotron-H); weights are the unbiased scores, renormalized over the k chosen (``renormalize``,
+    HF's norm_topk_prob) and times ``scaling`` (routed_scaling_factor). Autograd: weights -> logits.
+
+    Invariance: each token's ids and weights depend only on its own logits row and the bias.
+    """
+    op = "moe_route"
+    check_float("router_logits", router_logits, op)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{op}: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    n_exp = router_logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_exp:
+        raise ValueError(f"{op}: top_k must be an int in [1, E={n_exp}], got {top_k!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise ValueError(f"{op}: scaling must be a float (routed_scaling_factor), got {scaling!r}")
+    bias = None
+    if correction_bias is not None:
+        check_float("correction_bias", correction_bias, op)
+        if correction_bias.shape != (n_exp,):
+            raise ValueError(f"{op}: correction_bias must have shape ({n_exp},), got {tuple(correction_bias.shape)}")
+        check_same_device(op, router_logits=router_logits, correction_bias=correction_bias)
+        bias = correction_bias.detach().float().contiguous()
+    return RouteFunction.apply(router_logits.float().contiguous(), bias, top_k, scoring,
+                               bool(renormalize), float(scaling))
+
+
+# ---------------------------------------------------------------- experts
+def _clamp_swiglu(gate, up, limit):
+    # DeepSeek-V4 (HF DeepseekV4Experts._apply_gate): the same torch clamps on x.dtype values
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
+def activation_reference(h, activation, limit):
+    """a = act(h) on x.dtype rows with HF's rounding points (elementwise, exact in float64)."""
+    if activation == "relu2":
+        r = torch.relu(h).to(F64)
+        return (r * r).to(h.dtype)  # HF: torch.square(relu(h)) in h.dtype, one rounding
+    if limit is not None:
+        i = h.shape[-1] // 2
+        h = torch.cat(_clamp_swiglu(h[:, :i], h[:, i:], limit), dim=-1)
+    return silu_and_mul_reference(h)
+
+
+def combine_reference(y, weights):
+    """y [T, k, H] in x.dtype -> round(sum_r fp32(w[t, r]) * fp32(y[t, r])), rank order."""
+    acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32)
+    for r in range(y.shape[1]):
+        acc = acc + weights[:, r:r + 1] * y[:, r].float()  # two IEEE ops: no fused multiply-add
+    return acc.to(y.dtype)
+
+
+def experts_reference(x, ids, weights, w_in, w_out, activation, limit):
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    y = x.new_zeros(T * k, H)
+    for e in torch.unique(flat).tolist():
+        pos = (flat == e).nonzero().squeeze(1)
+        # row-invariant linear: these rows' bits do not depend on how many rows expert e got
+        a = activation_reference(linear_reference(x[pos // k], w_in[e], None), activation, limit)
+        y[pos] = linear_reference(a, w_out[e], None)
+    return combine_reference(y.view(T, k, H), weights)
+
+
+def _experts_plain(x, weights, w_in, w_out, ids, activation, limit):
+    """Differentiable stock version for the backward (correct, not invariant): per-expert
+    matmuls in the operands' dtype, routing weights in fp32."""
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
+    ys = []
+    for e, xe in enumerate(torch.split(x[order // k], counts)):
+        if xe.shape[0] == 0:
+            continue
+        h = xe @ w_in[e].t()
+        if activation == "relu2":
+            a = torch.square(torch.relu(h))
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            if limit is not None:
+                gate, up = _clamp_swiglu(gate, up, limit)
+            a = torch.nn.functional.silu(gate) * up
+        ys.append(a @ w_out[e].t())
+    y = torch.zeros(T * k, H, dtype=x.dtype, device=x.device).index_copy(0, order, torch.cat(ys))
+    return (weights.float().reshape(-1, 1) * y.float()).view(T, k, H).sum(1)
+
+
+class ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, w_in, w_out, ids, activation, limit):
+        ctx.save_for_backward(x, weights, w_in, w_out, ids)
+        ctx.cfg = (activation, limit)
+        if backend_for(x) == "reference":
+            return experts_reference(x, ids, weights, w_in, w_out, activation, limit)
+        return triton_impl("moe", "moe_experts")(x, ids, weights, w_in, w_out, activation, limit)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weights, w_in, w_out, ids = ctx.saved_tensors
+        activation, limit = ctx.cfg
+        grads = recompute_grads(lambda a, b, c, d: _experts_plain(a, b, c, d, ids, activation, limit),
+                                (x, weights, w_in, w_out), ctx.needs_input_grad[:4], (g,))
+        return (*grads, None, None, None)
+
+
+def _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit):
+    check_float("x", x, op)
+    check_float("weights", weights, op)
+    check_float("w_in", w_in, op)
+    check_float("w_out", w_out, op)
+    check_int("ids", ids, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if ids.dim() != 2 or ids.shape[0] != T:
+        raise ValueError(f"{op}: ids must be [T={T}, k], got shape {tuple(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"{op}: weights must have ids' shape {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if w_in.dim() != 3 or w_in.shape[2] != H:
+        raise ValueError(f"{op}: w_in must be [E, N_in, H={H}], got shape {tuple(w_in.shape)}")
+    E, n_in = w_in.shape[:2]
+    inter = n_in // 2 if activation == "swiglu" else n_in
+    if activation == "swiglu" and n_in % 2:
+        raise ValueError(f"{op}: swiglu needs w_in = [E, 2I, H] (gate rows, then up rows); N_in={n_in} is odd")
+    if w_out.shape != (E, H, inter):
+        raise ValueError(f"{op}: w_out must be [E={E}, H={H}, I={inter}] for {activation}, got {tuple(w_out.shape)}")
+    if w_in.dtype != x.dtype or w_out.dtype != x.dtype:
+        raise ValueError(f"{op}: w_in ({w_in.dtype}) and w_out ({w_out.dtype}) must have x's dtype "
+                         f"{x.dtype}; cast the expert weights to the compute dtype")
+    if swiglu_limit is not None and (activation != "swiglu" or not float(swiglu_limit) > 0):
+        raise ValueError(f"{op}: swiglu_limit must be a positive float with activation='swiglu', got {swiglu_limit!r}")
+    check_same_device(op, x=x, ids=ids, weights=weights, w_in=w_in, w_out=w_out)
+    if ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= E:
+            raise ValueError(f"{op}: ids out of range [0, E={E}): found {lo if lo < 0 else hi}")
+
+
+def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_limit=None):
+    """x [T, H] (bf16|fp32), ids int64 [T, k], weights fp32 [T, k] (bf16 upcast exactly),
+    w_in [E, N_in, H], w_out [E, H, I] -> [T, H] in x.dtype.
+
+    activation "swiglu": w_in = gate rows then up rows (HF gate_up_proj, N_in = 2I),
+    a = silu(gate) * up as ``silu_and_mul`` rounds it (with DeepSeek-V4's clamps when
+    ``swiglu_limit`` is given); "relu2": w_in = up_proj (N_in = I), a = relu(h)^2 (Nemotron-H).
+    Output: the rank-order fp32 sum of weights * expert outputs, rounded once. Dropless.
+
+    Invariance: each token's output bits depend only on its own x row, ids, weights and the
+    expert weights: never on T, the other tokens, their order, or how many tokens each expert
+    received (experts with zero tokens included).
+    """
+    op = "moe_experts"
+    _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit)
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    return ExpertsFunction.apply(x.contiguous(), weights.float().contiguous(), w_in.contiguous(),
+                                 w_out.contiguous(), ids.long().contiguous(), activation, limit)
