@@ -13,7 +13,6 @@ def _cases(device: str):
     harness can fail on this machine.
     """
     import torch
-    import torch.nn.functional as F
 
     import bitmatch.kernels as K
     from bitmatch import testing as T
@@ -45,15 +44,48 @@ def _cases(device: str):
     if device == "cpu":  # thread count is a CPU axis; CUDA launch parallelism is covered by the batch axis
         rows_.insert(1, ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2))
     out = [(op, axes, fn, False) for op, axes, fn in rows_]
-    # controls: fp32 F.linear (one row takes another BLAS path than many), SDPA across schedules,
-    # and the two stock temperature formulas (vLLM divides by T, TRL multiplies by 1/T)
+    return out + _controls(device, g, w, seqs)
+
+
+def _controls(device, g, w, seqs):
+    """Control rows: the same harness on stock ops, sized so that they mismatch on this device.
+
+    fp32 F.linear (one row takes another BLAS path than many); on CUDA also bf16 cuBLAS at small
+    vs large M. SDPA across schedules: on CPU with boolean masks; on CUDA as an engine calls it
+    (is_causal flash prefill, unmasked one-token decode) at contexts up to 1,100 tokens, where
+    flash-decoding splits the keys. Temperature: vLLM divides by a per-row temperature tensor,
+    HF/TRL write ``logits / T`` with a float, which CUDA runs as ``logits * (1/T)``; on CUDA at
+    realistic scale (logits ~ N(0, 5) over a 151,936 vocabulary, T = 0.7).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from bitmatch import testing as T
+
+    cuda = device != "cpu"
     wf, rf = w.float(), torch.randn(32, 512, generator=g).to(device)
+    out = [("control: F.linear fp32", "batch",
+            lambda: T.assert_batch_invariant(lambda x: F.linear(x, wf), rf, cases=20) or 20, True)]
+    if cuda:
+        wb = (torch.randn(2048, 2048, generator=g) * 0.02).bfloat16().to(device)
+        rb = torch.randn(32, 2048, generator=g).bfloat16().to(device)
+        out.append(("control: F.linear bf16", "batch (M 1 vs up to 512)",
+                    lambda: T.assert_batch_invariant(lambda x: F.linear(x, wb), rb, cases=20) or 20, True))
+        rnd = lambda *s: torch.randn(*s, generator=g).bfloat16().to(device)  # noqa: E731
+        sdpa_seqs = [(rnd(n, 8, 128), rnd(n, 2, 128), rnd(n, 2, 128)) for n in (1, 257, 1100)]
+        pre = lambda *a: T.stock_sdpa_prefill(*a, engine_style=True)  # noqa: E731
+        dec = lambda *a: T.stock_sdpa_paged(*a, engine_style=True)  # noqa: E731
+        sdpa = lambda: T.assert_schedule_invariant(  # noqa: E731
+            sdpa_seqs, 128 ** -0.5, prefill_fn=pre, paged_fn=dec, cases=8, seed=1) or 8
+        lg = (torch.randn(16, 151936, generator=g) * 5).to(device)
+    else:
+        sdpa = lambda: T.assert_schedule_invariant(  # noqa: E731
+            seqs, 0.125, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8
+        lg = (torch.randn(32, 5000, generator=g) * 4).bfloat16().float()
     out += [
-        ("control: F.linear fp32", "batch", lambda: T.assert_batch_invariant(lambda x: F.linear(x, wf), rf, cases=20) or 20, True),
-        ("control: SDPA", "schedule", lambda: T.assert_schedule_invariant(
-            seqs, 0.125, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8, True),
+        ("control: SDPA", "schedule", sdpa, True),
         ("control: x/T vs x*(1/T)", "engine", lambda: T.assert_batch_invariant(
-            _stock_logprobs, (lg.float(), tok), max_batch=64, cases=40, seed=9) or 40, True),
+            _stock_logprob_rows, lg, max_batch=64, cases=40, seed=9) or 40, True),
     ]
     return out
 
@@ -63,10 +95,17 @@ def _lin(x, w):
     return K.linear(x, w)
 
 
-def _stock_logprobs(x, t):
+def _stock_logprob_rows(x, temperature=0.7):
+    """Full log_softmax rows (what an engine's sampled and top-k logprobs are read from). Alone:
+    vLLM's formula (x / a per-row temperature tensor, true division); in a batch: the trainer's
+    x * (1/T) (what HF/TRL's ``logits / T`` with a float runs as on CUDA). About 5% of the
+    entries differ, so every row of a realistic vocabulary shows it."""
     import torch
-    z = x / 0.7 if x.shape[0] == 1 else x * (1 / 0.7)
-    return torch.log_softmax(z, -1).gather(1, t[:, None])[:, 0]
+    if x.shape[0] == 1:
+        z = x / torch.full((1, 1), temperature, dtype=x.dtype, device=x.device)
+    else:
+        z = x * (1 / temperature)
+    return torch.log_softmax(z, -1)
 
 
 def check(argv=None) -> int:
@@ -110,13 +149,37 @@ def check(argv=None) -> int:
     return 1 if failed else 0
 
 
+USAGE = """usage: bitmatch {check,demo} [options]   (bitmatch COMMAND --help for its options)
+
+  check      run the invariance self-test of every op and print a table
+  demo       rollouts with the embedded engine vs trainer logprobs: Diff = 0 with
+             bitmatch, the nonzero diff without (tiny model built in code)
+  --version  print the versions of bitmatch, torch and transformers"""
+
+
+def version_string() -> str:
+    """'bitmatch X (torch Y, transformers Z)' from the installed distributions (no heavy import)."""
+    from importlib import metadata
+
+    def v(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    import bitmatch
+    return f"bitmatch {bitmatch.__version__} (torch {v('torch')}, transformers {v('transformers')})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bitmatch {check,demo} [options]\n\n"
-              "  check   run the invariance self-test of every op and print a table\n"
-              "  demo    rollouts with the embedded engine vs trainer logprobs: Diff = 0 with\n"
-              "          bitmatch, the nonzero diff without (tiny model built in code)")
+    if not argv:  # a bare `bitmatch` did nothing useful: say how to use it, exit as argparse does
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(version_string())
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "check":
@@ -124,7 +187,7 @@ def main(argv=None) -> int:
     if cmd == "demo":
         from bitmatch.demo import main as demo_main
         return demo_main(rest) or 0
-    print(f"bitmatch: unknown command {cmd!r} (use check or demo)", file=sys.stderr)
+    print(f"bitmatch: unknown command {cmd!r} (use check or demo)\n\n{USAGE}", file=sys.stderr)
     return 2
 
 
