@@ -1,18 +1,16 @@
 """The forward context: per-step metadata that attention layers read (nano-vllm style).
 
 One object instead of threading positions, sequence boundaries and the paged-cache tables
-through every module call. The trainer sets a packed-prefill context (``cu_seqlens``); the
-engine sets a paged one (``slot_mapping``, ``block_table``, ``kv_caches``).
+through every module call; it is passed to ``bitmatch.models.forward_hidden`` explicitly. The
+trainer builds a packed-prefill context (``cu_seqlens``); the engine builds a paged one
+(``slot_mapping``, ``block_table``, and ``caches``: one entry per cache group of the model's
+family, ``{group name: {layer index: cache}}``, allocated by ``bitmatch.models.allocate_caches``).
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
-
-_state = threading.local()
 
 
 @dataclass
@@ -23,23 +21,18 @@ class ForwardContext:
     seq_lens: torch.Tensor | None = None         # [B] int32, context incl. this step's tokens
     block_table: torch.Tensor | None = None      # [B, max_blocks] int32
     slot_mapping: torch.Tensor | None = None     # [T] int64
-    kv_caches: list | None = None                # per layer (k_cache, v_cache)
+    caches: dict | None = None                   # {cache group: {layer: cache}}
 
     @property
     def paged(self) -> bool:
         return self.slot_mapping is not None
 
-
-def get_forward_context() -> ForwardContext | None:
-    return getattr(_state, "ctx", None)
-
-
-@contextlib.contextmanager
-def set_forward_context(ctx: ForwardContext | None):
-    """Install ``ctx`` for the duration of the block; nests and restores on any exit."""
-    prev = get_forward_context()
-    _state.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _state.ctx = prev
+    def cache(self, group: str, layer: int):
+        """The cache of ``layer`` in cache group ``group``; ValueError naming what is missing."""
+        if self.caches is None or group not in self.caches:
+            raise ValueError(f"bitmatch: paged ForwardContext without the {group!r} cache group "
+                             f"(has {sorted(self.caches or {})})")
+        per_layer = self.caches[group]
+        if layer not in per_layer:
+            raise ValueError(f"bitmatch: cache group {group!r} has no entry for layer {layer}")
+        return per_layer[layer]

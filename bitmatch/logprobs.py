@@ -5,7 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from bitmatch.models import compute_logits, forward_hidden, pack, unwrap_causal_lm
-from bitmatch.models.dense import default_compute_dtype
+from bitmatch.models import compute_dtype_of as default_compute_dtype
 
 DEFAULT_LOGIT_ELEMENTS = 1 << 25  # fp32 logits elements per chunk (128 MiB)
 

@@ -22,3 +22,10 @@ def compute_cast(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
     if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise ValueError(f"compute_cast: tensor dtype {t.dtype} is not a floating type")
     return t.to(dtype)
+
+
+def cast_param(p: torch.Tensor | None, dtype: torch.dtype):
+    """``compute_cast`` of a parameter at use (None stays None): fp32 master, bf16 compute."""
+    if p is None or p.dtype == dtype:
+        return p
+    return compute_cast(p, dtype)

@@ -84,9 +84,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen3-hd128-gqa1-linearrope": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128,
                                                   rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0,
                                                                    "factor": 4.0})),
+    # Qwen3-MoE: 8 experts top-2 renormalized, layer 1 dense (mlp_only_layers), head_dim 64, GQA 2
+    "qwen3moe-e8-k2": ("qwen3_moe", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
+    # Qwen3-MoE: 4 experts top-1, not renormalized, every other layer sparse, tied embeddings
+    "qwen3moe-e4-k1-step2": ("qwen3_moe", dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=64, num_experts=4, num_experts_per_tok=1,
+                                               moe_intermediate_size=96, norm_topk_prob=False,
+                                               decoder_sparse_step=2, tie_word_embeddings=True)),
 }
 
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
 
 
 def tiny_config(family: str = "qwen3", **overrides):
@@ -94,7 +103,7 @@ def tiny_config(family: str = "qwen3", **overrides):
     import transformers
 
     classes = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig",
-               "mistral": "MistralConfig"}
+               "mistral": "MistralConfig", "qwen3_moe": "Qwen3MoeConfig"}
     if family in TINY_CONFIGS:
         family, extra = TINY_CONFIGS[family]
         overrides = {**extra, **overrides}

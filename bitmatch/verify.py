@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["compare", "CompareResult", "locate", "LocateResult", "fingerprint", "float_hex"]
+__all__ = ["compare", "CompareResult", "locate", "LocateResult", "op_fingerprint", "float_hex"]
 
 
 def float_hex(x: float) -> str:
@@ -121,16 +121,16 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
 
 # ----------------------------------------------------------------------------- locate
 
-def fingerprint(t) -> str:
-    """xxh64 of the bytes of a tensor (or of a tuple of tensors), with dtype and shape."""
-    import xxhash
+def op_fingerprint(t) -> str:
+    """The fingerprint of an op's output: ``bitmatch.sync``'s hash (xxh3-128 of the exact bytes)
+    over the dtype, shape and bytes of a tensor or of each tensor of a tuple."""
+    from bitmatch.sync.fingerprint import new_hasher, update_hasher
 
-    h = xxhash.xxh64()
-    ts = t if isinstance(t, (tuple, list)) else (t,)
-    for x in ts:
-        x = x.detach().contiguous().cpu()
+    h = new_hasher()
+    for x in (t if isinstance(t, (tuple, list)) else (t,)):
+        x = x.detach()
         h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        update_hasher(h, x.contiguous())
     return h.hexdigest()
 
 
@@ -156,9 +156,9 @@ class LocateResult:
 def _paged_context(model, packed, compute_dtype, block_size):
     """The same tokens as one chunked-prefill step against a fresh paged KV cache."""
     from bitmatch.context import ForwardContext
-    from bitmatch.models import kv_cache_spec
+    from bitmatch.models import allocate_caches, cache_groups
 
-    spec = kv_cache_spec(model, compute_dtype=compute_dtype)
+    groups = cache_groups(model, compute_dtype=compute_dtype)
     dev = packed.input_ids.device
     cu = packed.cu_seqlens.to(torch.long)
     lens = (cu[1:] - cu[:-1])
@@ -176,11 +176,9 @@ def _paged_context(model, packed, compute_dtype, block_size):
         o += n
         pos = torch.arange(int(lens[b]), device=dev)
         slots[int(cu[b]):int(cu[b + 1])] = table[b, pos // block_size].to(torch.long) * block_size + pos % block_size
-    caches = [(torch.zeros((total, block_size, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, device=dev),
-               torch.zeros((total, block_size, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, device=dev))
-              for _ in range(spec.num_layers)]
     return ForwardContext(positions=packed.positions, query_start_loc=packed.cu_seqlens,
-                          seq_lens=lens.to(torch.int32), block_table=table, slot_mapping=slots, kv_caches=caches)
+                          seq_lens=lens.to(torch.int32), block_table=table, slot_mapping=slots,
+                          caches=allocate_caches(groups, total, block_size, dev))
 
 
 def _record(model, packed, compute_dtype, paged_block_size=None):
@@ -191,9 +189,9 @@ def _record(model, packed, compute_dtype, paged_block_size=None):
         ctx = packed.context() if paged_block_size is None else \
             _paged_context(model, packed, compute_dtype, paged_block_size)
         h = forward_hidden(model, packed.input_ids, ctx, compute_dtype=compute_dtype,
-                           recorder=lambda name, v: recs.append((name, fingerprint(v))))
+                           recorder=lambda name, v: recs.append((name, op_fingerprint(v))))
         logits = compute_logits(model, h, compute_dtype=compute_dtype)
-        recs.append(("lm_head", fingerprint(logits)))
+        recs.append(("lm_head", op_fingerprint(logits)))
     return recs
 
 

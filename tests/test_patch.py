@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from bitmatch.models import check_supported, forward_hidden, kv_cache_spec, pack, unwrap_causal_lm
+from bitmatch.models import cache_groups, check_supported, forward_hidden, pack, unwrap_causal_lm
 from bitmatch.patching import BitmatchCacheError, is_patched, patch, unpatch
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 
@@ -88,8 +88,8 @@ def test_wrapped_models_are_unwrapped(model):
         assert is_patched(m)
         unpatch(w)
         assert not is_patched(m)
-    s = kv_cache_spec(_DDPLike(m))
-    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.dtype) == (2, 2, 64, torch.bfloat16)
+    [g] = cache_groups(_DDPLike(m))
+    assert (g.kind, g.layers, g.num_kv_heads, g.head_dim, g.dtype) == ("paged_kv", (0, 1), 2, 64, torch.bfloat16)
 
 
 def test_compute_dtype_validation(model):
@@ -115,6 +115,6 @@ def test_padding_free_packing_with_position_ids(model):
     x = torch.randn(4, m.config.hidden_size).to(torch.bfloat16)
     from bitmatch.models import dense
 
-    assert torch.equal(m.model.layers[0].mlp(x), dense.mlp(m.model.layers[0].mlp, x, torch.bfloat16))
+    assert torch.equal(m.model.layers[0].mlp(x), dense.gated_mlp(m.model.layers[0].mlp, x, torch.bfloat16))
     assert torch.equal(m.model.norm(x), dense.rms_norm(m.model.norm, x, torch.bfloat16))
     unpatch(m)

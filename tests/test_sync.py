@@ -64,7 +64,7 @@ def test_vllm_layout_refuses_gaps_and_strays():
         names.build_layout("Qwen3ForCausalLM", hf, {**eng, "model.extra.weight": (3,)})
     with pytest.raises(ValueError, match="mapped shape"):
         names.build_layout("Qwen3ForCausalLM", hf, {**eng, "model.norm.weight": (63,)})
-    with pytest.raises(ValueError, match="no vLLM name layout"):
+    with pytest.raises(ValueError, match="no model family serves architecture .GPT2LMHeadModel"):
         names.build_layout("GPT2LMHeadModel", hf)
     for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"):
         assert names.build_layout(arch, hf, eng).engine_shapes == names.build_layout(

@@ -5,8 +5,9 @@ end, engine core, workers, the model-inspection subprocess). It does nothing unl
 ``BITMATCH=1`` in the environment, or by ``bitmatch.adapters.vllm.enable()`` before the engine
 is built (which sets the variable, so the processes vLLM starts inherit it). When enabled:
 
-- ``Qwen2/Qwen3/Llama/MistralForCausalLM`` resolve to bitmatch classes (``model.py``) whose
-  forward and logits are ``bitmatch.models.dense``'s, on vLLM's parameters and paged KV cache;
+- every architecture of a registered bitmatch family with a vLLM path (``bitmatch.models``)
+  resolves to a bitmatch class (``model.py``) whose forward and logits are the family's, on
+  vLLM's parameters and paged KV cache;
 - the V1 sampler reports ``kernels.token_logprobs`` for the sampled token (``sampler.py``);
 - an unsupported engine setting fails when the engine is configured, and an unsupported
   sampling option fails when the request is admitted, each naming what is unsupported
@@ -20,16 +21,16 @@ import os
 
 ENV_VAR = "BITMATCH"
 _TRUE = ("1", "true", "yes", "on")
-# HF architecture -> bitmatch class in bitmatch.adapters.vllm.model (imported lazily by vLLM)
-MODEL_CLASSES = {
-    "Qwen2ForCausalLM": "BitmatchQwen2ForCausalLM",
-    "Qwen3ForCausalLM": "BitmatchQwen3ForCausalLM",
-    "LlamaForCausalLM": "BitmatchLlamaForCausalLM",
-    "MistralForCausalLM": "BitmatchMistralForCausalLM",
-}
 _registered = False
 
-__all__ = ["register", "enable", "is_enabled", "ENV_VAR", "MODEL_CLASSES"]
+__all__ = ["register", "enable", "is_enabled", "ENV_VAR", "model_classes"]
+
+
+def model_classes() -> dict[str, str]:
+    """HF architecture -> "module:Class" of its bitmatch class (imported lazily by vLLM)."""
+    from .checks import vllm_architectures
+
+    return {arch: f"bitmatch.adapters.vllm.model:Bitmatch{arch}" for arch in vllm_architectures()}
 
 
 def is_enabled() -> bool:
@@ -53,9 +54,9 @@ def register() -> None:
         raise ImportError("bitmatch.adapters.vllm needs vLLM: pip install 'bitmatch[vllm]' "
                           "(CPU: scripts/install_vllm.sh)") from e
 
-    for arch, cls in MODEL_CLASSES.items():
+    for arch, target in model_classes().items():
         # replaces vLLM's built-in class for this architecture (also for TRL, which cannot pass hf_overrides)
-        ModelRegistry.register_model(arch, f"bitmatch.adapters.vllm.model:{cls}")
+        ModelRegistry.register_model(arch, target)
     _patch_sampler()
     _patch_engine_args()
     _patch_request_validation()

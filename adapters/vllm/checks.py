@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from bitmatch.models.dense import SUPPORTED_ARCHITECTURES
+from bitmatch.models import families
 
-SUPPORTED_ARCHS = tuple(SUPPORTED_ARCHITECTURES.values())
+
+def vllm_architectures() -> tuple[str, ...]:
+    """The registered families' architectures whose vLLM path is built and tested."""
+    return tuple(a for f in families() if f.vllm_supported for a in f.architectures)
+
 # processed_logprobs is what TRL and verl request; raw_logprobs is the same definition at T = 1
 SUPPORTED_LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -27,8 +31,12 @@ def _engine_problems(vllm_config) -> list[str]:
     pc = vllm_config.parallel_config
     out = []
     archs = list(getattr(mc.hf_config, "architectures", None) or [])
-    if not archs or archs[0] not in SUPPORTED_ARCHS:
-        out.append(f"architecture {archs[0] if archs else None!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    supported = vllm_architectures()
+    if not archs or archs[0] not in supported:
+        out.append(f"architecture {archs[0] if archs else None!r} (supported: {', '.join(supported)})")
+    else:
+        from bitmatch.models import family_for_architecture
+        out += family_for_architecture(archs[0]).problems(mc.hf_config)
     if mc.quantization is not None or getattr(vllm_config, "quant_config", None) is not None:
         out.append(f"quantization={mc.quantization!r} (bitmatch runs unquantized bf16/fp32 weights)")
     if vllm_config.speculative_config is not None:

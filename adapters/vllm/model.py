@@ -1,13 +1,19 @@
-"""vLLM model classes that run the dense decoder on bitmatch kernels.
+"""vLLM model classes that run a registered bitmatch family on bitmatch kernels.
 
-Each class subclasses vLLM's own (so construction, ``load_weights`` and the registry's interface
-checks stay vLLM's) and replaces ``forward`` and ``compute_logits``. The forward is
-``bitmatch.models.dense.forward_hidden_lm``, the very function the trainer runs, applied to an
-HF-shaped view of vLLM's parameters: fused ``qkv_proj`` / ``gate_up_proj`` weights are sliced
-by rows, which gives each output column exactly the bits of the unmerged projection (a column
-of the invariant linear depends only on its own weight row). The model config is the HF
-config vLLM loaded, so shapes, RoPE and sliding windows come from the same place as on the
-trainer side.
+For every architecture the registry serves with ``vllm_supported``, ``Bitmatch<Arch>`` is built on
+first use (module ``__getattr__``, so vLLM's lazy "module:Class" registry entries resolve in every
+process) as ``BitmatchMixin`` + vLLM's own class: construction, ``load_weights`` and the
+registry's interface checks stay vLLM's; ``forward`` and ``compute_logits`` are replaced.
+
+The forward is the family's own ``forward_hidden`` (the very function the trainer runs), applied
+to an HF-shaped skeleton of the model: the HF class built on the meta device from the HF config
+vLLM loaded, whose every parameter is then replaced by a view of vLLM's parameter that holds it
+(``bitmatch.sync.build_layout`` from the family's ``packed_modules``: fused ``qkv_proj`` /
+``gate_up_proj`` rows, renamed expert tensors, the first ``vocab_size`` rows of a padded
+vocabulary). A row block of the invariant linear's weight gives each output column exactly the
+bits of the unmerged projection, and views see in-place weight updates at once. The model
+config is the HF config vLLM loaded, so shapes, RoPE and windows come from the same place as on
+the trainer side.
 
 vLLM's ``Attention`` modules stay only so that vLLM sizes and allocates the paged KV cache and
 builds the per-step metadata; each layer writes and reads its own plain layout inside its
@@ -20,19 +26,14 @@ chunked-prefill split, decode step, block size or block table vLLM schedules.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.mistral import MistralForCausalLM
-from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from bitmatch.context import ForwardContext
-from bitmatch.models import dense
 
-from .checks import BitmatchUnsupportedError, check_engine_config
+from .checks import BitmatchUnsupportedError, check_engine_config, vllm_architectures
 from .kv_cache import check_backend, paged_kv_views
 
 
@@ -63,66 +64,71 @@ def keep_plain_linear_weights(model: torch.nn.Module) -> None:
                 "weights are supported")
 
 
-def _row_blocks(mod, names):
-    """HF-shaped projections over row blocks of a fused vLLM linear (views: no copy, always the
-    live parameter, so an in-place weight update is seen at the next step)."""
-    sizes = list(mod.output_sizes)
-    if len(sizes) != len(names) or sum(sizes) != mod.weight.shape[0]:
-        raise BitmatchUnsupportedError(
-            f"bitmatch: fused layer with output sizes {sizes} does not split into {names} "
-            f"(weight rows {mod.weight.shape[0]}); tensor parallelism is not supported")
-    bias = getattr(mod, "bias", None)
-    out, row = {}, 0
-    for n, rows in zip(names, sizes):
-        out[n] = SimpleNamespace(weight=mod.weight.narrow(0, row, rows),
-                                 bias=None if bias is None else bias.narrow(0, row, rows))
-        row += rows
-    return out
+def hf_skeleton(hf_config, engine_params: dict[str, torch.Tensor]):
+    """The HF causal LM of ``hf_config`` whose parameters are views of ``engine_params`` (vLLM's)."""
+    import transformers
+
+    from bitmatch.models import family_for_config
+    from bitmatch.sync import build_layout
+
+    arch = family_for_config(hf_config).model_types[hf_config.model_type]
+    with torch.device("meta"):
+        skel = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(engine_params.values())).dtype)
+    names = dict(skel.named_parameters())  # a tied lm_head appears once, as the embedding
+    layout = build_layout(arch, {n: tuple(p.shape) for n, p in names.items()})
+    for name, p in names.items():
+        slot = layout.hf_to_engine[name]
+        if slot.engine_name not in engine_params:
+            raise BitmatchUnsupportedError(f"bitmatch: vLLM has no parameter {slot.engine_name!r} for HF {name!r}")
+        src = engine_params[slot.engine_name]
+        view = src.narrow(0, slot.row_start, slot.rows) if src.dim() else src
+        if tuple(view.shape) != tuple(p.shape):
+            raise BitmatchUnsupportedError(f"bitmatch: vLLM parameter {slot.engine_name!r} rows {slot.row_start}+"
+                                           f"{slot.rows} have shape {tuple(view.shape)}, HF {name!r} has {tuple(p.shape)} "
+                                           "(tensor parallelism is not supported)")
+        mod_name, _, attr = name.rpartition(".")
+        setattr(skel.get_submodule(mod_name), attr, torch.nn.Parameter(view, requires_grad=False))
+    if getattr(hf_config, "tie_word_embeddings", False):
+        skel.lm_head.weight = skel.model.embed_tokens.weight
+    skel.eval()
+    return skel
 
 
-def _layer_view(layer):
-    a = layer.self_attn
-    attn = SimpleNamespace(o_proj=a.o_proj, **_row_blocks(a.qkv_proj, ("q_proj", "k_proj", "v_proj")))
-    for n in ("q_norm", "k_norm"):  # Qwen3's per-head norms; their presence selects the op order
-        if hasattr(a, n):
-            setattr(attn, n, getattr(a, n))
-    mlp = SimpleNamespace(down_proj=layer.mlp.down_proj, **_row_blocks(layer.mlp.gate_up_proj, ("gate_proj", "up_proj")))
-    return SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=layer.input_layernorm,
-                           post_attention_layernorm=layer.post_attention_layernorm)
-
-
-class BitmatchDenseMixin:
-    """Put first in the bases of a vLLM dense causal LM: replaces forward and compute_logits."""
+class BitmatchMixin:
+    """Put first in the bases of a vLLM causal LM: replaces forward and compute_logits."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         check_engine_config(vllm_config)  # again here: a worker may be started by other means
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         keep_plain_linear_weights(self)
-        spec = dense.model_spec(self.hf_view())  # raises for what dense.py does not support
-        if len(set(spec.sliding_windows)) > 1:
-            raise BitmatchUnsupportedError(
-                f"bitmatch: layers with different sliding windows {spec.sliding_windows} use separate vLLM "
-                "KV cache groups (one block table each); not supported yet")
-        if any(w is not None for w in spec.sliding_windows):
-            raise BitmatchUnsupportedError(
-                f"bitmatch: sliding-window attention (window {spec.sliding_windows[0]}) under vLLM is not "
-                "tested yet (vLLM frees blocks outside the window); use a full-attention model")
-        for layer in self.model.layers:
-            check_backend(layer.self_attn.attn)
+        self._bitmatch_attns = [m for m in self.modules() if hasattr(m, "kv_cache") and hasattr(m, "layer_name")]
+        for attn in self._bitmatch_attns:
+            check_backend(attn)
+        self._bitmatch_skeleton = None
+        self.hf_view()  # refuse what the family or this plugin cannot run now, not at the first request
+        self._bitmatch_skeleton = None  # rebuilt after loading: vLLM may replace tensors while it loads
 
     def hf_view(self):
-        """The model as ``bitmatch.models.dense`` reads an HF causal LM (parameters are vLLM's own)."""
-        cfg = self.config
-        head = self.lm_head
-        # vLLM pads the vocabulary rows of lm_head/embeddings; the trainer's head has vocab_size rows
-        lm_head = SimpleNamespace(weight=head.weight.narrow(0, 0, cfg.vocab_size),
-                                  bias=getattr(head, "bias", None))
-        model = SimpleNamespace(embed_tokens=self.model.embed_tokens, norm=self.model.norm,
-                                layers=[_layer_view(layer) for layer in self.model.layers])
-        return SimpleNamespace(config=cfg, model=model, lm_head=lm_head)
+        """The model as ``bitmatch.models`` reads an HF causal LM (parameters are vLLM's own), built on
+        first use, after vLLM has loaded the weights into the tensors it keeps."""
+        if self._bitmatch_skeleton is None:
+            from bitmatch.models import check_supported, model_spec
+
+            skel = hf_skeleton(self.config, dict(self.named_parameters()))
+            check_supported(skel)
+            spec = model_spec(skel)
+            windows = getattr(spec, "sliding_windows", ())
+            if any(w is not None for w in windows):
+                raise BitmatchUnsupportedError(
+                    f"bitmatch: sliding-window attention (windows {windows}) under vLLM is not tested yet (vLLM "
+                    "frees blocks outside the window); use a full-attention model")
+            self._bitmatch_skeleton = skel
+        return self._bitmatch_skeleton
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         from vllm.forward_context import get_forward_context
+
+        from bitmatch.models import cache_groups, forward_hidden
 
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise BitmatchUnsupportedError("bitmatch: inputs_embeds / pipeline-parallel inputs are not supported")
@@ -133,37 +139,54 @@ class BitmatchDenseMixin:
             return hidden  # vLLM's dummy/profile run: no KV cache and no real tokens
         if isinstance(all_md, list):
             raise BitmatchUnsupportedError("bitmatch: micro-batched (DBO) forward is not supported")
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        skel = self.hf_view()
+        attns = self._bitmatch_attns
         md = all_md[attns[0].layer_name]
         if any(all_md[a.layer_name] is not md for a in attns[1:]):
             raise BitmatchUnsupportedError("bitmatch: layers with different KV cache groups are not supported")
+        groups = cache_groups(skel)
+        if [g.kind for g in groups] != ["paged_kv"] or len(groups[0].layers) != len(attns):
+            raise BitmatchUnsupportedError(f"bitmatch: cache groups {[(g.name, g.kind) for g in groups]} are not "
+                                           "supported under vLLM yet (one paged K/V cache per attention layer)")
         n = int(md.num_actual_tokens)
         nreq = md.seq_lens.shape[0]
         ctx = ForwardContext(
             positions=positions[:n].long(), query_start_loc=md.query_start_loc[:nreq + 1],
             seq_lens=md.seq_lens, block_table=md.block_table[:nreq], slot_mapping=md.slot_mapping[:n].long(),
-            kv_caches=[paged_kv_views(a) for a in attns])
-        hidden[:n] = dense.forward_hidden_lm(self.hf_view(), input_ids[:n], ctx)
+            caches={groups[0].name: {i: paged_kv_views(a) for i, a in zip(groups[0].layers, attns)}})
+        hidden[:n] = forward_hidden(skel, input_ids[:n], ctx)
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits: the compute-dtype logits of ``dense.compute_logits_lm`` cast exactly, as the
-        trainer's ``token_logprobs`` casts them before dividing by T."""
-        return dense.compute_logits_lm(self.hf_view(), hidden_states).float()
+        """fp32 logits: the compute-dtype logits of the family's head cast exactly, as the trainer's
+        ``token_logprobs`` casts them before dividing by T."""
+        from bitmatch.models import compute_logits
+
+        return compute_logits(self.hf_view(), hidden_states).float()
 
 
-class BitmatchQwen2ForCausalLM(BitmatchDenseMixin, Qwen2ForCausalLM):
-    pass
+def class_name(arch: str) -> str:
+    return f"Bitmatch{arch}"
 
 
-class BitmatchQwen3ForCausalLM(BitmatchDenseMixin, Qwen3ForCausalLM):
-    pass
+def vllm_class(arch: str):
+    """vLLM's own built-in class for ``arch`` (from its static table: the registry entry itself is
+    replaced by the plugin)."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    if arch not in _VLLM_MODELS:
+        raise BitmatchUnsupportedError(f"bitmatch: vLLM has no built-in model class for {arch!r}")
+    mod, cls = _VLLM_MODELS[arch]
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{mod}"), cls)
 
 
-class BitmatchLlamaForCausalLM(BitmatchDenseMixin, LlamaForCausalLM):
-    pass
+_CLASSES: dict[str, type] = {}
 
 
-class BitmatchMistralForCausalLM(BitmatchDenseMixin, MistralForCausalLM):
-    pass
-
+def __getattr__(name: str):
+    for arch in vllm_architectures():
+        if name == class_name(arch):
+            if arch not in _CLASSES:
+                _CLASSES[arch] = type(name, (BitmatchMixin, vllm_class(arch)), {"__module__": __name__})
+            return _CLASSES[arch]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

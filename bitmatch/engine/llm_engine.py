@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from bitmatch.engine.block_manager import BlockManager
-from bitmatch.engine.model_runner import ModelRunner, kv_bytes_per_block
+from bitmatch.engine.model_runner import ModelRunner, bytes_per_block
 from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
@@ -46,7 +46,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_gpu_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
-        from bitmatch.models import check_supported, kv_cache_spec, unwrap_causal_lm
+        from bitmatch.models import cache_groups, check_supported, unwrap_causal_lm
 
         if isinstance(model, (str, os.PathLike)):
             from bitmatch.hub import resolve_checkpoint
@@ -75,7 +75,7 @@ class Engine:
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._lm = lm
-        per_block = kv_bytes_per_block(kv_cache_spec(model), self.block_size)
+        per_block = bytes_per_block(cache_groups(model), self.block_size)
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
@@ -99,12 +99,11 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
 
     # -- requests -------------------------------------------------------------------------
-    def _generator(self, seed: int | None, index: int) -> torch.Generator:
+    def _request_seed(self, seed: int | None, index: int) -> int:
+        """The seed keying the request's sampling noise (kernels.uniform_noise)."""
         if seed is None:  # derived from the engine seed and the request's index
             seed = xxhash.xxh64(f"{self.seed}:{index}".encode()).intdigest() >> 1
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g
+        return seed
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (token ids or, with a tokenizer, a string); returns its request id."""
@@ -143,7 +142,7 @@ class Engine:
                              "or lower max_tokens")
         index = self._num_requests
         self._num_requests += 1
-        seq = Sequence(index, list(prompt), params, self._generator(params.seed, index), self.block_size, text)
+        seq = Sequence(index, list(prompt), params, self._request_seed(params.seed, index), self.block_size, text)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id

@@ -10,30 +10,27 @@ from __future__ import annotations
 
 import torch
 
-from bitmatch.context import ForwardContext, set_forward_context
+from bitmatch.context import ForwardContext
 from bitmatch.engine.sampling import Sampler
 from bitmatch.engine.sequence import Sequence
 
 
-def kv_bytes_per_block(spec, block_size: int) -> int:
-    elem = torch.empty((), dtype=spec.dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+def bytes_per_block(groups, block_size: int) -> int:
+    """Cache bytes one block of ``block_size`` tokens costs over all of the model's cache groups."""
+    return sum(g.bytes_per_block(block_size) for g in groups)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int):
-        from bitmatch.models import kv_cache_spec
+        from bitmatch.models import allocate_caches, cache_groups
 
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.spec = kv_cache_spec(model)
         self.device = next(model.parameters()).device
-        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        # Zero-filled: masked-out cache slots must hold finite values.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
-                          for _ in range(self.spec.num_layers)]
+        # the family says which caches it needs; the engine never names an architecture
+        self.cache_groups = cache_groups(model)
+        self.caches = allocate_caches(self.cache_groups, num_blocks, block_size, self.device)
         self.sampler = Sampler()
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
@@ -60,7 +57,7 @@ class ModelRunner:
 
         ctx = ForwardContext(positions=t(positions, torch.int64), query_start_loc=t(qsl, torch.int32),
                              seq_lens=t(seq_lens, torch.int32), block_table=t(block_table, torch.int32),
-                             slot_mapping=t(slots, torch.int64), kv_caches=self.kv_caches)
+                             slot_mapping=t(slots, torch.int64), caches=self.caches)
         return t(input_ids, torch.int64), ctx, sample_rows
 
     @torch.no_grad()
@@ -69,12 +66,12 @@ class ModelRunner:
         from bitmatch.models import compute_logits, forward_hidden
 
         input_ids, ctx, sample_rows = self.prepare(scheduled)
-        with set_forward_context(ctx):
-            hidden = forward_hidden(self.model, input_ids, ctx)
+        hidden = forward_hidden(self.model, input_ids, ctx)
         seqs = [seq for seq, n in scheduled if seq.num_computed_tokens + n == len(seq)]
         if not seqs:
             return [], [], [], []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
         logits = compute_logits(self.model, hidden.index_select(0, rows))
-        tokens, lps, sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, lps, sampled = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                            [s.num_completion_tokens for s in seqs])
         return seqs, tokens, lps, sampled

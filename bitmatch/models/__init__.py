@@ -1,25 +1,26 @@
-"""bitmatch model path: HF causal LMs of the dense families run on bitmatch.kernels.
+"""bitmatch model path: HF causal LMs of the registered families run on bitmatch.kernels.
 
-The interface the engine and the trainer share (see the module docs of ``dense``):
-``forward_hidden``, ``compute_logits``, ``kv_cache_spec``, ``check_supported``, ``load_model``.
+The interface the engine, the trainer and the adapters share; each call finds the model's
+family in the registry (``bitmatch.models.registry``: how to add a family is documented there)
+and never names an architecture:
+``forward_hidden``, ``compute_logits``, ``cache_groups``, ``check_supported``, ``load_model``.
 """
 from __future__ import annotations
 
 import torch
 
-from bitmatch.models import dense
-from bitmatch.models.dense import (
-    SUPPORTED_ARCHITECTURES,
-    DenseSpec,
-    KVCacheSpec,
-    model_spec as _model_spec,
-)
 from bitmatch.models.pack import Packed, pack
+from bitmatch.models.registry import (
+    CacheGroup, Family, PatchState, allocate_caches, check_config, families, family_for_architecture,
+    family_for_config, patch_state, register, spec_of, supported_architectures, supported_message,
+)
+from bitmatch.models.registry import compute_dtype_of as _compute_dtype_of
 
 __all__ = [
-    "forward_hidden", "compute_logits", "kv_cache_spec", "check_supported", "load_model",
-    "unwrap_causal_lm", "model_spec", "KVCacheSpec", "DenseSpec", "SUPPORTED_ARCHITECTURES",
-    "pack", "Packed", "compute_dtype_of",
+    "forward_hidden", "compute_logits", "cache_groups", "allocate_caches", "check_supported", "load_model",
+    "unwrap_causal_lm", "model_spec", "family_of", "compute_dtype_of", "pack", "Packed", "CacheGroup",
+    "Family", "PatchState", "register", "families", "family_for_architecture", "family_for_config",
+    "check_config", "patch_state", "supported_architectures", "supported_message",
 ]
 
 
@@ -47,22 +48,28 @@ def unwrap_causal_lm(model):
         if nxt is None:
             break
         m = nxt
-    # not found: let check_supported produce the error naming the outer architecture
-    dense.check_supported(model)
-    return model
+    # not found: an error naming the outer architecture
+    family_for_config(getattr(model, "config", None), type(model).__name__)  # raises for an unknown model_type
+    raise ValueError(f"bitmatch: {type(model).__name__} has no causal-LM head (lm_head + model.layers); "
+                     "pass the *ForCausalLM model")
 
 
 def check_supported(model) -> None:
-    """ValueError listing the supported architectures unless ``model`` (or what it wraps) is one."""
-    dense.check_supported(unwrap_causal_lm(model))
+    """ValueError naming the supported architectures, or every unsupported option, unless ``model``
+    (or what it wraps) is a registered family that reproduces its whole config."""
+    spec_of(unwrap_causal_lm(model))
 
 
-def model_spec(model) -> DenseSpec:
-    return _model_spec(unwrap_causal_lm(model))
+def family_of(model) -> Family:
+    return spec_of(unwrap_causal_lm(model))[0]
+
+
+def model_spec(model):
+    return spec_of(unwrap_causal_lm(model))[1]
 
 
 def compute_dtype_of(model) -> torch.dtype:
-    return dense.default_compute_dtype(unwrap_causal_lm(model))
+    return _compute_dtype_of(unwrap_causal_lm(model))
 
 
 def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.dtype | None = None,
@@ -70,22 +77,36 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     """Packed tokens [T] -> final-norm hidden states [T, hidden] on bitmatch kernels.
 
     ``ctx`` is a ``bitmatch.context.ForwardContext``: packed prefill (``cu_seqlens``) or paged
-    (``slot_mapping``, ``kv_caches``, ... : each layer writes its k/v, then attention_paged).
+    (``slot_mapping``, ``caches``, ... : each attention layer writes its k/v, then attention_paged).
     ``compute_dtype``: dtype the weights are cast to at use (default: the one set by
     ``bitmatch.patch(model, compute_dtype=...)``, else the parameters' dtype).
     ``recorder(name, value)``: called after each op (see ``bitmatch.verify.locate``).
+    Invariance: each token's hidden state depends only on its own tokens and causal prefix.
     """
-    return dense.forward_hidden_lm(unwrap_causal_lm(model), input_ids, ctx, compute_dtype=compute_dtype,
-                                   recorder=recorder)
+    lm = unwrap_causal_lm(model)
+    fam, spec = spec_of(lm)
+    if input_ids.dim() != 1:
+        raise ValueError(f"forward_hidden: input_ids must be 1-D packed tokens [T], got shape {tuple(input_ids.shape)}")
+    if ctx.positions is None or ctx.positions.shape[0] != input_ids.shape[0]:
+        raise ValueError("forward_hidden: ctx.positions must have one entry per token of input_ids")
+    dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)
+    return fam.forward_hidden(lm, spec, input_ids, ctx, dt, recorder)
 
 
 def compute_logits(model, hidden: torch.Tensor, *, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """hidden [N, hidden] -> logits [N, vocab] in the compute dtype (lm_head, tied or not, via kernels.linear)."""
-    return dense.compute_logits_lm(unwrap_causal_lm(model), hidden, compute_dtype=compute_dtype)
+    """hidden [N, hidden] -> logits [N, vocab] in the compute dtype (the family's head on kernels.linear)."""
+    lm = unwrap_causal_lm(model)
+    fam, spec = spec_of(lm)
+    dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)
+    return fam.compute_logits(lm, spec, hidden, dt)
 
 
-def kv_cache_spec(model, *, compute_dtype: torch.dtype | None = None) -> KVCacheSpec:
-    return dense.kv_cache_spec_lm(unwrap_causal_lm(model), compute_dtype=compute_dtype)
+def cache_groups(model, *, compute_dtype: torch.dtype | None = None) -> list[CacheGroup]:
+    """The engine caches the model's family needs (``allocate_caches`` builds them)."""
+    lm = unwrap_causal_lm(model)
+    fam, spec = spec_of(lm)
+    dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)
+    return fam.cache_groups(spec, dt)
 
 
 def load_model(path_or_name: str, dtype: torch.dtype = torch.bfloat16, device=None, **kwargs):

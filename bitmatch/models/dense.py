@@ -1,10 +1,10 @@
-"""The dense decoder (Qwen2, Qwen3, Llama, Mistral) written once on bitmatch.kernels.
+"""The dense decoder family (Qwen2, Qwen3, Llama, Mistral) written once on bitmatch.kernels.
 
 Every path that computes a token's logits runs these functions in this order: the trainer
-(``bitmatch.token_logprobs``), the patched HF forward (``bitmatch.patch``) and the embedded
-engine (``bitmatch.Engine`` through ``forward_hidden``). The HF modules are only parameter
-holders here: the functions read ``module.weight``/``module.bias`` and call the kernels, so
-the parameters stay the model's own (trainable; gradients flow through the kernels' autograd).
+(``bitmatch.token_logprobs``), the patched HF forward (``bitmatch.patch``), the embedded engine
+(``bitmatch.Engine``) and the vLLM plugin. The HF modules are only parameter holders here: the
+functions read ``module.weight``/``module.bias`` and call the kernels, so the parameters stay the
+model's own (trainable; gradients flow through the kernels' autograd).
 
 Op order of one decoder layer (rounding points as HF's):
     x, residual = rms_norm(h)                  (layer 0: residual = embedding)
@@ -15,7 +15,7 @@ Op order of one decoder layer (rounding points as HF's):
     a = attention_prefill(...) | write_kv_cache + attention_paged(...)   (per-layer sliding window)
     a = linear(a, Wo)
     x, residual = fused_add_rms_norm(a, residual, W_post)
-    m = linear(silu_and_mul(cat(linear(x, Wg), linear(x, Wu))), Wd)
+    m = family.mlp(x): linear(silu_and_mul(cat(linear(x, Wg), linear(x, Wu))), Wd)
     -> (m, residual) to the next layer; final: fused_add_rms_norm(m, residual, W_norm)
 Weights are cast with ``bitmatch.precision.compute_cast`` at use time when the parameter
 dtype differs from the compute dtype (fp32 master, bf16 compute).
@@ -23,27 +23,21 @@ dtype differs from the compute dtype (fp32 master, bf16 compute).
 The optional ``recorder(name, tensor_or_tuple)`` is called after every op with names such as
 ``embed_tokens``, ``layers.1.self_attn.q_proj``, ``layers.1.mlp.down_proj``, ``norm``
 (``bitmatch.verify.locate`` hashes them).
+
+Families that share this attention and differ in the MLP (``qwen3_moe``) subclass
+``DenseFamily`` and override ``mlp`` / ``problems``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bitmatch.context import ForwardContext, set_forward_context
-from bitmatch.precision import compute_cast
-
-SUPPORTED_ARCHITECTURES = {
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
-
-Recorder = Callable[[str, object], None]
+from bitmatch.context import ForwardContext
+from bitmatch.models import lora
+from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
+from bitmatch.precision import cast_param
 
 
 def _kernels():
@@ -66,35 +60,7 @@ class DenseSpec:
     qk_norm: bool
     sliding_windows: tuple
     scale: float
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-
-def supported_message() -> str:
-    return ", ".join(f"{v} (model_type {k!r})" for k, v in SUPPORTED_ARCHITECTURES.items())
-
-
-def check_supported(lm) -> None:
-    """Raise ValueError naming the supported architectures unless ``lm`` is one of them."""
-    cfg = getattr(lm, "config", None)
-    mt = getattr(cfg, "model_type", None)
-    arch = type(lm).__name__
-    if mt not in SUPPORTED_ARCHITECTURES or not hasattr(lm, "lm_head") or not hasattr(getattr(lm, "model", None), "layers"):
-        raise ValueError(
-            f"bitmatch: unsupported architecture {arch} (model_type {mt!r}); supported: {supported_message()}"
-        )
-    act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"bitmatch: {arch} with hidden_act={act!r} is not supported (only silu)")
-    prf = getattr(cfg, "partial_rotary_factor", 1.0)
-    if prf not in (None, 1.0, 1):
-        raise ValueError(f"bitmatch: {arch} with partial_rotary_factor={prf} is not supported")
+    vocab_size: int
 
 
 def rope_params(cfg) -> tuple[float, dict | None]:
@@ -130,43 +96,7 @@ def _layer_sliding_window(cfg, layer, i: int):
     return None
 
 
-def model_spec(lm) -> DenseSpec:
-    check_supported(lm)
-    cfg = lm.config
-    layers = lm.model.layers[: cfg.num_hidden_layers]
-    a0 = layers[0].self_attn
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    head_dim = getattr(a0, "head_dim", head_dim)
-    base, scaling = rope_params(cfg)
-    sws = tuple(_layer_sliding_window(cfg, layer, i) for i, layer in enumerate(layers))
-    return DenseSpec(
-        model_type=cfg.model_type,
-        num_layers=len(layers),
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        hidden_size=cfg.hidden_size,
-        rope_base=base,
-        rope_scaling=scaling,
-        max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
-        qk_norm=hasattr(a0, "q_norm"),
-        sliding_windows=sws,
-        scale=float(getattr(a0, "scaling", head_dim ** -0.5)),
-    )
-
-
-def default_compute_dtype(lm) -> torch.dtype:
-    dt = getattr(lm, "_bitmatch_compute_dtype", None)
-    return dt if dt is not None else lm.model.embed_tokens.weight.dtype
-
-
 # ----------------------------------------------------------------------------- primitives
-
-def cast_param(p: torch.Tensor | None, dtype: torch.dtype):
-    if p is None or p.dtype == dtype:
-        return p
-    return compute_cast(p, dtype)
-
 
 def _plain_linear_params(mod):
     if hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
@@ -178,10 +108,8 @@ def _plain_linear_params(mod):
 
 
 def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):
-        # PEFT LoRA: the merged weight the rollout receives (bitmatch.adapters.lora)
-        from bitmatch.adapters import lora
-        return lora.linear(mod, x, dtype)
+    if lora.is_lora_layer(mod):
+        return lora.linear(mod, x, dtype)  # PEFT LoRA: the merged weight the rollout receives
     w, b = _plain_linear_params(mod)
     return _kernels().linear(x, cast_param(w, dtype), cast_param(b, dtype))
 
@@ -213,7 +141,7 @@ def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast_param(h, dtype)
 
 
-def mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp"):
+def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp"):
     g = linear(mlp_mod.gate_proj, x, dtype)
     u = linear(mlp_mod.up_proj, x, dtype)
     if rec is not None:
@@ -251,9 +179,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
         rec(f"{prefix}.rotary", (q, k))
     sw = spec.sliding_windows[layer_idx]
     if ctx.paged:
-        if ctx.kv_caches is None:
-            raise ValueError("bitmatch: paged ForwardContext without kv_caches")
-        k_cache, v_cache = ctx.kv_caches[layer_idx]
+        k_cache, v_cache = ctx.cache("kv", layer_idx)
         K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
         o = K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
                               spec.scale, sliding_window=sw)
@@ -272,6 +198,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
 @dataclass
 class LayerCall:
     """What a decoder layer needs besides its tensors (captured, so a checkpoint replay sees it)."""
+    family: "DenseFamily"
     ctx: ForwardContext
     spec: DenseSpec
     layer_idx: int
@@ -294,58 +221,122 @@ def decoder_layer(layer, h, residual, cos, sin, *, bm: LayerCall):
     x, residual = fused_add_rms_norm(layer.post_attention_layernorm, a, residual, dt)
     if rec is not None:
         rec(f"{p}.post_attention_layernorm", (x, residual))
-    m = mlp(layer.mlp, x, dt, rec, f"{p}.mlp")
+    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp")
     return m, residual
 
 
-def _checkpointing(layer) -> bool:
-    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
+# ----------------------------------------------------------------------------- patched forwards
+
+def _layer_forward(self, hidden_states=None, residual=None, cos=None, sin=None, *, bm: LayerCall | None = None,
+                   state=None, **kwargs):
+    if bm is None:
+        raise RuntimeError("bitmatch: a patched decoder layer runs only inside bitmatch's forward "
+                           "(call the causal LM, bitmatch.token_logprobs or bitmatch.models.forward_hidden)")
+    return decoder_layer(self, hidden_states, residual, cos, sin, bm=bm)
 
 
-def forward_hidden_lm(lm, input_ids: torch.Tensor, ctx: ForwardContext, *, compute_dtype=None,
-                      recorder: Recorder | None = None) -> torch.Tensor:
-    """forward_hidden on an already unwrapped causal LM (see bitmatch.models.forward_hidden)."""
-    spec = model_spec(lm)
-    if input_ids.dim() != 1:
-        raise ValueError(f"forward_hidden: input_ids must be 1-D packed tokens [T], got shape {tuple(input_ids.shape)}")
-    if ctx.positions is None or ctx.positions.shape[0] != input_ids.shape[0]:
-        raise ValueError("forward_hidden: ctx.positions must have one entry per token of input_ids")
-    dt = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
-    K = _kernels()
-    h = embed(lm, input_ids, dt)
-    if recorder is not None:
-        recorder("embed_tokens", h)
-    cos, sin = K.rotary_cos_sin(ctx.positions, spec.head_dim, spec.rope_base, spec.rope_scaling,
-                                dtype=torch.float32, max_position_embeddings=spec.max_position_embeddings)
-    residual = None
-    with set_forward_context(ctx):
+def _attn_forward(self, *args, state=None, **kwargs):
+    raise RuntimeError("bitmatch: a patched attention module runs only inside bitmatch's forward "
+                       "(it needs the packed ForwardContext); call the causal LM instead")
+
+
+def _norm_forward(self, x, *, state):
+    return rms_norm(self, x, state.compute_dtype or self.weight.dtype)
+
+
+class DenseFamily(Family):
+    name = "dense"
+    model_types = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                   "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+    packed_modules = (
+        ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    )
+    vllm_supported = True
+
+    def problems(self, config) -> list[str]:
+        out = []
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            out.append(f"hidden_act={act!r} (only silu)")
+        prf = getattr(config, "partial_rotary_factor", 1.0)
+        if prf not in (None, 1.0, 1):
+            out.append(f"partial_rotary_factor={prf} (only 1.0)")
+        rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rtype = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
+        from bitmatch.kernels import SUPPORTED_ROPE_TYPES
+        if rtype not in (None, *SUPPORTED_ROPE_TYPES):
+            out.append(f"rope_type={rtype!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return out
+
+    def build_spec(self, lm) -> DenseSpec:
+        cfg = lm.config
+        layers = lm.model.layers[: cfg.num_hidden_layers]
+        a0 = layers[0].self_attn
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = getattr(a0, "head_dim", head_dim)
+        base, scaling = rope_params(cfg)
+        return DenseSpec(
+            model_type=cfg.model_type,
+            num_layers=len(layers),
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            rope_base=base,
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
+            qk_norm=hasattr(a0, "q_norm"),
+            sliding_windows=tuple(_layer_sliding_window(cfg, layer, i) for i, layer in enumerate(layers)),
+            scale=float(getattr(a0, "scaling", head_dim ** -0.5)),
+            vocab_size=lm.lm_head.weight.shape[0],
+        )
+
+    def cache_groups(self, spec: DenseSpec, dtype) -> list[CacheGroup]:
+        return [CacheGroup("kv", "paged_kv", tuple(range(spec.num_layers)), spec.num_kv_heads, spec.head_dim, dtype)]
+
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp"):
+        return gated_mlp(mlp_mod, x, dtype, rec, prefix)
+
+    def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
+        K = _kernels()
+        h = embed(lm, input_ids, dtype)
+        if recorder is not None:
+            recorder("embed_tokens", h)
+        cos, sin = K.rotary_cos_sin(ctx.positions, spec.head_dim, spec.rope_base, spec.rope_scaling,
+                                    dtype=torch.float32, max_position_embeddings=spec.max_position_embeddings)
+        residual = None
         for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-            bm = LayerCall(ctx, spec, i, dt, recorder)
-            if getattr(layer, "_bitmatch_patched", False):
-                # through the module's __call__: HF gradient checkpointing, FSDP/forward hooks
-                h, residual = layer(h, residual, cos, sin, bm=bm)
-            elif _checkpointing(layer):
-                h, residual = layer._gradient_checkpointing_func(partial(decoder_layer, layer, bm=bm),
-                                                                 h, residual, cos, sin)
-            else:
-                h, residual = decoder_layer(layer, h, residual, cos, sin, bm=bm)
+            bm = LayerCall(self, ctx, spec, i, dtype, recorder)
+            h, residual = call_layer(layer, decoder_layer, (h, residual, cos, sin), bm)
         if residual is None:  # no layers
-            out = rms_norm(lm.model.norm, h, dt)
+            out = rms_norm(lm.model.norm, h, dtype)
         else:
-            out, _ = fused_add_rms_norm(lm.model.norm, h, residual, dt)
-    if recorder is not None:
-        recorder("norm", out)
-    return out
+            out, _ = fused_add_rms_norm(lm.model.norm, h, residual, dtype)
+        if recorder is not None:
+            recorder("norm", out)
+        return out
+
+    def compute_logits(self, lm, spec, hidden, dtype):
+        w, b = _plain_linear_params(lm.lm_head)
+        return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+
+    def patch_modules(self, lm):
+        mods = [(lm.model.norm, _norm_forward)]
+        for layer in lm.model.layers:
+            mods += [(layer, _layer_forward), (layer.self_attn, _attn_forward),
+                     (layer.input_layernorm, _norm_forward), (layer.post_attention_layernorm, _norm_forward)]
+            mods += [(getattr(layer.self_attn, n), _norm_forward) for n in ("q_norm", "k_norm")
+                     if hasattr(layer.self_attn, n)]
+            mods += self.patch_mlp(layer.mlp)
+        return mods
+
+    def patch_mlp(self, mlp_mod):
+        return [(mlp_mod, _mlp_forward)]
 
 
-def compute_logits_lm(lm, hidden: torch.Tensor, *, compute_dtype=None) -> torch.Tensor:
-    dt = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
-    head = lm.lm_head
-    w, b = _plain_linear_params(head)
-    return _kernels().linear(hidden, cast_param(w, dt), cast_param(b, dt))
+def _mlp_forward(self, x, *, state):
+    return gated_mlp(self, x, state.compute_dtype or self.gate_proj.weight.dtype)
 
 
-def kv_cache_spec_lm(lm, *, compute_dtype=None) -> KVCacheSpec:
-    s = model_spec(lm)
-    dt = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
-    return KVCacheSpec(num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=dt)
+FAMILY = register(DenseFamily())

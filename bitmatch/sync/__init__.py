@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from .fingerprint import Manifest, TensorSpec, fingerprint
-from .names import VLLM_LAYOUTS, Layout, architecture_of, build_layout
+from .names import Layout, architecture_of, build_layout, layout_rules
 from .receiver import (AuthenticationError, FingerprintMismatchError, Receiver, SyncError, Update,
                        WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
 from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
@@ -33,7 +33,7 @@ __all__ = [
     "stamp_weight_version", "require_ready", "weight_state", "Manifest", "TensorSpec", "Receiver",
     "Update", "WeightState", "InProcessSender", "TcpSender", "TcpReceiverServer", "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
-    "AuthenticationError", "build_layout", "Layout", "VLLM_LAYOUTS", "DEFAULT_BUCKET_BYTES",
+    "AuthenticationError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
 ]
 
 

@@ -1,4 +1,4 @@
-"""HF parameter names -> engine layouts, declared once per architecture.
+"""HF parameter names -> engine layouts, from each model family's ``packed_modules`` (bitmatch.models).
 
 vLLM stores a dense decoder layer's q/k/v projections as one ``qkv_proj`` and gate/up as one
 ``gate_up_proj``, concatenated along dim 0 in that order. Each HF tensor therefore lands in a
@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# (merged engine module, HF modules in concatenation order)
-_DENSE = (
-    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-)
-# architecture -> merge rules for vLLM's layout (stacked MoE experts: later)
-VLLM_LAYOUTS: dict[str, tuple] = {
-    "Qwen2ForCausalLM": _DENSE,
-    "Qwen3ForCausalLM": _DENSE,
-    "LlamaForCausalLM": _DENSE,
-    "MistralForCausalLM": _DENSE,
-}
+
+
+def layout_rules(arch: str) -> tuple:
+    """vLLM's merge/rename rules for ``arch``: the family's ``packed_modules`` (bitmatch.models)."""
+    from bitmatch.models import family_for_architecture
+
+    return family_for_architecture(arch).packed_modules
 
 
 @dataclass(frozen=True)
@@ -55,11 +50,13 @@ def architecture_of(model) -> str:
 
 
 def _engine_name(hf_name: str, rules) -> tuple[str, int]:
+    # matched on whole dotted components: a module ("self_attn.q_proj" in "...q_proj.weight") or a
+    # parameter itself ("mlp.experts.gate_up_proj", renamed to FusedMoE's "w13_weight")
     for merged, parts in rules:
         for i, part in enumerate(parts):
             key = f".{part}."
-            if key in f".{hf_name}":
-                return f".{hf_name}".replace(key, f".{merged}.", 1)[1:], i
+            if key in f".{hf_name}.":
+                return f".{hf_name}.".replace(key, f".{merged}.", 1)[1:-1], i
     return hf_name, 0
 
 
@@ -67,9 +64,7 @@ def build_layout(arch: str, hf_shapes: dict[str, tuple[int, ...]],
                  engine_shapes: dict[str, tuple[int, ...]] | None = None) -> Layout:
     """Map HF names/shapes to vLLM's layout for ``arch``; optionally check against the engine's own
     parameter shapes. Raises ValueError naming every unmapped, doubly mapped or mis-shaped tensor."""
-    if arch not in VLLM_LAYOUTS:
-        raise ValueError(f"no vLLM name layout for architecture {arch!r}; supported: {sorted(VLLM_LAYOUTS)}")
-    rules = VLLM_LAYOUTS[arch]
+    rules = layout_rules(arch)  # ValueError naming the supported architectures for an unknown one
     n_parts = {merged: len(parts) for merged, parts in rules}
     groups: dict[str, dict[int, str]] = {}
     for hf in hf_shapes:
@@ -80,7 +75,7 @@ def build_layout(arch: str, hf_shapes: dict[str, tuple[int, ...]],
         g[shard] = hf
     layout = Layout()
     for eng, shards in groups.items():
-        merged = next((m for m in n_parts if f".{m}." in f".{eng}"), None)
+        merged = next((m for m in n_parts if f".{m}." in f".{eng}."), None)
         want = n_parts[merged] if merged else 1
         if sorted(shards) != list(range(want)):
             missing = [i for i in range(want) if i not in shards]

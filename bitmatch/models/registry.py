@@ -1,0 +1,249 @@
+"""Model families: which bitmatch module runs which HF architecture, declared once.
+
+Everything that knows an architecture lives in its family module; the engine, ``bitmatch.patch``,
+``bitmatch.sync`` and the adapters (vLLM, TRL, verl) ask the registry and never name an
+architecture themselves.
+
+How to add a family (one module plus its tests):
+
+1. Write ``bitmatch/models/<family>.py`` with a ``Family`` subclass and ``register(MyFamily())``
+   at module level. ``model_types`` maps each HF ``config.model_type`` it serves to the HF
+   architecture class name (``Qwen3MoeForCausalLM``), which is also the vLLM architecture.
+2. Implement ``problems(config)`` (every unsupported option, all at once: each one a sentence
+   naming the option and the value), ``build_spec(lm)`` (a frozen dataclass read from the config
+   and modules), ``forward_hidden`` / ``compute_logits`` on ``bitmatch.kernels`` only,
+   ``cache_groups(spec, dtype)`` (the engine allocates what they describe; today's kind is
+   ``"paged_kv"``) and ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
+3. Declare ``packed_modules``: how vLLM merges HF tensors (``qkv_proj`` = q, k, v rows) or
+   renames them; ``bitmatch.sync`` and the vLLM plugin derive their name tables from it.
+4. Add the module to ``FAMILY_MODULES`` below. Tests: parity with HF's own fp32 forward,
+   engine vs trainer Diff = 0 along every axis, a control that fails on HF's stock forward.
+
+Users can also ``register`` a family from their own package before building a model.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable
+
+import torch
+
+FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe")
+
+Recorder = Callable[[str, object], None]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One kind of per-token engine state, for the layers that use it.
+
+    ``paged_kv``: K and V of ``num_kv_heads`` x ``head_dim`` per token, in the engine's paged
+    blocks (one (k_cache, v_cache) pair per layer in ``layers``). The forward context carries
+    ``ctx.caches[name][layer_idx]``.
+    """
+    name: str
+    kind: str
+    layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        if self.kind != "paged_kv":
+            raise NotImplementedError(f"cache group {self.name!r}: kind {self.kind!r} has no per-block size")
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def allocate_caches(groups: Iterable[CacheGroup], num_blocks: int, block_size: int, device) -> dict:
+    """``{group name: {layer: cache}}`` for ``num_blocks`` blocks; zero-filled, because masked-out
+    cache slots must hold finite values (attention multiplies them by an exact zero)."""
+    out = {}
+    for g in groups:
+        if g.kind != "paged_kv":
+            raise NotImplementedError(f"bitmatch engine: cache group {g.name!r} of kind {g.kind!r} is not "
+                                      "supported by this engine yet")
+        shape = (num_blocks, block_size, g.num_kv_heads, g.head_dim)
+        out[g.name] = {i: (torch.zeros(shape, dtype=g.dtype, device=device),
+                           torch.zeros(shape, dtype=g.dtype, device=device)) for i in g.layers}
+    return out
+
+
+class Family:
+    """The interface a family module implements (see the module docstring)."""
+    name: str = ""
+    model_types: dict[str, str] = {}
+    # (engine module, HF modules in concatenation order) or (engine name, (HF name,)) for a rename
+    packed_modules: tuple = ()
+    # the bitmatch vLLM plugin runs this family (set once its vLLM path is built and tested)
+    vllm_supported: bool = False
+
+    def problems(self, config) -> list[str]:
+        raise NotImplementedError
+
+    def build_spec(self, lm):
+        raise NotImplementedError
+
+    def forward_hidden(self, lm, spec, input_ids, ctx, dtype, recorder: Recorder | None = None):
+        raise NotImplementedError
+
+    def compute_logits(self, lm, spec, hidden, dtype):
+        raise NotImplementedError
+
+    def cache_groups(self, spec, dtype) -> list[CacheGroup]:
+        raise NotImplementedError
+
+    def patch_modules(self, lm) -> list[tuple[torch.nn.Module, Callable]]:
+        """(module, forward(module, *args, state=PatchState, **kwargs)) pairs for ``bitmatch.patch``."""
+        raise NotImplementedError
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        return tuple(self.model_types.values())
+
+
+_BY_MODEL_TYPE: dict[str, Family] = {}
+_BY_ARCH: dict[str, Family] = {}
+_loaded = False
+
+
+def register(family: Family) -> Family:
+    """Make ``family`` serve its ``model_types`` (a later registration of a type replaces it)."""
+    for mt, arch in family.model_types.items():
+        _BY_MODEL_TYPE[mt] = family
+        _BY_ARCH[arch] = family
+    return family
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for mod in FAMILY_MODULES:
+            importlib.import_module(mod)
+
+
+def families() -> list[Family]:
+    _load()
+    seen: dict[int, Family] = {}
+    for f in _BY_MODEL_TYPE.values():
+        seen.setdefault(id(f), f)
+    return list(seen.values())
+
+
+def supported_architectures() -> dict[str, str]:
+    """``{model_type: architecture}`` of every registered family."""
+    _load()
+    return {mt: f.model_types[mt] for mt, f in _BY_MODEL_TYPE.items()}
+
+
+def supported_message() -> str:
+    return ", ".join(f"{arch} (model_type {mt!r})" for mt, arch in supported_architectures().items())
+
+
+def family_for_architecture(arch: str) -> Family:
+    _load()
+    if arch not in _BY_ARCH:
+        raise ValueError(f"bitmatch: no model family serves architecture {arch!r}; supported: {supported_message()}")
+    return _BY_ARCH[arch]
+
+
+def family_for_config(config, arch: str | None = None) -> Family:
+    """The family of an HF config; ValueError naming ``arch`` (default: the config's) and the
+    supported architectures otherwise."""
+    _load()
+    mt = getattr(config, "model_type", None)
+    if mt not in _BY_MODEL_TYPE:
+        arch = arch or (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise ValueError(f"bitmatch: unsupported architecture {arch} (model_type {mt!r}); "
+                         f"supported: {supported_message()}")
+    return _BY_MODEL_TYPE[mt]
+
+
+def check_config(config, arch: str | None = None) -> Family:
+    """The family, after checking that it reproduces every option of ``config``; ValueError
+    listing every unsupported option at once otherwise."""
+    fam = family_for_config(config, arch)
+    probs = fam.problems(config)
+    if probs:
+        arch = fam.model_types[config.model_type]
+        raise ValueError(f"bitmatch: {arch} with unsupported options: " + "; ".join(probs))
+    return fam
+
+
+# A model's spec is read from its config and modules once, not on every forward.
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def spec_of(lm):
+    """(family, spec) of an unwrapped causal LM, cached per model object."""
+    hit = _SPECS.get(lm)
+    if hit is not None:
+        return hit
+    fam = check_config(getattr(lm, "config", None), type(lm).__name__)
+    hit = (fam, fam.build_spec(lm))
+    try:
+        _SPECS[lm] = hit
+    except TypeError:  # not weak-referenceable (a plain namespace view): no cache
+        pass
+    return hit
+
+
+def forget_spec(lm) -> None:
+    _SPECS.pop(lm, None)
+
+
+# ----------------------------------------------------------------------------- patch state
+
+@dataclass(eq=False)
+class PatchState:
+    """What ``bitmatch.patch`` set on one causal LM: its family and compute dtype (read live by
+    every bound forward, so patching again with another dtype updates them all)."""
+    family: Family
+    compute_dtype: torch.dtype | None
+
+
+class BoundForward:
+    """A family forward bound to a module by ``bitmatch.patch``: ``fn(module, *args, state=...)``."""
+    __slots__ = ("fn", "state", "saved")
+
+    def __init__(self, fn, state: PatchState, saved):
+        self.fn, self.state, self.saved = fn, state, saved
+
+    def __call__(self, module, *args, **kwargs):
+        return self.fn(module, *args, state=self.state, **kwargs)
+
+
+_STATE = "_bitmatch_state"
+
+
+def patch_state(lm) -> PatchState | None:
+    return getattr(lm, "__dict__", {}).get(_STATE)
+
+
+def bound_forward(mod) -> BoundForward | None:
+    f = getattr(mod, "__dict__", {}).get("forward")
+    return f.__func__ if isinstance(f, types.MethodType) and isinstance(f.__func__, BoundForward) else None
+
+
+def compute_dtype_of(lm) -> torch.dtype:
+    """The dtype weights are cast to at use: ``patch(compute_dtype=...)``, else the embedding's dtype."""
+    st = patch_state(lm)
+    if st is not None and st.compute_dtype is not None:
+        return st.compute_dtype
+    return lm.model.embed_tokens.weight.dtype
+
+
+def call_layer(layer, fn, args, bm):
+    """Run ``fn(layer, *args, bm=bm)``: through the module's ``__call__`` when it is patched (HF
+    gradient checkpointing, FSDP and forward hooks see it), else through HF's checkpoint function
+    when the layer checkpoints, else directly."""
+    if bound_forward(layer) is not None:
+        return layer(*args, bm=bm)
+    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+        return layer._gradient_checkpointing_func(partial(fn, layer, bm=bm), *args)
+    return fn(layer, *args, bm=bm)
