@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[plot]"
+bitmatch --version
 bitmatch demo "$@"

