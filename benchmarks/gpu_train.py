@@ -1,0 +1,332 @@
+"""The training half of the GPU end-to-end benchmark (also imported by benchmarks/gpu_e2e.py).
+
+Sections:
+- backward_ops: each op's Triton backward (bitmatch.kernels autograd) on Qwen3-1.7B training
+  shapes (8 x 1024 tokens): gradient error against float64 autograd next to the stock op's own
+  error, and forward+backward time against the stock torch formulation HF runs (eager), as
+  ratios stock_time / bitmatch_time.
+- train: bitmatch.token_logprobs forward+backward on the patched model vs the stock HF model
+  (SDPA + cuBLAS, fp32 log_softmax(logits / T) over the full logits), random-weight Qwen3-1.7B at
+  8 x 1024 and Qwen3-8B at 4 x 1024 (bf16): tokens/s ratio, peak memory, the top CUDA kernels
+  of one step of each (torch profiler).
+
+  python benchmarks/gpu_train.py --out DIR [--sections backward_ops,train] [--models 1.7b,8b]
+      [--budget-s S]
+writes DIR/gpu_train.json after every section and model.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+BF = torch.bfloat16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script's logic only
+QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=1000),
+}
+TRAIN_SHAPES = {"1.7b": (8, 1024), "8b": (4, 1024), "tiny": (2, 32)}
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+class Recorder:
+    """One JSON file, rewritten after every put: a run cut short keeps what it measured."""
+
+    def __init__(self, path, args, extra=None):
+        self.path = path
+        self.data = {"command": "python " + " ".join(sys.argv), "args": vars(args),
+                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "machine": machine_info(), "sections": {}, "errors": {}, **(extra or {})}
+        self.flush()
+
+    def put(self, key, value):
+        self.data["sections"][key] = value
+        self.flush()
+
+    def err(self, key):
+        self.data["errors"][key] = traceback.format_exc()[-3000:]
+        print("ERROR in", key, traceback.format_exc(), flush=True)
+        self.flush()
+
+    def flush(self):
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+
+
+def machine_info():
+    import transformers
+    import triton
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sm_count=p.multi_processor_count, mem_gib=round(p.total_memory / 2 ** 30, 1))
+    try:
+        info["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except Exception:
+        pass
+    return info
+
+
+def cuda_ms(fn, iters=10, warmup=3):
+    """Median wall ms of fn() over iters calls, synchronized (eager: launch overhead included)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def top_kernels(fn, k=12):
+    """The k CUDA kernels with the most self time in one call of fn (torch profiler), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append((t / 1e3, e.count, e.key[:90]))
+    rows.sort(reverse=True)
+    return {"total_kernel_ms": round(sum(r[0] for r in rows), 2),
+            "top": [{"ms": round(t, 2), "calls": c, "name": n} for t, c, n in rows[:k]]}
+
+
+# ------------------------------------------------------------------ backward_ops
+def _rel_err(g, g64):
+    return float((g.double() - g64).abs().max() / g64.abs().max().clamp_min(1e-30))
+
+
+def _stock_rms(x, w, eps=1e-6):  # HF Qwen3RMSNorm
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _stock_rotary(q, k, cos, sin):  # HF apply_rotary_pos_emb with cos/sin [T, D] in the dtype
+    c, s = torch.cat([cos, cos], -1).to(q.dtype)[:, None], torch.cat([sin, sin], -1).to(q.dtype)[:, None]
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat([-x[..., h:], x[..., :h]], -1)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _op_case(name, ours, stock, inputs, grads_out, ref64):
+    """fwd+bwd time of ours vs stock, and each one's gradient error vs float64 autograd."""
+    def step(fn, leaves):
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return torch.autograd.grad(outs, [t for t in leaves if t.requires_grad], grads_out)
+
+    def leaves_of():
+        return [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    lo, ls = leaves_of(), leaves_of()
+    l64 = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
+    outs64 = ref64(*l64)
+    outs64 = outs64 if isinstance(outs64, tuple) else (outs64,)
+    g64 = torch.autograd.grad(outs64, [t for t in l64 if t.requires_grad], [g.double() for g in grads_out])
+    go, gs = step(ours, lo), step(stock, ls)
+    res = {"ours_rel_err": [_rel_err(a, b) for a, b in zip(go, g64)],
+           "stock_rel_err": [_rel_err(a, b) for a, b in zip(gs, g64)],
+           "grad_dtypes": [str(a.dtype) for a in go]}
+    del l64, g64, outs64
+    t_s = cuda_ms(lambda: step(stock, ls))
+    t_o = cuda_ms(lambda: step(ours, lo))
+    res.update(stock_fwd_bwd_ms=t_s, ours_fwd_bwd_ms=t_o, ratio=t_s / t_o)
+    print("backward_ops", name, json.dumps(res), flush=True)
+    return res
+
+
+def backward_ops(M=8192, H=2048, I=6144, Hq=16, Hkv=8, D=128, V=151936, N_lp=1024):
+    import bitmatch.kernels as K
+    dev = DEV
+    r = lambda *s, scale=1.0: (torch.randn(*s, device=dev) * scale).to(BF)  # noqa: E731
+    out = {"shapes": dict(M=M, H=H, I=I, Hq=Hq, Hkv=Hkv, D=D, V=V, N_logprob_rows=N_lp)}
+    w = (1 + 0.1 * torch.randn(H, device=dev)).to(BF).requires_grad_()
+    x, g = r(M, H).requires_grad_(), r(M, H)
+    out["rms_norm"] = _op_case("rms_norm", lambda a, b: K.rms_norm(a, b, 1e-6), _stock_rms, [x, w], [g],
+                               lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
+    wq = (1 + 0.1 * torch.randn(D, device=dev)).to(BF).requires_grad_()
+    xq, gq = r(M, Hq, D).requires_grad_(), r(M, Hq, D)
+    out["rms_norm_qk_heads"] = _op_case(
+        "rms_norm_qk_heads", lambda a, b: K.rms_norm(a, b, 1e-6), _stock_rms, [xq, wq], [gq],
+        lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
+    res, g2 = r(M, H).requires_grad_(), r(M, H)
+
+    def stock_fused(a, b, c):
+        s = a + b
+        return _stock_rms(s, c), s
+
+    def ref_fused(a, b, c):
+        s = a + b
+        return c * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6), s
+    out["fused_add_rms_norm"] = _op_case("fused_add_rms_norm", lambda a, b, c: K.fused_add_rms_norm(a, b, c, 1e-6),
+                                         stock_fused, [x, res, w], [g, g2], ref_fused)
+    del xq, gq, res, g2
+    gu, ga = r(M, 2 * I).requires_grad_(), r(M, I)
+    out["silu_and_mul"] = _op_case("silu_and_mul", K.silu_and_mul,
+                                   lambda a: F.silu(a[:, :I]) * a[:, I:], [gu], [ga],
+                                   lambda a: F.silu(a[:, :I]) * a[:, I:])
+    del gu, ga
+    q, k = r(M, Hq, D).requires_grad_(), r(M, Hkv, D).requires_grad_()
+    cos, sin = K.rotary_cos_sin(torch.arange(M, device=dev) % 1024, D, 1e6, dtype=torch.float32)
+    gq_, gk_ = r(M, Hq, D), r(M, Hkv, D)
+
+    def ref_rot(a, b, c, s):
+        c2, s2 = torch.cat([c, c], -1).to(BF).double()[:, None], torch.cat([s, s], -1).to(BF).double()[:, None]
+        h = D // 2
+        return tuple(t * c2 + torch.cat([-t[..., h:], t[..., :h]], -1) * s2 for t in (a, b))
+    out["apply_rotary"] = _op_case("apply_rotary", K.apply_rotary, _stock_rotary, [q, k, cos, sin], [gq_, gk_],
+                                   ref_rot)
+    del q, k, gq_, gk_
+    lg = r(N_lp, V, scale=3.0).requires_grad_()
+    tok = torch.randint(0, V, (N_lp,), device=dev)
+    glp = torch.randn(N_lp, device=dev)
+    out["token_logprobs"] = _op_case(
+        "token_logprobs", lambda a: K.token_logprobs(a, tok, 0.7),
+        lambda a: torch.log_softmax(a.float() / 0.7, -1).gather(1, tok[:, None])[:, 0], [lg], [glp],
+        lambda a: torch.log_softmax(a / 0.7, -1).gather(1, tok[:, None])[:, 0])
+    return out
+
+
+# ------------------------------------------------------------------ train
+def build_model(size, attn="sdpa", seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(**{"vocab_size": 151936, **QWEN3[size]}, max_position_embeddings=40960,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, attn_implementation=attn)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(BF)  # built in bf16 on the device: no fp32 copy of 8B weights
+    try:
+        with torch.device(DEV):
+            m = Qwen3ForCausalLM(cfg).to(BF)
+    finally:
+        torch.set_default_dtype(prev)
+    return m.eval()
+
+
+def stock_token_logprobs(model, ids, temperature):
+    """The stock trainer: HF forward (SDPA, cuBLAS), fp32 log_softmax(logits / T) at the next token."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    lp = torch.log_softmax(logits.float() / temperature, -1)
+    return lp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def train_step_fns(model, ids, temperature=1.0):
+    """(stock, ours) training steps: zero grads, logprobs of the next tokens, a weighted sum,
+    backward. ``stock`` needs the model unpatched, ``ours`` patched."""
+    import bitmatch
+    w = torch.randn(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+
+    def stock():
+        model.zero_grad(set_to_none=True)
+        (stock_token_logprobs(model, ids, temperature) * w).sum().backward()
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        (bitmatch.token_logprobs(model, ids, None, temperature=temperature) * w).sum().backward()
+    return stock, ours
+
+
+def _peak(model, fn):
+    """(peak GiB above the weights, weights GiB) of one call of fn."""
+    model.zero_grad(set_to_none=True)
+    if DEV != "cuda":
+        fn()
+        return 0.0, 0.0
+    sync()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    sync()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30, base / 2 ** 30
+
+
+def train(size, profile=True, iters=3):
+    import bitmatch
+    B, L = TRAIN_SHAPES[size]
+    model = build_model(size)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (B, L), device=DEV)
+    stock, ours = train_step_fns(model, ids)
+    res = {"batch": [B, L]}
+    res["stock_peak_gib"], res["weights_gib"] = _peak(model, stock)
+    t_s = cuda_ms(stock, iters=iters, warmup=1)
+    if profile:
+        res["profile_stock"] = top_kernels(stock)
+    bitmatch.patch(model)
+    res["ours_peak_gib"], _ = _peak(model, ours)
+    t_o = cuda_ms(ours, iters=iters, warmup=1)
+    if profile:
+        res["profile_ours"] = top_kernels(ours)
+    res.update(stock_step_ms=t_s, ours_step_ms=t_o, stock_tokens_per_s=B * L / t_s * 1e3,
+               ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
+               peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
+    print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
+    model.zero_grad(set_to_none=True)
+    del model
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sections", default="backward_ops,train")
+    ap.add_argument("--models", default="1.7b,8b")
+    ap.add_argument("--budget-s", type=float, default=0, help="skip what would start after this many s")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rec = Recorder(os.path.join(a.out, "gpu_train.json"), a)
+    t0 = time.time()
+    secs = a.sections.split(",")
+    if "backward_ops" in secs:
+        try:
+            rec.put("backward_ops", backward_ops())
+        except Exception:
+            rec.err("backward_ops")
+    if "train" in secs:
+        out = {}
+        for size in a.models.split(","):
+            if a.budget_s and time.time() - t0 > a.budget_s:
+                rec.data.setdefault("skipped_for_time", []).append(f"train_{size}")
+                continue
+            try:
+                out[size] = train(size)
+            except Exception:
+                rec.err(f"train_{size}")
+            rec.put("train", out)
+    rec.data["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rec.flush()
+
+
+if __name__ == "__main__":
+    main()
