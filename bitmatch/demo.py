@@ -35,6 +35,10 @@ def _stock_decode_logprobs(model, groups, seqs, prompt_lens, temperature):
 
     dev = next(model.parameters()).device
     out = {}
+    # transformers >= 5.2x renamed forward's past_key_values to cache (the old name warns): use the
+    # name this model's forward declares
+    import inspect
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         for g in groups:
             P = max(prompt_lens[i] for i in g)
@@ -48,7 +52,7 @@ def _stock_decode_logprobs(model, groups, seqs, prompt_lens, temperature):
             ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache(config=model.config)
-            res = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
             lps = [[] for _ in g]
             logits = res.logits[:, -1]
             for j in range(C):
@@ -62,8 +66,8 @@ def _stock_decode_logprobs(model, groups, seqs, prompt_lens, temperature):
                     break
                 mask = torch.cat([mask, torch.ones((len(g), 1), dtype=mask.dtype, device=dev)], 1)
                 pos = mask.sum(-1, keepdim=True) - 1
-                res = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True)
+                res = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                            **{cache_kw: cache})
                 logits = res.logits[:, -1]
             for r, i in enumerate(g):
                 out[i] = lps[r]
@@ -203,15 +207,19 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bitmatch demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="bitmatch demo", description="Rollout logprobs (bitmatch.Engine) vs "
+                                 "trainer logprobs, with and without bitmatch; writes report.json and diff.png.")
     ap.add_argument("--model", default=None, help="HF checkpoint path or hub name (default: tiny model built in code)")
     ap.add_argument("--out", default="bitmatch-demo", help="output folder for report.json and diff.png")
-    ap.add_argument("--num-prompts", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--num-prompts", type=int, default=12,
+                    help="rollout requests, split into three batches of different sizes (default 12)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens sampled per request (default 8)")
+    ap.add_argument("--temperature", type=float, default=0.9,
+                    help="sampling temperature, > 0; the trainer uses the same one (default 0.9)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of sampling (default 0)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the --model checkpoint (the tiny model is always bf16)")
+    ap.add_argument("--no-plot", action="store_true", help="do not write diff.png (no matplotlib needed)")
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 1 or not args.temperature > 0:
         ap.error("--num-prompts and --max-tokens must be >= 1, --temperature > 0")
