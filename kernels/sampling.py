@@ -32,7 +32,7 @@ import torch
 
 from . import _exact
 from ._backend import check_float
-from .logprobs import _check as _check_temperature
+from .logprobs import _check as _check_scalar_temperature
 from .logprobs import _scaled
 
 F64 = torch.float64
@@ -53,6 +53,23 @@ def _int_weights(z: torch.Tensor, zmax: torch.Tensor, bits: int) -> torch.Tensor
     weight wherever it sits (the top token weighs exactly 2**bits)."""
     e = _exact.exp64(z.to(F64) - zmax.to(F64))
     return torch.round(e * float(2 ** bits)).to(torch.int64)
+
+
+def _check_temperature(op: str, logits: torch.Tensor, temperature) -> torch.Tensor:
+    """fp32 [N] temperatures. A tensor is taken as given (the caller validated its values: a
+    check here would cost a host sync per step); a scalar is checked like token_logprobs'."""
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be [N, V], got shape {tuple(logits.shape)}")
+    if not isinstance(temperature, torch.Tensor):
+        return _check_scalar_temperature(op, logits, temperature)
+    n = logits.shape[0]
+    temp = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1)
+    if temp.numel() == 1:
+        temp = temp.expand(n)
+    if temp.shape != (n,):
+        raise ValueError(f"{op}: temperature must be a float or an [N={n}] tensor, got shape "
+                         f"{tuple(temperature.shape)}")
+    return temp
 
 
 def _per_row(op: str, name: str, value, n: int, dtype, device) -> torch.Tensor | None:

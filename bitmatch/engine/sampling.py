@@ -1,14 +1,19 @@
-"""Sampling parameters and the sampler (vLLM's names and semantics).
+"""Sampling parameters and the batched sampler (vLLM's names and semantics).
 
-Logprob semantics (docs/design.md section 6): the logprob the engine reports for a sampled token
-is ``bitmatch.kernels.token_logprobs(logits, token, T)``: the full-vocabulary
-``log_softmax(logits.float() / T)`` at the token, with the division by T in fp32 (as vLLM),
-and T = 1.0 for greedy rows. That is exactly what the trainer computes with
-``bitmatch.token_logprobs``. With top-k / top-p the token is drawn from the masked,
-renormalized distribution; the engine still REPORTS the full-vocabulary logprob (what the
-trainer computes) and ALSO stores the masked distribution's logprob in
-``CompletionOutput.sampled_logprobs``, so the difference between the sampling distribution
-and the trainer's distribution stays visible, never hidden.
+Logprob semantics (docs/design.md section 6), per sampled token:
+
+- ``CompletionOutput.logprobs``: the full-vocabulary ``log_softmax(logits.float() / T)`` at the
+  token (``kernels.token_logprobs``; T = 1.0 for greedy rows): what
+  ``bitmatch.token_logprobs(model, ids, mask, T)`` computes, bit for bit.
+- ``CompletionOutput.sampled_logprobs``: the logprob under the distribution the token was
+  actually drawn from, after the top-k / top-p mask (``kernels.top_k_top_p_mask``) and
+  renormalization: what ``bitmatch.token_logprobs(model, ids, mask, T, top_k=, top_p=)``
+  computes, bit for bit (vLLM's ``processed_logprobs``; what an RL loss should use when
+  rollouts are truncated). Equal to ``logprobs`` when no mask applies.
+
+Sampling noise is ``kernels.uniform_noise(seed, completion index)``: a request's tokens depend
+only on its own logits, its seed and the token's index, never on the batch, the row's position,
+preemption or the device's generator state.
 """
 from __future__ import annotations
 
@@ -24,9 +29,9 @@ class SamplingParams:
     """Per-request sampling options (a subset of ``vllm.SamplingParams``, same names).
 
     temperature 0 means greedy (argmax, lowest index on ties); top_k -1 (or 0) and
-    top_p 1.0 disable those masks; ``seed`` fixes the request's own torch.Generator, so its
-    tokens do not depend on the batch it runs in; with seed None the engine derives one from
-    its own seed and the request's index. ``stop_token_ids`` (and the EOS token unless
+    top_p 1.0 disable those masks (``kernels.top_k_top_p_mask``: vLLM's rules, canonical order);
+    ``seed`` keys the request's noise, so its tokens depend on nothing but its logits, seed and
+    token index; with seed None the engine derives one from its own seed and the request's index. ``stop_token_ids`` (and the EOS token unless
     ``ignore_eos``) end the request; the stop token is kept in ``token_ids`` with its logprob.
     """
     temperature: float = 1.0
@@ -66,51 +71,47 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask one row of fp32 temperature-scaled logits to -inf outside top-k / top-p (vLLM's rule:
-    keep the smallest set of highest logits whose probability reaches top_p; at least one)."""
-    logits = logits.clone()
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=False)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        remove = cum <= 1.0 - top_p
-        remove[-1] = False
-        logits[idx[remove]] = float("-inf")
-    return logits
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    return K.logprobs.TokenLogprobsFunction.apply(logits.contiguous(), tokens, temps)
 
 
 class Sampler:
-    """Draws one token per row and returns (tokens, logprobs, sampled_logprobs).
+    """Draws one token per row for a whole batch: greedy (argmax, lowest index on ties),
+    temperature, top-k and top-p rows mixed, with no per-row device op and one host sync (the
+    results' transfer).
 
-    Each row is sampled on its own with its request's generator (exponential-race sampling,
-    one draw of vocab-size exponentials per token), so a row's token depends only on its
-    logits and its generator's state: never on the batch.
+    Sampled rows: ``kernels.categorical_sample`` over the masked logits with the uniform
+    ``kernels.uniform_noise(seed, index)``. Invariance: a row's token and logprobs depend only on
+    its logits, its parameters, its seed and its index (every op is row-wise and exact).
     """
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> tuple[list[int], list[float], list[float]]:
-        tokens = []
-        masked_lp: list[float | None] = []
-        for i, sp in enumerate(params):
-            if sp.greedy:
-                tokens.append(int(torch.argmax(logits[i].float())))
-                masked_lp.append(None)
-                continue
-            scaled = logits[i].float() / sp.temperature  # fp32 division, as vLLM
-            if sp.masked:
-                scaled = apply_top_k_top_p(scaled, sp.top_k, sp.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            q = torch.empty_like(probs).exponential_(generator=generators[i])
-            tok = int(torch.argmax(probs / q))
-            tokens.append(tok)
-            masked_lp.append(float(torch.log_softmax(scaled, dim=-1)[tok]) if sp.masked else None)
-        token_t = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params],
-                             dtype=torch.float32, device=logits.device)
-        # The reported logprob: the one function the trainer also calls.
-        lps = K.token_logprobs(logits, token_t, temps).tolist()
-        sampled = [lp if m is None else m for lp, m in zip(lps, masked_lp)]
-        return tokens, lps, sampled
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 indices: list[int]) -> tuple[list[int], list[float], list[float]]:
+        dev = logits.device
+        # per-row parameters: host lists (no device sync), one small upload each
+        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32,
+                             device=dev)
+        greedy = [sp.greedy for sp in params]
+        masked = logits
+        if any(sp.masked for sp in params):
+            top_k = torch.tensor([sp.top_k if sp.masked else -1 for sp in params], dtype=torch.int64, device=dev)
+            top_p = torch.tensor([sp.top_p if sp.masked else 1.0 for sp in params], dtype=torch.float32,
+                                 device=dev)
+            masked = K.apply_top_k_top_p(logits, temps, top_k, top_p)
+        if all(greedy):
+            tokens = logits.float().argmax(-1)
+        else:
+            u = K.uniform_noise(torch.tensor([K.sampling.to_int64_seed(s) for s in seeds], dtype=torch.int64,
+                                             device=dev),
+                                torch.tensor(indices, dtype=torch.int64, device=dev))
+            tokens = K.categorical_sample(masked, temps, u)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=dev), logits.float().argmax(-1), tokens)
+        # the reported logprobs: the trainer's function on the same logits (its autograd Function
+        # directly: the inputs are valid by construction, and the public entry's value checks
+        # would cost three host syncs per call)
+        lps = _token_logprobs(logits, tokens, temps)
+        sampled = _token_logprobs(masked, tokens, temps) if masked is not logits else lps
+        # float64 holds the token ids and the fp32 values exactly: one transfer, one sync
+        out = torch.stack([tokens.to(torch.float64), lps.to(torch.float64), sampled.to(torch.float64)]).tolist()
+        return [int(t) for t in out[0]], out[1], out[2]

@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from bitmatch.engine.sampling import SamplingParams
 
 
@@ -21,18 +19,18 @@ class Sequence:
     ``num_computed_tokens`` counts the tokens whose K/V are in the cache. On preemption
     (recompute) the blocks are freed and ``num_computed_tokens`` reset to 0: the next
     prefill runs over prompt + generated tokens as the new prompt, while the sampled
-    tokens, their logprobs and the request's generator state are kept.
+    tokens, their logprobs and the request's seed are kept (noise is a function of seed and index).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None, block_size: int, prompt: str | None = None):
+                 seed: int | None, block_size: int, prompt: str | None = None):
         self.seq_id = seq_id
         self.request_id = str(seq_id)
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed                    # keys the sampling noise with the token index
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
