@@ -283,3 +283,105 @@ def _tm():
     pytest.importorskip("triton")
     import bitmatch.kernels.triton.moe as tm
     return tm
+
+
+@triton_only
+def test_triton_route_ties_and_row_invariance():
+    tm = _tm()
+    z = torch.randn(13, 24, generator=_g(30)) * 2
+    z[:, 17] = z[:, 3]
+    z[:4] = -1.5
+    bias = torch.randn(24, generator=_g(31)) * 0.1
+    for scoring, b in (("softmax", None), ("sigmoid", bias), ("sqrtsoftplus", bias)):
+        w, ids = tm.moe_route(z, b, 8, scoring, True, 1.5)
+        rw, rids = K.moe.route_reference(z, b, 8, scoring, True, 1.5)
+        sel = K.moe.scores_reference(z, scoring) + (0 if b is None else b)
+        assert ids.tolist() == _rank_order(sel, 8) == rids.tolist(), scoring
+        assert (w - rw).abs().max() < 1e-5, scoring
+        for t in (0, 5, 12):
+            w1, i1 = tm.moe_route(z[t:t + 1].contiguous(), b, 8, scoring, True, 1.5)
+            assert_bitwise_equal(w1, w[t:t + 1], f"{scoring} row {t}")
+            assert torch.equal(i1, ids[t:t + 1])
+
+
+def _tri_case(activation, dtype, T=40, k=2, e=6, h=160, i=48, seed=32):
+    n_in = 2 * i if activation == "swiglu" else i
+    w_in = (torch.randn(e, n_in, h, generator=_g(seed)) * 0.1).to(dtype)
+    w_out = (torch.randn(e, h, i, generator=_g(seed + 1)) * 0.1).to(dtype)
+    x = torch.randn(T, h, generator=_g(seed + 2)).to(dtype)
+    w, ids = K.moe_route(torch.randn(T, e, generator=_g(seed + 3)), k, renormalize=True)
+    if k == 2:  # expert 4 only ever at rank 1, expert 1 only at rank 0, ranks distinct
+        ids[:, 0] = torch.where(ids[:, 0] == 4, 5, ids[:, 0])
+        ids[:, 1] = torch.where(ids[:, 1] == 1, 4, ids[:, 1])
+        same = ids[:, 0] == ids[:, 1]
+        ids[same, 1] = torch.where(ids[same, 0] == 5, 0, 5)
+    return x, ids, w, w_in, w_out
+
+
+@triton_only
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_triton_experts_row_is_triton_linear(activation):
+    """k = 1, weight 1.0, fp32 (no interpreter bf16 cast issue): the grouped GEMM's row equals
+    Triton linear -> activation -> Triton linear of that row, bit for bit, also with SPLIT = 2."""
+    tm = _tm()
+    import bitmatch.kernels.triton.activation as ta
+    import bitmatch.kernels.triton.linear as tl_
+    for h, split in ((160, 1), (512, 2)) if activation == "swiglu" else ((160, 1),):
+        x, ids, _, w_in, w_out = _tri_case(activation, torch.float32, T=4, k=1, h=h, i=32)
+        old = dict(tl_.SPLIT_TABLE)
+        try:
+            if split > 1:
+                tl_.SPLIT_TABLE[(w_in.shape[1], h)] = split
+            # BK = 128 as linear's M = 1 row of its table: the interpreter rounds each BK block's
+            # float64 dot to fp32, so only there BK is part of the bits (DESIGN section 4)
+            out = tm.moe_experts(x, ids, torch.ones(4, 1), w_in, w_out, activation, None,
+                                 config=(16, 32, 32, 128, 4, 4))
+            for t in range(4):
+                e = int(ids[t, 0])
+                hrow = tl_.linear(x[t:t + 1].contiguous(), w_in[e].contiguous())  # M = 1: BK = 128
+                a = ta.silu_and_mul(hrow) if activation == "swiglu" else torch.relu(hrow) ** 2
+                want = tl_.linear(a, w_out[e].contiguous())
+                assert_bitwise_equal(out[t:t + 1], want, f"{activation} h={h} row {t}")
+        finally:
+            tl_.SPLIT_TABLE.clear()
+            tl_.SPLIT_TABLE.update(old)
+
+
+_TRI_CONFIGS = [(16, 32, 64, 128, 4, 4), (64, 16, 32, 128, 4, 4)]
+
+
+@triton_only
+@pytest.mark.parametrize("activation,dtype,limit", [("swiglu", BF, None), ("swiglu", torch.float32, 0.2),
+                                                    ("relu2", BF, None)])
+def test_triton_experts_invariant_and_close(activation, dtype, limit):
+    tm = _tm()
+    x, ids, w, w_in, w_out = _tri_case(activation, dtype, T=24, h=136, i=32)
+    outs = [tm.moe_experts(x, ids, w, w_in, w_out, activation, limit, config=c) for c in _TRI_CONFIGS]
+    for o in outs[1:]:                                  # row tiles of 16/32/64, other BN: same bits
+        assert_bitwise_equal(o, outs[0], "tile configs")
+    ref = K.moe.experts_reference(x, ids, w, w_in, w_out, activation, limit)
+    tol = 0.03 if dtype == BF else 1e-5                 # the interpreter truncates fp32 -> bf16
+    assert (outs[0].double() - ref.double()).abs().max() <= tol * ref.double().abs().max()
+    for t in (0, 23):                                   # a token alone: 4 of 6 experts get nothing
+        one = tm.moe_experts(x[t:t + 1].contiguous(), ids[t:t + 1].contiguous(), w[t:t + 1].contiguous(),
+                             w_in, w_out, activation, limit, config=_TRI_CONFIGS[0])
+        assert_bitwise_equal(one, outs[0][t:t + 1], f"token {t} alone")
+    perm = torch.randperm(24, generator=_g(40))          # shuffled batch, other expert loads
+    shuf = tm.moe_experts(x[perm].contiguous(), ids[perm].contiguous(), w[perm].contiguous(), w_in, w_out,
+                          activation, limit, config=_TRI_CONFIGS[1])
+    assert_bitwise_equal(shuf, outs[0][perm], "shuffled batch")
+
+
+@triton_only
+def test_triton_combine_rank_order_equals_reference():
+    """fp32 y: the combine kernel's sum is the reference's rank-order sum bit for bit (and the
+    order matters: reversing the ranks changes some bits)."""
+    tm = _tm()
+    T, k, h = 9, 8, 200
+    y = torch.randn(T, k, h, generator=_g(41)) * torch.logspace(-3, 3, k)[None, :, None]
+    w = torch.rand(T, k, generator=_g(42))
+    out = torch.empty(T, h)
+    tm._combine_kernel[(T, 1)](y, w, out, h, TOPK=k, BLOCK=256)
+    assert_bitwise_equal(out, K.moe.combine_reference(y, w), "combine")
+    rev = K.moe.combine_reference(y.flip(1).contiguous(), w.flip(1).contiguous())
+    assert not torch.equal(rev, out)
