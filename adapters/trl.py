@@ -39,7 +39,6 @@ Supported: trl >= 1.16, < 1.17 (``pip install bitmatch[trl]``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import types
@@ -48,20 +47,18 @@ import warnings
 import torch
 
 from bitmatch.adapters import lora
+from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker,
+                                         differing_weights, locate_sentence, weights_fingerprint,
+                                         weights_sentence)
 
 logger = logging.getLogger("bitmatch.trl")
 
 SUPPORTED_TRL = (">=1.16", "<1.17")
-ON_MISMATCH = ("raise", "warn", "log")
 _REBOUND = ("_get_per_token_logps_and_entropies", "_generate_single_turn", "_generate_and_score_completions")
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 __all__ = ["attach", "watch", "BitmatchCallback", "BitmatchMismatchError", "TrlAdapter", "StepCheck"]
-
-
-class BitmatchMismatchError(AssertionError):
-    """A rollout logprob differs from the trainer's for the same token (the run is off-policy)."""
 
 
 def _require_trl():
@@ -82,24 +79,6 @@ def _callback_base():
     return TrainerCallback
 
 
-class StepCheck:
-    """The comparison of one generation step (what the callback keeps in ``history``)."""
-
-    __slots__ = ("step", "mode", "total", "mismatches", "diff_max", "kl_k3", "bundle", "message")
-
-    def __init__(self, step, mode, total, mismatches, diff_max, kl_k3, bundle=None, message=None):
-        self.step, self.mode, self.total, self.mismatches = step, mode, total, mismatches
-        self.diff_max, self.kl_k3, self.bundle, self.message = diff_max, kl_k3, bundle, message
-
-    @property
-    def bitmatched(self) -> bool:
-        return self.mismatches == 0
-
-    def __repr__(self):
-        return (f"StepCheck(step={self.step}, mode={self.mode!r}, tokens={self.total}, "
-                f"mismatches={self.mismatches}, diff_max={self.diff_max:.3g}, kl_k3={self.kl_k3:.3g})")
-
-
 class BitmatchCallback(_callback_base()):
     """Holds the adapter (a TRL callback cannot reach the trainer otherwise); checks the wiring
     when training starts and keeps the per-step comparisons in ``history``."""
@@ -115,11 +94,8 @@ class BitmatchCallback(_callback_base()):
         self.adapter.check_wiring()
 
     def on_train_end(self, args, state, control, **kwargs):
-        h = self.adapter.history
-        if h:
-            bad = sum(1 for c in h if not c.bitmatched)
-            logger.info("bitmatch: %d generation steps checked, %d tokens, %d step(s) with mismatches",
-                        len(h), sum(c.total for c in h), bad)
+        if self.adapter.history:
+            logger.info(self.adapter.checker.summary())
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -129,17 +105,12 @@ class TrlAdapter:
 
     def __init__(self, trainer, *, on_mismatch: str, check_only: bool, compute_dtype, rollout_weights: str,
                  repro_dir, engine_kwargs, max_bundles: int):
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"attach: on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}")
+        self.checker = StepChecker(on_mismatch, repro_dir or os.path.join(trainer.args.output_dir, "bitmatch_repro"),
+                                   max_bundles)
         if rollout_weights not in ("auto", "shared", "copy"):
             raise ValueError(f"attach: rollout_weights must be 'auto', 'shared' or 'copy', got {rollout_weights!r}")
         self.trainer = trainer
-        self.on_mismatch = on_mismatch
         self.check_only = check_only
-        self.history: list[StepCheck] = []
-        self.repro_dir = repro_dir or os.path.join(trainer.args.output_dir, "bitmatch_repro")
-        self.max_bundles = max_bundles
-        self._bundles = 0
         self.engine = None
         self.rollout_model = None
         self.receiver = None
@@ -203,10 +174,11 @@ class TrlAdapter:
         if not t.temperature > 0:
             raise ValueError(f"attach: GRPOConfig(temperature={t.temperature}) must be > 0")
         if getattr(t, "_is_vlm", False):
-            raise ValueError("attach: vision-language models are not supported by bitmatch yet (text-only dense "
-                             "models: Qwen2, Qwen3, Llama, Mistral)")
+            raise ValueError("attach: vision-language models are not supported by bitmatch yet (text-only causal "
+                             "LMs; bitmatch.models.check_supported(model) says which)")
         if getattr(t, "aux_loss_enabled", False):
-            raise ValueError("attach: MoE models (aux loss) are not supported by the dense model path yet")
+            raise ValueError("attach: the MoE router auxiliary loss (model.config.output_router_logits=True) is not "
+                             "computed on bitmatch kernels; set model.config.output_router_logits=False")
         if getattr(a, "use_transformers_paged", False) or getattr(t, "use_transformers_continuous_batching", False):
             raise ValueError("attach: GRPOConfig(use_transformers_paged=True) is not supported; leave it False "
                              "(bitmatch.Engine generates instead)")
@@ -304,8 +276,11 @@ class TrlAdapter:
             bitmatch.sync.require_ready(self.rollout_model, step)
 
     # -- comparison -----------------------------------------------------------------------
+    @property
+    def history(self) -> list[StepCheck]:
+        return self.checker.history
+
     def compare_step(self, output: dict, mode: str) -> StepCheck:
-        from bitmatch.verify import compare
         t = self.trainer
         sampling = output.get("sampling_per_token_logps")
         if sampling is None:
@@ -322,141 +297,54 @@ class TrlAdapter:
         if trainer_lp is None:
             with torch.no_grad():
                 trainer_lp, _, _ = t._get_per_token_logps_and_entropies(t.model, ids, mask, keep)
-        res = compare(sampling.float(), trainer_lp.float(), cmask)
-        dev = t.accelerator.device
-        stats = torch.tensor([[res.max_abs_diff, res.mismatches, res.k3_kl * res.total, res.total]],
-                             dtype=torch.float64, device=dev)
-        g = t.accelerator.gather(stats).view(-1, 4)
-        total = int(g[:, 3].sum())
-        check = StepCheck(step=t.state.global_step, mode=mode, total=total, mismatches=int(g[:, 1].sum()),
-                          diff_max=float(g[:, 0].max()), kl_k3=float(g[:, 2].sum()) / max(total, 1))
         m = t._metrics[mode]
-        m["bitmatch/diff_max"].append(check.diff_max)
-        m["bitmatch/mismatch_tokens"].append(float(check.mismatches))
-        m["bitmatch/kl_k3"].append(check.kl_k3)
-        self.history.append(check)
-        if res.mismatches:
-            self._on_mismatch(check, res, output, ids, mask, cmask, sampling, trainer_lp)
-        elif check.mismatches:  # another rank found it
-            check.message = f"bitmatch: step {check.step}: {check.mismatches} mismatching tokens on another process"
-            self._apply_policy(check)
-        return check
 
-    def _on_mismatch(self, check, res, output, ids, mask, cmask, sampling, trainer_lp):
-        s, j = res.first_divergence
-        plen = output["prompt_ids"].size(1)
-        tok = int(output["completion_ids"][s, j])
-        where, weights = self._locate(ids[s:s + 1], mask[s:s + 1], plen + j + 1)
-        bundle = self._save_bundle(check, res, output, sampling, trainer_lp, cmask, where, weights)
-        check.bundle = bundle
-        check.message = (
-            f"bitmatch: rollout and trainer logprobs differ at step {check.step} ({check.mode}): "
-            f"{check.mismatches} of {check.total} completion tokens, max |diff| {check.diff_max:.3g}, "
-            f"k3 KL {check.kl_k3:.3g}. First divergence: sequence {s}, completion token {j} (token id {tok}): "
-            f"rollout {res.first_rollout_value!r} ({res.first_rollout_hex}) vs trainer "
-            f"{res.first_trainer_value!r} ({res.first_trainer_hex}). {where}{weights}"
-            f" Repro bundle: {bundle if bundle else '(not saved: max_bundles reached)'}")
-        self._apply_policy(check)
+        def log_metrics(d):
+            for k, v in d.items():
+                m[k].append(v)
 
-    def _apply_policy(self, check):
-        if self.on_mismatch == "raise":
-            raise BitmatchMismatchError(check.message)
-        if self.on_mismatch == "warn":
-            warnings.warn(check.message, stacklevel=2)
-        else:
-            logger.warning(check.message)
+        def diagnose(res):
+            s, j = res.first_divergence
+            plen = output["prompt_ids"].size(1)
+            where, weights = self._locate(ids[s:s + 1, :plen + j + 1], mask[s:s + 1, :plen + j + 1])
+            tensors = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
+                       "completion_ids": output["completion_ids"], "completion_mask": cmask,
+                       "rollout_logprobs": sampling.float(), "trainer_logprobs": trainer_lp.float()}
+            return Divergence(int(output["completion_ids"][s, j]), where, weights, self._bundle_config(mode),
+                              tensors, f"rank{t.accelerator.process_index}")
 
-    def _locate(self, ids, mask, upto):
+        def reduce(stats):
+            return t.accelerator.gather(stats.to(t.accelerator.device))
+
+        return self.checker.check(step=t.state.global_step, mode=mode, rollout=sampling, trainer=trainer_lp,
+                                  mask=cmask, reduce=reduce, diagnose=diagnose, log_metrics=log_metrics)
+
+    def _locate(self, ids, mask):
         """(first divergent layer sentence, differing rollout weights sentence)."""
         if self.check_only:
             return ("First divergent layer: not located (watch() mode: the trainer is not on bitmatch kernels; "
                     "use attach()).", "")
-        from bitmatch.verify import locate
-        ids, mask = ids[:, :upto], mask[:, :upto]
         weights = ""
         if self.rollout_model is None:
             rollout = self.engine.model if self.engine is not None else None
         else:
             rollout = self.rollout_model
-            bad = self._differing_weights()
-            if bad:
-                weights = (f" Rollout weights differ from the trainer's at {len(bad)} tensor(s), first "
-                           f"{bad[0]!r}.")
+            weights = weights_sentence(differing_weights(self.rollout_weights_source(), self.rollout_model,
+                                                         self.compute_dtype))
         if rollout is None:  # vLLM: its weights live in another engine
             return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
                     "bitmatch.verify.locate against the plugin's model).", weights)
         block = self.engine.block_size if self.engine is not None else None
-        r = locate(self.trainer.model, rollout, ids, mask, compute_dtype_a=self.compute_dtype,
-                   compute_dtype_b=self.compute_dtype, paged_b_block_size=block)
-        if r.first_divergent is None:
-            where = (f"First divergent layer: none, all {r.ops_compared} op outputs (embed_tokens .. lm_head) are "
-                     "bit-identical between trainer and rollout model: the difference comes after the logits "
-                     "(sampler / logprob) or from the engine's schedule.")
-        else:
-            lyr = f"layer {r.layer}, op {r.op}" if r.layer is not None else f"op {r.op}"
-            where = f"First divergent layer: {r.first_divergent} ({lyr})."
-        return where, weights
+        return locate_sentence(self.trainer.model, rollout, ids, mask, compute_dtype=self.compute_dtype,
+                               block_size=block), weights
 
-    def _differing_weights(self):
-        from bitmatch.sync import fingerprint
-        from bitmatch.precision import compute_cast
-        live = dict(self.rollout_model.named_parameters())
-        bad = []
-        for name, w in self.rollout_weights_source():
-            if name in live and fingerprint(compute_cast(w, self.compute_dtype)) != fingerprint(live[name].detach()):
-                bad.append(name)
-        return bad
-
-    def _weights_fingerprint(self):
-        import xxhash
-        from bitmatch.sync import fingerprints
-        src = self.rollout_weights_source()
-        fp = fingerprints(src, dtype=self.compute_dtype or torch.float32)
-        h = xxhash.xxh64()
-        for k in sorted(fp):
-            h.update(f"{k}={fp[k]};".encode())
-        return h.hexdigest()
-
-    def _save_bundle(self, check, res, output, sampling, trainer_lp, cmask, where, weights):
-        if self._bundles >= self.max_bundles:
-            return None
-        import bitmatch
+    def _bundle_config(self, mode):
         t = self.trainer
-        self._bundles += 1
-        rank = t.accelerator.process_index
-        path = os.path.join(self.repro_dir, f"step{check.step}_{check.mode}_rank{rank}")
-        os.makedirs(path, exist_ok=True)
-        cfg = {
-            "step": check.step, "mode": check.mode, "temperature": t.temperature,
-            "top_p": t.top_p, "top_k": t.top_k,
-            "compute_dtype": str(self.compute_dtype), "rollout_weights": self.rollout_weights,
-            "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
-            "weights_fingerprint": self._weights_fingerprint(),
-            "first_divergence": {"sequence": res.first_divergence[0], "token": res.first_divergence[1],
-                                 "rollout": res.first_rollout_value, "rollout_hex": res.first_rollout_hex,
-                                 "trainer": res.first_trainer_value, "trainer_hex": res.first_trainer_hex},
-            "mismatches": check.mismatches, "total": check.total, "diff_max": check.diff_max,
-            "kl_k3": check.kl_k3, "located": where + weights,
-            "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None,
-            "versions": _versions(), "bitmatch": bitmatch.__version__,
-        }
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1, default=str)
-        torch.save({"prompt_ids": output["prompt_ids"].cpu(), "prompt_mask": output["prompt_mask"].cpu(),
-                    "completion_ids": output["completion_ids"].cpu(), "completion_mask": cmask.cpu(),
-                    "rollout_logprobs": sampling.float().cpu(), "trainer_logprobs": trainer_lp.float().cpu()},
-                   os.path.join(path, "tokens.pt"))
-        return path
-
-
-def _versions():
-    out = {}
-    for mod in ("torch", "transformers", "trl", "peft", "vllm"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            pass
-    return out
+        return {"temperature": t.temperature, "top_p": t.top_p, "top_k": t.top_k,
+                "compute_dtype": str(self.compute_dtype), "rollout_weights": self.rollout_weights,
+                "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
+                "weights_fingerprint": weights_fingerprint(self.rollout_weights_source(), self.compute_dtype),
+                "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None}
 
 
 # ----------------------------------------------------------------------------- rebound methods
@@ -472,7 +360,8 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
     if used:
         raise ValueError(f"bitmatch: multimodal inputs {used} are not supported (text-only dense models)")
     if compute_aux_loss:
-        raise ValueError("bitmatch: compute_aux_loss (MoE) is not supported by the dense model path")
+        raise ValueError("bitmatch: compute_aux_loss (the MoE router auxiliary loss) is not computed on bitmatch "
+                         "kernels; set model.config.output_router_logits=False")
     batch_size = batch_size or input_ids.size(0)
     lps, ents = [], []
     dev_type = input_ids.device.type
