@@ -227,7 +227,10 @@ def main(argv=None) -> int:
     if args.model:
         from bitmatch.models import load_model
 
-        model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        try:
+            model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        except (FileNotFoundError, ConnectionError, ValueError) as e:  # the message names the fix
+            ap.error(f"--model: {e}")
         try:
             from transformers import AutoTokenizer
 

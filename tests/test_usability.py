@@ -56,6 +56,15 @@ def test_missing_local_path_is_file_not_found_before_any_network(path, no_networ
     assert no_network == []
 
 
+def test_demo_with_missing_model_exits_2_with_the_message(capsys, no_network):
+    from bitmatch.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "./missing-model"])
+    assert e.value.code == 2
+    assert "--model: load_model: no checkpoint folder at './missing-model'" in capsys.readouterr().err
+
+
 def test_missing_pathlike_is_file_not_found(tmp_path, no_network):
     from bitmatch.models import load_model
 
