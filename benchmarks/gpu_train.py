@@ -44,6 +44,11 @@ def sync():
         torch.cuda.synchronize()
 
 
+def empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 class Recorder:
     """One JSON file, rewritten after every put: a run cut short keeps what it measured."""
 
@@ -292,8 +297,7 @@ def train(size, profile=True, iters=3):
     print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
     model.zero_grad(set_to_none=True)
     del model
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+    empty_cache()
     return res
 
 

@@ -1,0 +1,377 @@
+"""GPU end to end (issue 10): Diff = 0, rollout speed and training speed, in one run.
+
+Sections, most decision-relevant first (``--budget-s`` skips what would start too late; the JSON
+is rewritten after every measurement, so a run cut short keeps what it measured):
+- diff: bitmatch.Engine (three batch/schedule configs) vs bitmatch.token_logprobs on the same
+  tokens (right-padded batches of 5, reversed order): mismatching tokens (want 0); the stock
+  trainer (HF forward on SDPA + cuBLAS, fp32 log_softmax(logits / T)) as the control (want > 0).
+- train: benchmarks/gpu_train.py's fwd+bwd of token_logprobs, patched vs stock HF (1.7B 8x1024,
+  8B 4x1024) and the backward kernels vs stock eager.
+- rollout: random-weight Qwen3-1.7B / 8B (bf16), prompts of --prompt-len random tokens,
+  --new-tokens sampled at T = 1, B in --batches: rollout tokens/s and median decode step of the
+  engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: bitmatch.kernels
+  functions swapped for cuBLAS / torch / SDPA equivalents) vs HF generate (SDPA, DynamicCache),
+  and the weight + KV read roofline at --hbm-tbps.
+
+  python benchmarks/gpu_e2e.py --out DIR [--sections diff,train,rollout] [--models 8b,1.7b]
+      [--batches 64,256,1,16] [--prompt-len 512] [--new-tokens 32] [--budget-s 330]
+writes DIR/gpu_e2e.json (command, machine, versions, every figure as a ratio).
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_train  # noqa: E402
+
+BF = torch.bfloat16
+
+
+# ------------------------------------------------------------------ stock ops for the engine
+def _rms(x, w, eps):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _fused(x, r, w, eps):
+    s = x + r
+    return _rms(s, w, eps), s
+
+
+def _rotary(q, k, cos, sin):
+    c, s = torch.cat([cos, cos], -1).to(q.dtype)[:, None], torch.cat([sin, sin], -1).to(q.dtype)[:, None]
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return x * c + torch.cat([-x[..., h:], x[..., :h]], -1) * s
+    return rot(q), rot(k)
+
+
+def _sdpa(q, k, v, scale, causal, mask=None):  # q [B, Tq, Hq, D], k/v [B, L, Hkv, D]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=causal, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+def _prefill(q, k, v, cu, scale, causal=True, sliding_window=None):
+    if sliding_window is not None:
+        raise NotImplementedError("stock_ops: sliding windows")
+    c = cu.tolist()
+    return torch.cat([_sdpa(q[None, a:b], k[None, a:b], v[None, a:b], scale, causal)[0]
+                      for a, b in zip(c[:-1], c[1:])])
+
+
+def _paged(q, kc, vc, bt, qsl, lens, scale, sliding_window=None):
+    """A stock paged attention: K/V gathered from the cache, then SDPA. All rows decode (one query
+    each) or equal fresh prefills: one batched SDPA call; otherwise one call per sequence."""
+    if sliding_window is not None:
+        raise NotImplementedError("stock_ops: sliding windows")
+    B, bs = lens.shape[0], kc.shape[1]
+    ql, sl = (qsl[1:] - qsl[:-1]).tolist(), lens.tolist()
+    L = max(sl)
+    nblk = -(-L // bs)
+
+    def gather(cache):
+        return cache[bt[:, :nblk].long()].reshape(B, nblk * bs, *cache.shape[2:])[:, :L]
+    if all(x == 1 for x in ql):
+        mask = (torch.arange(L, device=q.device)[None] < lens[:, None])[:, None, None]
+        return _sdpa(q[:, None], gather(kc), gather(vc), scale, False, mask)[:, 0]
+    if all(x == L for x in ql) and all(x == L for x in sl):
+        return _sdpa(q.view(B, L, *q.shape[1:]), gather(kc), gather(vc), scale, True).reshape(q.shape)
+    kf, vf = kc.reshape(-1, *kc.shape[2:]), vc.reshape(-1, *vc.shape[2:])
+    out, s = [], 0
+    for b in range(B):
+        pos = torch.arange(sl[b], device=q.device)
+        slots = bt[b, pos // bs].long() * bs + pos % bs
+        qb = q[None, s:s + ql[b]]
+        mask = (pos[None] <= pos[sl[b] - ql[b]:, None])[None, None]
+        out.append(_sdpa(qb, kf[slots][None], vf[slots][None], scale, False, mask)[0])
+        s += ql[b]
+    return torch.cat(out)
+
+
+def _temps(logits, t):
+    t = t if isinstance(t, torch.Tensor) else torch.tensor(float(t), device=logits.device)
+    return t.to(logits.device, torch.float32).reshape(-1, 1)
+
+
+def _token_lp(logits, tok, t=1.0):
+    return torch.log_softmax(logits.float() / _temps(logits, t), -1).gather(1, tok.long()[:, None])[:, 0]
+
+
+class _StockTokenLogprobs:
+    @staticmethod
+    def apply(logits, tok, t):
+        return _token_lp(logits, tok, t)
+
+
+STOCK = {"linear": lambda x, w, b=None: F.linear(x, w, b), "rms_norm": _rms, "fused_add_rms_norm": _fused,
+         "silu_and_mul": lambda x: F.silu(x[..., :x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:],
+         "apply_rotary": _rotary, "attention_prefill": _prefill, "attention_paged": _paged,
+         "token_logprobs": _token_lp,
+         "full_logprobs": lambda lg, t=1.0: torch.log_softmax(lg.float() / _temps(lg, t), -1)}
+
+
+@contextlib.contextmanager
+def stock_ops():
+    """Every bitmatch module's reference to a bitmatch.kernels op (and the sampler's
+    TokenLogprobsFunction) swapped for the stock torch equivalent inside the block."""
+    import bitmatch.kernels as K
+    import bitmatch.kernels.logprobs as KL
+    orig = {n: getattr(K, n) for n in STOCK}
+    swaps = [(KL, "TokenLogprobsFunction", KL.TokenLogprobsFunction, _StockTokenLogprobs)]
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("bitmatch") and m is not None]:
+        for n, f in orig.items():
+            for attr, val in list(vars(mod).items()):
+                if val is f:
+                    swaps.append((mod, attr, f, STOCK[n]))
+    for mod, attr, _, new in swaps:
+        setattr(mod, attr, new)
+    try:
+        yield len(swaps)
+    finally:
+        for mod, attr, old, _ in swaps:
+            setattr(mod, attr, old)
+
+
+# ------------------------------------------------------------------ diff
+def _prompts(n, lo, hi, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _trainer_lps(model, outs, fn, rows=5):
+    """Per request, the trainer's fp32 logprobs of its completion tokens (right-padded batches of
+    ``rows`` requests, in reversed order)."""
+    res = {}
+    order = list(range(len(outs)))[::-1]
+    for a in range(0, len(order), rows):
+        idx = order[a:a + rows]
+        seqs = [outs[i].prompt_token_ids + outs[i].outputs[0].token_ids for i in idx]
+        L = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), L, dtype=torch.long, device=gpu_train.DEV)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s)
+            mask[r, :len(s)] = 1
+        lp = fn(ids, mask)
+        for r, i in enumerate(idx):
+            p, n = len(outs[i].prompt_token_ids), len(outs[i].outputs[0].token_ids)
+            res[i] = lp[r, p - 1:p - 1 + n].float().cpu()
+    return [res[i] for i in range(len(outs))]
+
+
+def _mismatch(a, b):
+    return int((a.view(torch.int32) != b.view(torch.int32)).sum())
+
+
+def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
+    import bitmatch
+    model = gpu_train.build_model(size)
+    prompts = _prompts(n_prompts, 64, 400, model.config.vocab_size, 7)
+    params = [bitmatch.SamplingParams(temperature=T, max_tokens=new_tokens, seed=1000 + i, ignore_eos=True)
+              for i in range(n_prompts)]
+    configs = {"64_seqs": dict(max_num_seqs=64), "3_seqs_block32_budget97":
+               dict(max_num_seqs=3, block_size=32, max_num_batched_tokens=97),
+               "1_seq_no_chunking": dict(max_num_seqs=1, enable_chunked_prefill=False, max_num_batched_tokens=4096)}
+
+    def ours(ids, mask):
+        return bitmatch.token_logprobs(model, ids, mask, temperature=T)
+
+    def stock(ids, mask):
+        lg = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        return torch.log_softmax(lg.float() / T, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    res, tokens = {}, []
+    with torch.no_grad():
+        for name, kw in configs.items():
+            eng = bitmatch.Engine(model, kv_cache_bytes=2 << 30, **kw)
+            outs = eng.generate(prompts, params, use_tqdm=False)
+            del eng
+            got = [torch.tensor(o.outputs[0].logprobs, dtype=torch.float32) for o in outs]
+            tr = _trainer_lps(model, outs, ours)
+            st = _trainer_lps(model, outs, stock)
+            tokens.append([o.outputs[0].token_ids for o in outs])
+            res[name] = {"tokens": sum(len(x) for x in got),
+                         "mismatches_vs_token_logprobs": sum(_mismatch(a, b) for a, b in zip(got, tr)),
+                         "control_mismatches_vs_stock_trainer": sum(_mismatch(a, b) for a, b in zip(got, st)),
+                         "control_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, st))}
+    res["same_tokens_across_configs"] = all(t == tokens[0] for t in tokens)
+    res["total_tokens"] = sum(v["tokens"] for k, v in res.items() if isinstance(v, dict))
+    res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in res.values() if isinstance(v, dict))
+    res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in res.values()
+                                          if isinstance(v, dict))
+    del model
+    gpu_train.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------ rollout
+def roofline_ms(model, B, ctx_tokens, tbps):
+    """Bytes one decode step must read (every weight once, an untied embedding only its B rows;
+    each sequence's K and V over ctx_tokens positions, every layer) at tbps TB/s."""
+    cfg = model.config
+    seen, w = set(), 0
+    for n, p in model.named_parameters():
+        if id(p) in seen or (n.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings):
+            continue
+        seen.add(id(p))
+        w += p.numel() * p.element_size()
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * B * ctx_tokens
+    return (w + kv) / (tbps * 1e12) * 1e3, w, kv
+
+
+def _engine_run(eng, prompts, params):
+    """(wall s, per-step ms list) of one generate, stepping the engine by hand."""
+    for p in prompts:
+        eng.add_request(p, params)
+    gpu_train.sync()
+    t0 = time.perf_counter()
+    steps = []
+    while eng.has_unfinished_requests():
+        s = time.perf_counter()
+        eng.step()
+        gpu_train.sync()
+        steps.append((time.perf_counter() - s) * 1e3)
+    return time.perf_counter() - t0, steps
+
+
+def _decode_ms(steps, n_new):
+    # step 1 is the whole prefill (the step budget holds every prompt); the rest decode all rows
+    dec = steps[1:n_new]
+    return statistics.median(dec) if dec else None
+
+
+def _hf_generate(model, ids, n_new):
+    from transformers import LogitsProcessor, LogitsProcessorList
+    marks = []
+
+    class Mark(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            gpu_train.sync()
+            marks.append(time.perf_counter())
+            return scores
+    gpu_train.sync()
+    t0 = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                   do_sample=True, temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList([Mark()]),
+                   pad_token_id=0)
+    gpu_train.sync()
+    wall = time.perf_counter() - t0
+    d = [(b - a) * 1e3 for a, b in zip(marks[:-1], marks[1:])]
+    return wall, (statistics.median(d) if d else None)
+
+
+def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
+    import bitmatch
+    model = gpu_train.build_model(size)
+    V = model.config.vocab_size
+    Bmax = max(batches)
+    per_tok = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 2
+    eng = bitmatch.Engine(model, max_num_seqs=Bmax, max_num_batched_tokens=Bmax * prompt_len + Bmax,
+                          kv_cache_bytes=int(Bmax * (prompt_len + n_new + 32) * per_tok * 1.1))
+    params = bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True)
+    warm = bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    out = {}
+    for B in batches:
+        if time.time() > deadline:
+            out.setdefault("skipped_for_time", []).append(B)
+            continue
+        g = torch.Generator().manual_seed(B)
+        ids = torch.randint(0, V, (B, prompt_len), generator=g)
+        prompts = ids.tolist()
+        r = {"B": B}
+        try:
+            with torch.no_grad():
+                _engine_run(eng, prompts, warm)          # Triton compiles for these shapes
+                wall, steps = _engine_run(eng, prompts, params)
+                r.update(ours_wall_s=wall, ours_decode_ms=_decode_ms(steps, n_new), ours_prefill_step_ms=steps[0])
+                with stock_ops() as n_swapped:
+                    _engine_run(eng, [p[:16] for p in prompts], warm)
+                    wall, steps = _engine_run(eng, prompts, params)
+                r.update(stock_swapped_refs=n_swapped, stock_wall_s=wall, stock_decode_ms=_decode_ms(steps, n_new),
+                         stock_prefill_step_ms=steps[0])
+                _hf_generate(model, ids[:, :16].to(gpu_train.DEV), 2)
+                r["hf_wall_s"], r["hf_decode_ms"] = _hf_generate(model, ids.to(gpu_train.DEV), n_new)
+            roof, wb, kvb = roofline_ms(model, B, prompt_len + n_new // 2, tbps)
+            toks = B * n_new
+            r.update(roofline_ms=roof, weight_bytes=wb, kv_bytes=kvb,
+                     ours_tokens_per_s=toks / r["ours_wall_s"], stock_tokens_per_s=toks / r["stock_wall_s"],
+                     hf_tokens_per_s=toks / r["hf_wall_s"],
+                     decode_fraction_of_roofline=roof / r["ours_decode_ms"],
+                     stock_decode_fraction_of_roofline=roof / r["stock_decode_ms"],
+                     tokens_per_s_vs_stock_ops=r["stock_wall_s"] / r["ours_wall_s"],
+                     tokens_per_s_vs_hf_generate=r["hf_wall_s"] / r["ours_wall_s"],
+                     decode_step_vs_stock_ops=r["stock_decode_ms"] / r["ours_decode_ms"],
+                     decode_step_vs_hf=r["hf_decode_ms"] / r["ours_decode_ms"])
+        except Exception:
+            r["error"] = traceback.format_exc()[-2000:]
+            print(r["error"], flush=True)
+        out[f"B{B}"] = r
+        print("rollout", size, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                                if k != "error"}, flush=True)
+        rec.data["sections"].setdefault("rollout", {})[size] = out
+        rec.flush()
+    del eng, model
+    gpu_train.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sections", default="diff,train,rollout")
+    ap.add_argument("--models", default="8b,1.7b", help="rollout models, in run order")
+    ap.add_argument("--train-models", default="1.7b,8b")
+    ap.add_argument("--batches", default="64,256,1,16")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--budget-s", type=float, default=330, help="no new measurement after this many s")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rec = gpu_train.Recorder(os.path.join(a.out, "gpu_e2e.json"), a)
+    t0 = time.time()
+    deadline = t0 + a.budget_s
+    secs = a.sections.split(",")
+    for name in secs:
+        if time.time() > deadline:
+            rec.data.setdefault("skipped_for_time", []).append(name)
+            continue
+        try:
+            if name == "diff":
+                rec.put("diff", diff())
+            elif name == "train":
+                tr = {}
+                for size in a.train_models.split(","):
+                    if time.time() > deadline:
+                        rec.data.setdefault("skipped_for_time", []).append(f"train_{size}")
+                        continue
+                    tr[size] = gpu_train.train(size)
+                    rec.put("train", tr)
+                if time.time() < deadline - 60:
+                    rec.put("backward_ops", gpu_train.backward_ops())
+            elif name == "rollout":
+                for size in a.models.split(","):
+                    if time.time() > deadline:
+                        rec.data.setdefault("skipped_for_time", []).append(f"rollout_{size}")
+                        continue
+                    rollout(size, [int(b) for b in a.batches.split(",")], a.prompt_len, a.new_tokens,
+                            a.hbm_tbps, rec, deadline)
+        except Exception:
+            rec.err(name)
+        rec.data.setdefault("section_seconds", {})[name] = time.time() - t0
+        rec.flush()
+    rec.data["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rec.flush()
+
+
+if __name__ == "__main__":
+    main()
