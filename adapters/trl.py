@@ -177,8 +177,8 @@ class TrlAdapter:
             raise ValueError("attach: vision-language models are not supported by bitmatch yet (text-only causal "
                              "LMs; bitmatch.models.check_supported(model) says which)")
         if getattr(t, "aux_loss_enabled", False):
-            raise ValueError("attach: the MoE router auxiliary loss (model.config.output_router_logits=True) is not "
-                             "computed on bitmatch kernels; set model.config.output_router_logits=False")
+            raise ValueError("attach: the MoE router auxiliary (load-balancing) loss is not computed on bitmatch "
+                             "kernels; set GRPOConfig(router_aux_loss_coef=0.0)")
         if getattr(a, "use_transformers_paged", False) or getattr(t, "use_transformers_continuous_batching", False):
             raise ValueError("attach: GRPOConfig(use_transformers_paged=True) is not supported; leave it False "
                              "(bitmatch.Engine generates instead)")
@@ -360,8 +360,8 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
     if used:
         raise ValueError(f"bitmatch: multimodal inputs {used} are not supported (text-only dense models)")
     if compute_aux_loss:
-        raise ValueError("bitmatch: compute_aux_loss (the MoE router auxiliary loss) is not computed on bitmatch "
-                         "kernels; set model.config.output_router_logits=False")
+        raise ValueError("bitmatch: compute_aux_loss (the MoE router load-balancing loss) is not computed on "
+                         "bitmatch kernels; set GRPOConfig(router_aux_loss_coef=0.0)")
     batch_size = batch_size or input_ids.size(0)
     lps, ents = [], []
     dev_type = input_ids.device.type
