@@ -68,10 +68,11 @@ def test_request_check_names_every_unsupported_option():
     sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, presence_penalty=0.5,
                         frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={3: 1.0}, min_tokens=2)
     names = unsupported_request_options(sp, "processed_logprobs")
-    for want in ("top_k=5", "top_p=0.9", "min_p=0.1", "presence_penalty=0.5", "frequency_penalty=0.1",
+    for want in ("min_p=0.1", "presence_penalty=0.5", "frequency_penalty=0.1",
                  "repetition_penalty=1.1", "logit_bias", "min_tokens=2"):
         assert any(n.startswith(want) for n in names), (want, names)
     # raw_logprobs is the trainer's T = 1 log_softmax before any processing: these do not change it
     assert unsupported_request_options(sp, "raw_logprobs") == []
-    with pytest.raises(BitmatchUnsupportedError, match="top_p=0.9"):
-        check_request(SamplingParams(top_p=0.9), "processed_logprobs")
+    assert not any(n.startswith(("top_k", "top_p")) for n in names)  # supported: bitmatch's mask
+    with pytest.raises(BitmatchUnsupportedError, match="min_p=0.1"):
+        check_request(SamplingParams(top_p=0.9, min_p=0.1), "processed_logprobs")

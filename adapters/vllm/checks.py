@@ -73,16 +73,14 @@ def check_engine_config(vllm_config) -> None:
 
 def unsupported_request_options(params, logprobs_mode: str) -> list[str]:
     """Names of the request's sampling options that would make the reported logprob differ from
-    ``bitmatch.token_logprobs``: top-k/top-p/min-p masks and penalties renormalize the processed
-    distribution, and a grammar bitmask changes the logits before either mode sees them."""
+    ``bitmatch.token_logprobs``: min-p, penalties, bias and token bans reshape the processed
+    distribution, and a grammar bitmask changes the logits before either mode sees them. top-k
+    and top-p are supported: the sampler draws from bitmatch's mask (``kernels.top_k_top_p_mask``)
+    and reports its logprob, ``token_logprobs(..., top_k=, top_p=)`` on the trainer."""
     out = []
     if getattr(params, "structured_outputs", None) is not None:
         out.append("structured_outputs (the grammar mask changes the logits)")
     if logprobs_mode == "processed_logprobs":
-        if params.top_k not in (0, -1, None):
-            out.append(f"top_k={params.top_k}")
-        if params.top_p is not None and params.top_p < 1.0:
-            out.append(f"top_p={params.top_p}")
         if params.min_p:
             out.append(f"min_p={params.min_p}")
         if params.presence_penalty:
@@ -107,5 +105,6 @@ def check_request(params, logprobs_mode: str) -> None:
     if bad:
         raise BitmatchUnsupportedError(
             f"bitmatch vLLM plugin: unsupported sampling option(s) with logprobs_mode={logprobs_mode!r}: "
-            + ", ".join(bad) + ". The trainer's logprob is log_softmax(logits / T) over the full vocabulary; "
-            "these options change the distribution vLLM reports (docs/design.md section 6).")
+            + ", ".join(bad) + ". The trainer's logprob is log_softmax(logits / T) over the full vocabulary or "
+            "over bitmatch's top-k / top-p mask; these options change the distribution vLLM reports "
+            "(docs/design.md section 6).")
