@@ -353,7 +353,9 @@ class TrlAdapter:
 def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                    compute_entropy=False, compute_aux_loss=False, **mm):
     """bitmatch's ``_get_per_token_logps_and_entropies``: ``bitmatch.token_logprobs`` at the rollout's
-    temperature and compute dtype, autocast off. The bits do not depend on ``batch_size``."""
+    temperature, top-k / top-p mask (the distribution the rollout sampled from; the ref model's stay
+    full-vocabulary, so a token outside its own mask cannot make the KL infinite) and compute dtype,
+    autocast off. The bits do not depend on ``batch_size``."""
     import bitmatch
     bm = self._bitmatch
     used = [k for k, v in mm.items() if v is not None and k in _MULTIMODAL or (k == "num_images" and v)]
@@ -363,12 +365,14 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
         raise ValueError("bitmatch: compute_aux_loss (the MoE router load-balancing loss) is not computed on "
                          "bitmatch kernels; set GRPOConfig(router_aux_loss_coef=0.0)")
     batch_size = batch_size or input_ids.size(0)
+    masked = model is not getattr(self, "ref_model", None)
+    top_k, top_p = (self.top_k or None, self.top_p) if masked else (None, None)
     lps, ents = [], []
     dev_type = input_ids.device.type
     for a in range(0, input_ids.size(0), batch_size):
         ids, msk = input_ids[a:a + batch_size], attention_mask[a:a + batch_size]
         with torch.autocast(device_type=dev_type, enabled=False):
-            out = bitmatch.token_logprobs(model, ids, msk, temperature=self.temperature,
+            out = bitmatch.token_logprobs(model, ids, msk, temperature=self.temperature, top_k=top_k, top_p=top_p,
                                           compute_dtype=bm.compute_dtype, return_entropy=compute_entropy)
         lp, ent = out if compute_entropy else (out, None)
         lps.append(lp[:, -logits_to_keep:])
@@ -391,7 +395,7 @@ def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_gener
     prompts = [list(map(int, p)) for p in prompt_ids]
     outs = bm.engine.generate(prompts, sp, use_tqdm=False)
     completion_ids = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [list(o.outputs[0].logprobs) for o in outs]
+    logprobs = [list(o.outputs[0].sampled_logprobs) for o in outs]  # under top_k / top_p: the masked distribution
     return completion_ids, logprobs
 
 
