@@ -246,10 +246,14 @@ def _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit):
     if swiglu_limit is not None and (activation != "swiglu" or not float(swiglu_limit) > 0):
         raise ValueError(f"{op}: swiglu_limit must be a positive float with activation='swiglu', got {swiglu_limit!r}")
     check_same_device(op, x=x, ids=ids, weights=weights, w_in=w_in, w_out=w_out)
-    if ids.numel():
+    if not ids.numel():
+        return
+    if ids.device.type == "cpu":
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < 0 or hi >= E:
             raise ValueError(f"{op}: ids out of range [0, E={E}): found {lo if lo < 0 else hi}")
+    else:  # checked on the device: a host round trip per layer would stall every launch behind it
+        torch._assert_async(((ids >= 0) & (ids < E)).all())
 
 
 def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_limit=None):
