@@ -220,3 +220,24 @@ def test_masked_padding_sentinels_and_long_padding_are_accepted():
 def test_grid_covers_top_k_only_top_p_only_and_both():
     kinds = {(k > 0, p < 1) for _, k, p in GRID}
     assert kinds == set(itertools.product([True, False], [True, False])) - {(False, False)}
+
+
+@pytest.mark.parametrize("trainer_masks", [True, False], ids=["masked", "control-unmasked-trainer"])
+def test_trl_adapter_passes_top_k_top_p_to_both_sides(tmp_path, monkeypatch, trainer_masks):
+    pytest.importorskip("trl")
+    import bitmatch.adapters.trl as bt
+    from test_trl import make_trainer
+
+    if not trainer_masks:  # the control: the trainer side ignores top_k / top_p
+        orig = bitmatch.token_logprobs
+        monkeypatch.setattr(bitmatch, "token_logprobs",
+                            lambda *a, top_k=None, top_p=None, **kw: orig(*a, **kw))
+    trainer = bt.attach(make_trainer(tmp_path, steps=1, top_k=8, top_p=0.9,
+                                         max_completion_length=4), on_mismatch="log")
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert len(hist) == 1 and all(h.total > 0 for h in hist)
+    if trainer_masks:
+        assert all(h.mismatches == 0 and h.diff_max == 0.0 for h in hist), hist
+    else:
+        assert sum(h.mismatches for h in hist) > sum(h.total for h in hist) // 2, hist
