@@ -195,7 +195,9 @@ def _experts_plain(x, weights, w_in, w_out, ids, activation, limit):
                 gate, up = _clamp_swiglu(gate, up, limit)
             a = torch.nn.functional.silu(gate) * up
         ys.append(a @ w_out[e].t())
-    y = torch.zeros(T * k, H, dtype=x.dtype, device=x.device).index_copy(0, order, torch.cat(ys))
+    y = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)
+    if ys:
+        y = y.index_copy(0, order, torch.cat(ys))
     return (weights.float().reshape(-1, 1) * y.float()).view(T, k, H).sum(1)
 
 
