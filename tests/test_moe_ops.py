@@ -258,8 +258,8 @@ def test_zero_tokens():
     w, ids = K.moe_route(z, 2, renormalize=True)
     out = K.moe_experts(x, ids, w, w_in, w_out)
     assert out.shape == (0, H) and ids.shape == (0, 2)
-    out.sum().backward()
-    assert x.grad.shape == (0, H) and (w_in.grad is None or float(w_in.grad.abs().sum()) == 0.0)
+    out.sum().backward()  # runs; nothing flows (None or zero gradients)
+    assert all(t.grad is None or float(t.grad.abs().sum()) == 0.0 for t in (x, z, w_in, w_out))
 
 
 def test_bad_inputs():
