@@ -7,13 +7,14 @@ is rewritten after every measurement, so a run cut short keeps what it measured)
   trainer (HF forward on SDPA + cuBLAS, fp32 log_softmax(logits / T)) as the control (want > 0).
 - train: benchmarks/gpu_train.py's fwd+bwd of token_logprobs, patched vs stock HF (1.7B 8x1024,
   8B 4x1024) and the backward kernels vs stock eager.
+- controls: the CUDA control rows of `bitmatch check` (bitmatch/cli.py), each must mismatch.
 - rollout: random-weight Qwen3-1.7B / 8B (bf16), prompts of --prompt-len random tokens,
   --new-tokens sampled at T = 1, B in --batches: rollout tokens/s and median decode step of the
   engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: bitmatch.kernels
   functions swapped for cuBLAS / torch / SDPA equivalents) vs HF generate (SDPA, DynamicCache),
   and the weight + KV read roofline at --hbm-tbps.
 
-  python benchmarks/gpu_e2e.py --out DIR [--sections diff,train,rollout] [--models 8b,1.7b]
+  python benchmarks/gpu_e2e.py --out DIR [--sections diff,controls,rollout,train] [--models 8b,1.7b]
       [--batches 64,256,1,16] [--prompt-len 512] [--new-tokens 32] [--budget-s 330]
 writes DIR/gpu_e2e.json (command, machine, versions, every figure as a ratio).
 """
@@ -213,6 +214,23 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     return res
 
 
+# ------------------------------------------------------------------ controls
+def controls():
+    """The control rows of `bitmatch check --device cuda`: each must find a mismatch."""
+    from bitmatch import cli
+    from bitmatch.testing import BitMismatch
+    res = {}
+    for op, axes, fn, _ in [r for r in cli._cases(gpu_train.DEV) if r[3]]:
+        t = time.time()
+        try:
+            res[op] = {"axes": axes, "mismatch_found": False, "cases": fn()}
+        except BitMismatch as e:
+            res[op] = {"axes": axes, "mismatch_found": True, "first_mismatch": str(e)[:600]}
+        res[op]["seconds"] = round(time.time() - t, 1)
+        print("control", op, res[op], flush=True)
+    return res
+
+
 # ------------------------------------------------------------------ rollout
 def roofline_ms(model, B, ctx_tokens, tbps):
     """Bytes one decode step must read (every weight once, an untied embedding only its B rows;
@@ -229,18 +247,29 @@ def roofline_ms(model, B, ctx_tokens, tbps):
 
 
 def _engine_run(eng, prompts, params):
-    """(wall s, per-step ms list) of one generate, stepping the engine by hand."""
-    for p in prompts:
-        eng.add_request(p, params)
+    """(wall s, per-step ms list, first-token logprobs in request order) of one generate,
+    stepping the engine by hand."""
+    ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
     gpu_train.sync()
     t0 = time.perf_counter()
-    steps = []
+    steps, first = [], {}
     while eng.has_unfinished_requests():
         s = time.perf_counter()
-        eng.step()
+        for o in eng.step():
+            first[o.request_id] = o.outputs[0].logprobs[0]
         gpu_train.sync()
         steps.append((time.perf_counter() - s) * 1e3)
-    return time.perf_counter() - t0, steps
+    return time.perf_counter() - t0, steps, torch.tensor([first[i] for i in ids])
+
+
+def _profile_decode(eng, prompts, params):
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params(i))
+    eng.step()                                   # the prefill
+    res = {"kernels": gpu_train.top_kernels(eng.step, k=8), "host_syncs": gpu_train.host_syncs(eng.step)}
+    while eng.has_unfinished_requests():
+        eng.step()
+    return res
 
 
 def _decode_ms(steps, n_new):
@@ -277,8 +306,12 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
     per_tok = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 2
     eng = bitmatch.Engine(model, max_num_seqs=Bmax, max_num_batched_tokens=Bmax * prompt_len + Bmax,
                           kv_cache_bytes=int(Bmax * (prompt_len + n_new + 32) * per_tok * 1.1))
-    params = bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True)
-    warm = bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    # seeded per prompt: both engines draw the same noise for the same request
+    def params(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
+
+    def warm(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i)
     out = {}
     for B in batches:
         if time.time() > deadline:
@@ -291,13 +324,17 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
         try:
             with torch.no_grad():
                 _engine_run(eng, prompts, warm)          # Triton compiles for these shapes
-                wall, steps = _engine_run(eng, prompts, params)
+                wall, steps, lp_ours = _engine_run(eng, prompts, params)
                 r.update(ours_wall_s=wall, ours_decode_ms=_decode_ms(steps, n_new), ours_prefill_step_ms=steps[0])
                 with stock_ops() as n_swapped:
                     _engine_run(eng, [p[:16] for p in prompts], warm)
-                    wall, steps = _engine_run(eng, prompts, params)
+                    wall, steps, lp_stock = _engine_run(eng, prompts, params)
+                # the stock-ops engine runs the same model: first-token logprobs agree to rounding
                 r.update(stock_swapped_refs=n_swapped, stock_wall_s=wall, stock_decode_ms=_decode_ms(steps, n_new),
-                         stock_prefill_step_ms=steps[0])
+                         stock_prefill_step_ms=steps[0],
+                         stock_first_logprob_max_abs_diff=float((lp_ours - lp_stock).abs().max()))
+                if B == 64:  # one decode step: kernel time inside it and its host syncs
+                    r["ours_decode_step_profile"] = _profile_decode(eng, prompts, params)
                 _hf_generate(model, ids[:, :16].to(gpu_train.DEV), 2)
                 r["hf_wall_s"], r["hf_decode_ms"] = _hf_generate(model, ids.to(gpu_train.DEV), n_new)
             roof, wb, kvb = roofline_ms(model, B, prompt_len + n_new // 2, tbps)
@@ -327,12 +364,14 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--sections", default="diff,train,rollout")
+    ap.add_argument("--sections", default="diff,controls,rollout:8b,train,rollout:1.7b",
+                    help="in run order; rollout:SIZE runs one model (rollout alone: every --models)")
     ap.add_argument("--models", default="8b,1.7b", help="rollout models, in run order")
     ap.add_argument("--train-models", default="1.7b,8b")
     ap.add_argument("--batches", default="64,256,1,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--backward-ops", action="store_true", help="also gpu_train's backward_ops section")
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
     ap.add_argument("--budget-s", type=float, default=330, help="no new measurement after this many s")
     a = ap.parse_args()
@@ -348,6 +387,8 @@ def main():
         try:
             if name == "diff":
                 rec.put("diff", diff())
+            elif name == "controls":
+                rec.put("controls", controls())
             elif name == "train":
                 tr = {}
                 for size in a.train_models.split(","):
@@ -356,10 +397,10 @@ def main():
                         continue
                     tr[size] = gpu_train.train(size)
                     rec.put("train", tr)
-                if time.time() < deadline - 60:
+                if a.backward_ops:
                     rec.put("backward_ops", gpu_train.backward_ops())
-            elif name == "rollout":
-                for size in a.models.split(","):
+            elif name.startswith("rollout"):
+                for size in (name.split(":")[1:] or a.models.split(",")):
                     if time.time() > deadline:
                         rec.data.setdefault("skipped_for_time", []).append(f"rollout_{size}")
                         continue

@@ -107,6 +107,8 @@ def cuda_ms(fn, iters=10, warmup=3):
 def top_kernels(fn, k=12):
     """The k CUDA kernels with the most self time in one call of fn (torch profiler), in ms."""
     from torch.profiler import ProfilerActivity, profile
+    if DEV != "cuda":
+        return None
     fn()
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -120,6 +122,25 @@ def top_kernels(fn, k=12):
     rows.sort(reverse=True)
     return {"total_kernel_ms": round(sum(r[0] for r in rows), 2),
             "top": [{"ms": round(t, 2), "calls": c, "name": n} for t, c, n in rows[:k]]}
+
+
+def host_syncs(fn, k=8):
+    """Host syncs in one call of fn (torch's sync debug mode), with the k most frequent call sites."""
+    import collections
+    import warnings
+    if DEV != "cuda":
+        return None
+    torch.cuda.set_sync_debug_mode(1)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            fn()
+            sync()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in got
+                                if "synchroniz" in str(w.message))
+    return {"count": sum(sites.values()), "top_sites": sites.most_common(k)}
 
 
 # ------------------------------------------------------------------ backward_ops
@@ -286,11 +307,13 @@ def train(size, profile=True, iters=3):
     t_s = cuda_ms(stock, iters=iters, warmup=1)
     if profile:
         res["profile_stock"] = top_kernels(stock)
+        res["host_syncs_stock"] = host_syncs(stock)
     bitmatch.patch(model)
     res["ours_peak_gib"], _ = _peak(model, ours)
     t_o = cuda_ms(ours, iters=iters, warmup=1)
     if profile:
         res["profile_ours"] = top_kernels(ours)
+        res["host_syncs_ours"] = host_syncs(ours)
     res.update(stock_step_ms=t_s, ours_step_ms=t_o, stock_tokens_per_s=B * L / t_s * 1e3,
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))

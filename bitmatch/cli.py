@@ -52,7 +52,7 @@ def _controls(device, g, w, seqs):
 
     fp32 F.linear (one row takes another BLAS path than many); on CUDA also bf16 cuBLAS at small
     vs large M. SDPA across schedules: on CPU with boolean masks; on CUDA as an engine calls it
-    (is_causal flash prefill, unmasked one-token decode) at contexts up to 1,100 tokens, where
+    (is_causal flash prefill, unmasked one-token decode) at contexts up to 700 tokens, where
     flash-decoding splits the keys. Temperature: vLLM divides by a per-row temperature tensor,
     HF/TRL write ``logits / T`` with a float, which CUDA runs as ``logits * (1/T)``; on CUDA at
     realistic scale (logits ~ N(0, 5) over a 151,936 vocabulary, T = 0.7).
@@ -67,12 +67,13 @@ def _controls(device, g, w, seqs):
     out = [("control: F.linear fp32", "batch",
             lambda: T.assert_batch_invariant(lambda x: F.linear(x, wf), rf, cases=20) or 20, True)]
     if cuda:
-        wb = (torch.randn(2048, 2048, generator=g) * 0.02).bfloat16().to(device)
-        rb = torch.randn(32, 2048, generator=g).bfloat16().to(device)
-        out.append(("control: F.linear bf16", "batch (M 1 vs up to 512)",
-                    lambda: T.assert_batch_invariant(lambda x: F.linear(x, wb), rb, cases=20) or 20, True))
+        # 4096 x 4096 bf16: cuBLAS's rows at M <= 33 differ from the same rows at M = 4096
+        wb = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().to(device)
+        rb = torch.randn(32, 4096, generator=g).bfloat16().to(device)
+        out.append(("control: F.linear bf16", "batch (M 1 vs up to 4096)", lambda: T.assert_batch_invariant(
+            lambda x: F.linear(x, wb), rb, max_batch=4096, cases=20) or 20, True))
         rnd = lambda *s: torch.randn(*s, generator=g).bfloat16().to(device)  # noqa: E731
-        sdpa_seqs = [(rnd(n, 8, 128), rnd(n, 2, 128), rnd(n, 2, 128)) for n in (1, 257, 1100)]
+        sdpa_seqs = [(rnd(n, 8, 128), rnd(n, 2, 128), rnd(n, 2, 128)) for n in (1, 200, 700)]
         pre = lambda *a: T.stock_sdpa_prefill(*a, engine_style=True)  # noqa: E731
         dec = lambda *a: T.stock_sdpa_paged(*a, engine_style=True)  # noqa: E731
         sdpa = lambda: T.assert_schedule_invariant(  # noqa: E731

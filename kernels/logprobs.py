@@ -71,21 +71,32 @@ class TokenLogprobsFunction(torch.autograd.Function):
         return gl, None, None
 
 
-def _check(op, logits, temperature):
+def _check(op, logits, temperature, token_ids=None):
+    """The fp32 [N] temperatures; range checks of temperature and token_ids in one host sync."""
     check_float("logits", logits, op)
     if logits.dim() != 2:
         raise ValueError(f"{op}: logits must be [N, V], got shape {tuple(logits.shape)}")
     n = logits.shape[0]
+    stats = []
     if isinstance(temperature, torch.Tensor):
         temp = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1)
         if temp.numel() == 1:
             temp = temp.expand(n).contiguous()
         if temp.shape != (n,):
             raise ValueError(f"{op}: temperature must be a float or [N={n}] tensor")
+        if n:
+            stats.append(temp.min().double())
     else:
+        if not float(temperature) > 0:
+            raise ValueError(f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)")
         temp = torch.full((n,), float(temperature), dtype=torch.float32, device=logits.device)
-    if n and not bool((temp > 0).all()):
+    if token_ids is not None and token_ids.numel():
+        stats += [v.double() for v in torch.aminmax(token_ids.to(logits.device))]
+    got = torch.stack(stats).tolist() if stats else []
+    if isinstance(temperature, torch.Tensor) and n and not got.pop(0) > 0:
         raise ValueError(f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)")
+    if got and (got[0] < 0 or got[1] >= logits.shape[1]):
+        raise ValueError(f"{op}: token_ids out of range [0, {logits.shape[1]})")
     return temp
 
 
@@ -95,12 +106,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.
     Invariance: each row's value depends only on that row's logits, token and temperature.
     """
     op = "token_logprobs"
-    temp = _check(op, logits, temperature)
     check_int("token_ids", token_ids, op)
     if token_ids.shape != (logits.shape[0],):
         raise ValueError(f"{op}: token_ids must be [N={logits.shape[0]}], got {tuple(token_ids.shape)}")
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= logits.shape[1]):
-        raise ValueError(f"{op}: token_ids out of range [0, {logits.shape[1]})")
+    temp = _check(op, logits, temperature, token_ids)
     return TokenLogprobsFunction.apply(logits.contiguous(), token_ids.to(logits.device), temp)
 
 

@@ -8,6 +8,7 @@ can reproduce, so it is refused.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -75,6 +76,30 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None, max_pos: int | N
     return inv, float(attn_factor)
 
 
+_TABLES: dict = {}   # (rope config, dtype, device) -> (cos, sin) rows for positions 0..n-1
+_TABLE_MIN = 4096
+
+
+def _angles_cos_sin(positions_cpu, inv, attn_factor, dtype):
+    ang = positions_cpu.to(F64).reshape(-1, 1) * inv.reshape(1, -1)
+    sin, cos = _exact.sincos64(ang)
+    if attn_factor != 1.0:
+        cos, sin = cos * attn_factor, sin * attn_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _table(key, n, inv, attn_factor, dtype, device):
+    """(cos, sin) rows of positions 0..>=n-1 in ``dtype`` on ``device``, built once per rope
+    config (grown by doubling): a row is the same function of its position as a direct
+    computation, so a gathered row has its bits; a forward pays no CPU math, one host sync."""
+    t = _TABLES.get(key)
+    if t is None or t[0].shape[0] < n:
+        size = max(_TABLE_MIN, 1 << (n - 1).bit_length())
+        cos, sin = _angles_cos_sin(torch.arange(size), inv, attn_factor, dtype)
+        t = _TABLES[key] = (cos.to(device), sin.to(device))
+    return t
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling: dict | None = None,
                    dtype: torch.dtype = torch.float32, max_position_embeddings: int | None = None):
     """(cos, sin), each [T, head_dim // 2], for integer ``positions`` [T].
@@ -87,11 +112,18 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling:
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"rotary_cos_sin: dtype must be bfloat16 or float32, got {dtype}")
     inv, attn_factor = _inv_freq(head_dim, base, scaling, max_position_embeddings)
-    ang = positions.detach().cpu().to(F64).reshape(-1, 1) * inv.reshape(1, -1)
-    sin, cos = _exact.sincos64(ang)
-    if attn_factor != 1.0:
-        cos, sin = cos * attn_factor, sin * attn_factor
-    return cos.to(dtype).to(positions.device), sin.to(dtype).to(positions.device)
+    pos = positions.detach().reshape(-1)
+    lo = hi = None
+    if pos.numel():
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(pos)).tolist())  # the one host sync
+    if pos.numel() == 0 or lo < 0:   # negative positions: direct computation (no table row)
+        cos, sin = _angles_cos_sin(pos.cpu(), inv, attn_factor, dtype)
+        return cos.to(positions.device), sin.to(positions.device)
+    key = (head_dim, float(base), json.dumps(scaling, sort_keys=True, default=str), max_position_embeddings,
+           dtype, str(positions.device))
+    cos_t, sin_t = _table(key, hi + 1, inv, attn_factor, dtype, positions.device)
+    idx = pos.long()
+    return cos_t[idx], sin_t[idx]
 
 
 def _rotate_reference(x, cos, sin):

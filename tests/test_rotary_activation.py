@@ -89,3 +89,21 @@ def test_elementwise_control_harness_can_fail():
         return (F.silu(x[..., :333] / s) * s).to(x.dtype)
     with pytest.raises(BitMismatch):
         assert_batch_invariant(batch_scaled, torch.randn(6, 666).bfloat16(), cases=10, seed=7)
+
+
+def test_rotary_table_rows_equal_direct_computation():
+    """rotary_cos_sin gathers rows of a per-config table (no CPU math per forward): every row, also
+    after the table grows and for yarn/llama3 scaling, has the bits of the direct float64 computation."""
+    from bitmatch.kernels import _exact, rotary as R
+
+    def direct(p, sc, dt):
+        inv, af = R._inv_freq(64, 1e4, sc, None)
+        s, c = _exact.sincos64(p.double()[:, None] * inv[None])
+        return (c * af).to(dt), (s * af).to(dt)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    for sc in (None, yarn):
+        for dt in (torch.float32, torch.bfloat16):
+            for hi in (100, 9000):                                # 9000: the table doubles past 4096
+                p = torch.randint(0, hi, (257,))
+                got, want = K.rotary_cos_sin(p, 64, 1e4, sc, dtype=dt), direct(p, sc, dt)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
