@@ -4,7 +4,8 @@ Sections:
 - backward_ops: each op's Triton backward (bitmatch.kernels autograd) on Qwen3-1.7B training
   shapes (8 x 1024 tokens): gradient error against float64 autograd next to the stock op's own
   error, and forward+backward time against the stock torch formulation HF runs (eager), as
-  ratios stock_time / bitmatch_time.
+  ratios stock_time / bitmatch_time, wall (eager, launch overhead included) and kernel time
+  (the sum of the CUDA kernels of one call, torch profiler).
 - train: bitmatch.token_logprobs forward+backward on the patched model vs the stock HF model
   (SDPA + cuBLAS, fp32 log_softmax(logits / T) over the full logits), random-weight Qwen3-1.7B at
   8 x 1024 and Qwen3-8B at 4 x 1024 (bf16): tokens/s ratio, peak memory, the top CUDA kernels
@@ -184,7 +185,9 @@ def _op_case(name, ours, stock, inputs, grads_out, ref64):
     del l64, g64, outs64
     t_s = cuda_ms(lambda: step(stock, ls))
     t_o = cuda_ms(lambda: step(ours, lo))
-    res.update(stock_fwd_bwd_ms=t_s, ours_fwd_bwd_ms=t_o, ratio=t_s / t_o)
+    k_s, k_o = top_kernels(lambda: step(stock, ls), k=6), top_kernels(lambda: step(ours, lo), k=6)
+    res.update(stock_fwd_bwd_ms=t_s, ours_fwd_bwd_ms=t_o, ratio=t_s / t_o, stock_kernels=k_s, ours_kernels=k_o,
+               kernel_time_ratio=(k_s["total_kernel_ms"] / k_o["total_kernel_ms"]) if k_s and k_o else None)
     print("backward_ops", name, json.dumps(res), flush=True)
     return res
 
