@@ -31,8 +31,9 @@ class SamplingParams:
     temperature 0 means greedy (argmax, lowest index on ties); top_k -1 (or 0) and
     top_p 1.0 disable those masks (``kernels.top_k_top_p_mask``: vLLM's rules, canonical order);
     ``seed`` keys the request's noise, so its tokens depend on nothing but its logits, seed and
-    token index; with seed None the engine derives one from its own seed and the request's index. ``stop_token_ids`` (and the EOS token unless
-    ``ignore_eos``) end the request; the stop token is kept in ``token_ids`` with its logprob.
+    token index; with seed None the engine derives one from its own seed and the request's index.
+    ``stop_token_ids`` (and the EOS token unless ``ignore_eos``) end the request; the stop token
+    is kept in ``token_ids`` with its logprob.
     """
     temperature: float = 1.0
     top_p: float = 1.0
