@@ -75,6 +75,7 @@ class Engine:
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._lm = lm
+        self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
         per_block = bytes_per_block(cache_groups(model), self.block_size)
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
@@ -168,32 +169,28 @@ class Engine:
         from bitmatch.sync import weight_state
         return weight_state(self.model) or weight_state(self._lm)
 
+    @contextlib.contextmanager
     def _holding_weights(self):
-        """Context for one step: under a receiver, its lock and (version, fingerprint) of the
-        verified weights, or WeightsNotReadyError; (None, None) for a model no receiver manages."""
+        """One step's hold on the weights: under a receiver, its lock (no switch inside the step) and
+        (version, fingerprint) of the verified weights, or WeightsNotReadyError naming the fix;
+        (None, None) for a model no receiver manages."""
         st = self.weight_state
         if st is None:
-            return contextlib.nullcontext((None, None))
-        return self._verified_step(st)
-
-    @contextlib.contextmanager
-    def _verified_step(self, st):
+            yield None, None
+            return
         from bitmatch.sync import WeightsNotReadyError
-        try:
-            cm = st.generation()
-            version = cm.__enter__()
-        except WeightsNotReadyError as e:
-            raise WeightsNotReadyError(f"Engine: {e}. The engine's model is managed by a bitmatch.sync "
-                                       "receiver: publish a version first (bitmatch.sync.publish(trainer_model, "
-                                       "version, to=receiver)), or create the receiver with "
-                                       "initial_version=N to accept the weights already loaded") from None
-        try:
+        with st.lock:
+            try:
+                version = st.require_ready()
+            except WeightsNotReadyError as e:
+                raise WeightsNotReadyError(
+                    f"Engine: {e}. The engine's model is managed by a bitmatch.sync receiver: publish a version "
+                    "first (bitmatch.sync.publish(trainer_model, version, to=receiver)), or create the receiver "
+                    "with initial_version=N to accept the weights already loaded") from None
             man = st.manifest
-            if man is not None and getattr(self, "_digest_of", (None,))[0] is not man:
-                self._digest_of = (man, man.digest())
-            yield version, (self._digest_of[1] if man is not None else None)
-        finally:
-            cm.__exit__(None, None, None)
+            if man is not None and self._digest[0] is not man:  # Manifest.digest hashes every spec: once
+                self._digest = (man, man.digest())
+            yield version, (self._digest[1] if man is not None else None)
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
