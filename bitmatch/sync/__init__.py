@@ -21,7 +21,7 @@ import torch
 
 from .fingerprint import Manifest, TensorSpec, fingerprint
 from .names import Layout, architecture_of, build_layout, layout_rules
-from .receiver import (AuthenticationError, FingerprintMismatchError, Receiver, SyncError, Update,
+from .receiver import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, Receiver, SyncError, Update,
                        WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
 from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
 from .transport_inprocess import InProcessSender
@@ -33,7 +33,7 @@ __all__ = [
     "stamp_weight_version", "require_ready", "weight_state", "Manifest", "TensorSpec", "Receiver",
     "Update", "WeightState", "InProcessSender", "TcpSender", "TcpReceiverServer", "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
-    "AuthenticationError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
+    "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
 ]
 
 

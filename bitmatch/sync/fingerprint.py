@@ -82,6 +82,9 @@ class Manifest:
     """One weight version: its number and, per HF parameter name, shape, dtype and fingerprint."""
     version: int
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
+    # the sender's canonical-order stamp (bitmatch.kernels.order); checked when the update begins,
+    # kept as metadata (not part of the digest, which covers the tensors)
+    order: dict | None = None
 
     def digest(self) -> str:
         """Fingerprint of the whole version (names, shapes, dtypes, per-tensor fingerprints)."""
@@ -93,8 +96,10 @@ class Manifest:
         return sum(s.nbytes for s in self.tensors.values())
 
     def to_json(self) -> dict:
-        return {"version": self.version, "tensors": {k: v.to_json() for k, v in self.tensors.items()}}
+        return {"version": self.version, "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+                "order": self.order}
 
     @staticmethod
     def from_json(d: dict) -> "Manifest":
-        return Manifest(int(d["version"]), {k: TensorSpec.from_json(v) for k, v in d["tensors"].items()})
+        return Manifest(int(d["version"]), {k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
+                        d.get("order"))

@@ -33,6 +33,11 @@ class WeightsNotReadyError(SyncError):
     """Generation refused: no verified weight version of the expected number is loaded."""
 
 
+class CanonicalOrderError(SyncError):
+    """The sender's kernels run another canonical order (or backend) than the receiver's: the same
+    weights would give other bits (bitmatch.kernels.order)."""
+
+
 class WeightVersionError(SyncError):
     """A rollout was sampled with another weight version than the trainer expects."""
 
@@ -173,11 +178,28 @@ class Receiver:
     def require_ready(self, expected_version: int | None = None) -> int:
         return self.state.require_ready(expected_version)
 
-    def begin(self, version: int, specs: dict[str, TensorSpec]) -> "Update":
-        """Start staging ``version``; checks names, shapes and dtypes against the target first."""
+    def order(self) -> dict:
+        """The canonical-order stamp of the kernels the target's tensors run on."""
+        from bitmatch.kernels.order import stamp_for_device
+
+        live = next(iter(self.slots.live.values()), None)
+        return stamp_for_device(live.device if live is not None else "cpu")
+
+    def begin(self, version: int, specs: dict[str, TensorSpec], order: dict | None = None) -> "Update":
+        """Start staging ``version``; checks the sender's canonical-order stamp (``order``, from
+        ``bitmatch.kernels.order``) and names, shapes and dtypes against the target first."""
         if not self._busy.acquire(blocking=False):
             raise SyncError("another weight update is in progress")
         try:
+            if order is not None:
+                mine = self.order()
+                if order.get("fingerprint") != mine["fingerprint"]:
+                    diff = sorted(k for k in set(order) | set(mine) if k != "fingerprint" and order.get(k) != mine.get(k))
+                    raise CanonicalOrderError(
+                        f"weight update to version {version}: the sender's kernels run canonical order "
+                        f"{order.get('fingerprint')} and the receiver's {mine['fingerprint']} (differ in {diff}: "
+                        f"sender {[order.get(k) for k in diff]}, receiver {[mine.get(k) for k in diff]}); the same "
+                        "weights would give other bits. Run trainer and rollout on the same backend and bitmatch version")
             self.slots.bind(specs)
             names = set(self.slots.names)
             missing, extra = sorted(names - set(specs)), sorted(set(specs) - names)
@@ -196,6 +218,7 @@ class Receiver:
             self._busy.release()
             raise
         self._update = Update(self, int(version), specs)
+        self._update.order = order
         self.state.updating = int(version)
         return self._update
 
@@ -219,6 +242,7 @@ class Update:
         self.shared: set[str] = set()
         self.received_bytes = 0
         self.closed = False
+        self.order: dict | None = None  # the sender's canonical-order stamp, checked by Receiver.begin
 
     def __enter__(self):
         return self
@@ -293,6 +317,7 @@ class Update:
                         self.rx._end(self, f"live tensor {name!r} differs from its verified staging copy "
                                            f"after the switch (expected {self.done[name]}, got {got})")
                         raise FingerprintMismatchError(name, self.done[name], got, " (after switch)")
+            man.order = self.order
             st.version, st.manifest, st.failure = self.version, man, None
             self.closed = True
             if self.rx.staging == "shadow":

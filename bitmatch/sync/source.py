@@ -24,6 +24,13 @@ def named_weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(k, v.detach()) for k, v in model]
 
 
+def sender_order(weights) -> dict:
+    """The canonical-order stamp of the kernels the sender's weights run on (their device's backend)."""
+    from bitmatch.kernels.order import stamp_for_device
+
+    return stamp_for_device(weights[0][1].device if weights else "cpu")
+
+
 def wire_specs(weights, dtype: torch.dtype) -> dict[str, TensorSpec]:
     """Shape and rollout dtype of each tensor (fingerprints come with the bytes)."""
     out = {}

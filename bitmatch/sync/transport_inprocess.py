@@ -11,7 +11,7 @@ import torch
 from ..precision import compute_cast
 from .fingerprint import Manifest, TensorSpec, byte_view, fingerprint
 from .receiver import Receiver
-from .source import named_weights, wire_specs
+from .source import named_weights, sender_order, wire_specs
 
 
 class InProcessSender:
@@ -27,7 +27,7 @@ class InProcessSender:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
         rx = self.receiver
-        with rx.begin(version, specs) as upd:
+        with rx.begin(version, specs, order=sender_order(weights)) as upd:
             for name, t in weights:
                 cast = compute_cast(t, dtype)
                 fp = fingerprint(cast)

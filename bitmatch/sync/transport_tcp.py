@@ -22,7 +22,7 @@ import torch
 
 from .fingerprint import Manifest, TensorSpec
 from .receiver import AuthenticationError, FingerprintMismatchError, Receiver, SyncError
-from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, wire_specs
+from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
 
 _MAGIC = b"BMSYNC1\n"
 _MAX_HEADER = 64 << 20
@@ -170,7 +170,7 @@ class TcpReceiverServer:
         rx = self.receiver
         specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
         try:
-            upd = rx.begin(int(h["version"]), specs)
+            upd = rx.begin(int(h["version"]), specs, order=h.get("order"))
         except Exception as e:
             _send_frame(conn, _error_reply(e))
             raise
@@ -239,7 +239,7 @@ class TcpSender:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
         with self._connect() as sock:
-            _send_frame(sock, {"type": "begin", "version": int(version),
+            _send_frame(sock, {"type": "begin", "version": int(version), "order": sender_order(weights),
                                "tensors": {k: v.to_json() for k, v in specs.items()}})
             _raise_reply(_recv_header(sock))
             fps, man = {}, None

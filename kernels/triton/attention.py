@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..order import ORDER
 from . import interpreting, sm_count
 
-KV_BLOCK = 64
-KV_PARTITION = 512
+KV_BLOCK = ORDER.kv_block          # canonical order (kernels/order.py): changes the bits
+KV_PARTITION = ORDER.kv_partition
 _LOG2E = 1.4426950408889634
 
 
@@ -265,8 +266,9 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
 # benchmarks/results/h200.json): True = row sums of P on the tensor core, 16-row decode tiles
 # (decode 0.80-0.88 of the K/V roofline at batch 64-256, prefill 0.82-0.92 of SDPA flash);
 # False = register row sums, >= 64-row tiles everywhere (decode 0.59-0.63, prefill 0.87-0.98).
-# Flipping it changes the bits of every attention output (rollout and trainer must agree on it).
-ROWSUM_MMA = True
+# Flipping it changes the bits of every attention output (rollout and trainer must agree on it):
+# it is part of the canonical order (kernels/order.py), stamped into every weight manifest.
+ROWSUM_MMA = ORDER.rowsum_mma
 MIN_BLOCK_M_CUDA = 16 if ROWSUM_MMA else 64
 PREFILL_BLOCK_M = 128
 PREFILL_WARPS = 8

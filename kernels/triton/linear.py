@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..order import ORDER
 from . import interpreting, sm_count
 
 _CHUNK_ALIGN = 256  # chunk length is a multiple of every BK in the table
 
-# Fixed number of K chunks per weight shape (N, K). Chosen once from the H200 sweep
-# (benchmarks/gpu_ops.py --sweep); any shape not listed uses 1 (plain sequential K).
-# Qwen3-8B: o_proj (4096x4096) 2 chunks of 2048, down_proj (4096x12288) 3 chunks of 4096.
-SPLIT_TABLE = {(4096, 4096): 2, (4096, 12288): 3}
+# Fixed number of K chunks per weight shape (N, K): part of the canonical order (kernels/order.py,
+# stamped into every weight manifest); any shape not listed uses 1 (plain sequential K).
+SPLIT_TABLE = dict(ORDER.linear_split_table)
 
 
 def split_for(N: int, K: int) -> int:
