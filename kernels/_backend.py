@@ -80,6 +80,12 @@ def check_int(name: str, t: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: {name} must be an int32/int64 tensor")
 
 
+def needs_autograd(*tensors) -> bool:
+    """True when autograd records this call; otherwise ops skip the autograd.Function (engine
+    steps run under no_grad, and the Function's bookkeeping is pure host time there)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def recompute_grads(plain_fn, inputs, needs, grads):
     """Gradients by re-running a plain differentiable fp32 version of the op: the reference
     (CPU) backends' backward. Backward passes need correct gradients, not invariant ones; the

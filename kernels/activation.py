@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, recompute_grads, triton_impl
+from ._backend import backend_for, check_float, needs_autograd, recompute_grads, triton_impl
 
 F64 = torch.float64
 
@@ -25,14 +25,18 @@ def _plain(x2d):
     return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
 
 
+def _forward(x2d):
+    if backend_for(x2d) == "reference":
+        return silu_and_mul_reference(x2d)
+    return triton_impl("activation", "silu_and_mul")(x2d)
+
+
 class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d):
         ctx.save_for_backward(x2d)
         ctx.backend = backend_for(x2d)
-        if ctx.backend == "reference":
-            return silu_and_mul_reference(x2d)
-        return triton_impl("activation", "silu_and_mul")(x2d)
+        return _forward(x2d)
 
     @staticmethod
     def backward(ctx, g):
@@ -51,4 +55,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: x's last dim must be even (gate, up), got {x.shape[-1]}")
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    return SiluAndMulFunction.apply(x2d).reshape(*x.shape[:-1], x.shape[-1] // 2)
+    fn = SiluAndMulFunction.apply if needs_autograd(x) else _forward
+    return fn(x2d).reshape(*x.shape[:-1], x.shape[-1] // 2)

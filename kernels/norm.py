@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_same_device, recompute_grads, triton_impl
+from ._backend import backend_for, check_float, check_same_device, needs_autograd, recompute_grads, triton_impl
 
 F64 = torch.float64
 
@@ -54,15 +54,27 @@ def _rms_backward(ctx, x2d, weight, g, g_res, need_x, need_w):
     return (gx if g_res is None or gx is None else (gx.float() + g_res.float()).to(gx.dtype)), gw
 
 
+def _rms_forward(x2d, weight, eps):
+    if backend_for(x2d) == "reference":
+        return rms_norm_reference(x2d, weight, eps)
+    return triton_impl("norm", "rms_norm")(x2d, weight, eps)
+
+
+def _fused_forward(x2d, r2d, weight, eps):
+    """(out, res): the fused Triton kernel, or the exact add then the reference norm."""
+    if backend_for(x2d) == "reference":
+        res = _add_round(x2d, r2d)
+        return rms_norm_reference(res, weight, eps), res
+    return triton_impl("norm", "fused_add_rms_norm")(x2d, r2d, weight, eps)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, eps):
         ctx.save_for_backward(x2d, weight)
         ctx.eps = eps
         ctx.backend = backend_for(x2d)
-        if ctx.backend == "reference":
-            return rms_norm_reference(x2d, weight, eps)
-        return triton_impl("norm", "rms_norm")(x2d, weight, eps)
+        return _rms_forward(x2d, weight, eps)
 
     @staticmethod
     def backward(ctx, g):
@@ -79,11 +91,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.eps = eps
         ctx.backend = backend_for(x2d)
-        if ctx.backend == "reference":
-            res = _add_round(x2d, r2d)
-            out = rms_norm_reference(res, weight, eps)
-        else:
-            out, res = triton_impl("norm", "fused_add_rms_norm")(x2d, r2d, weight, eps)
+        out, res = _fused_forward(x2d, r2d, weight, eps)
         ctx.save_for_backward(res, weight)
         return out, res
 
@@ -108,7 +116,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     _check("rms_norm", x, weight)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    return RMSNormFunction.apply(x2d, weight.contiguous(), float(eps)).reshape(x.shape)
+    fn = RMSNormFunction.apply if needs_autograd(x, weight) else _rms_forward
+    return fn(x2d, weight.contiguous(), float(eps)).reshape(x.shape)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -119,7 +128,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """
     _check("fused_add_rms_norm", x, weight, residual)
     H = x.shape[-1]
-    out, res = FusedAddRMSNormFunction.apply(x.reshape(-1, H).contiguous(),
-                                             residual.reshape(-1, H).contiguous(),
-                                             weight.contiguous(), float(eps))
+    fn = FusedAddRMSNormFunction.apply if needs_autograd(x, residual, weight) else _fused_forward
+    out, res = fn(x.reshape(-1, H).contiguous(), residual.reshape(-1, H).contiguous(), weight.contiguous(),
+                  float(eps))
     return out.reshape(x.shape), res.reshape(x.shape)

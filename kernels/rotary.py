@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, triton_impl
+from ._backend import backend_for, check_float, check_int, needs_autograd, triton_impl
 
 F64 = torch.float64
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -147,15 +147,19 @@ def _rotate_back_reference(g, cos, sin):
     return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(g.dtype)
 
 
+def _forward(q, k, cos, sin):
+    if backend_for(q) == "reference":
+        return _rotate_reference(q, cos, sin), _rotate_reference(k, cos, sin)
+    return triton_impl("rotary", "apply_rotary")(q, k, cos, sin)
+
+
 class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.set_materialize_grads(False)
         ctx.backend = backend_for(q)
         ctx.save_for_backward(cos, sin)  # a rotation is linear: the backward needs only cos/sin
-        if ctx.backend == "reference":
-            return _rotate_reference(q, cos, sin), _rotate_reference(k, cos, sin)
-        return triton_impl("rotary", "apply_rotary")(q, k, cos, sin)
+        return _forward(q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -183,4 +187,5 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if k.shape[0] != t_ or k.shape[-1] != d or cos.shape != (t_, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"{op}: shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)} (want cos/sin [T, D//2])")
-    return RotaryFunction.apply(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
+    fn = RotaryFunction.apply if needs_autograd(q, k) else _forward
+    return fn(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
