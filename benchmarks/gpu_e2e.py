@@ -270,6 +270,9 @@ def main():
     t0 = time.time()
     deadline = t0 + a.budget_s
     secs = a.sections.split(",")
+    bad = [n for n in secs if n.split(":")[0] not in ("diff", "controls", "rollout", "train", "backward_ops")]
+    if bad:
+        ap.error(f"--sections: unknown {bad} (diff, controls, rollout[:SIZE], train, backward_ops)")
     for name in secs:
         if time.time() > deadline:
             rec.data.setdefault("skipped_for_time", []).append(name)
