@@ -100,29 +100,17 @@ def _prefill_plain(q, k, v, cu_seqlens, scale, causal, window):
 
 
 class AttentionPrefillFunction(torch.autograd.Function):
+    """The reference forward; its backward re-runs a plain fp32 version (the Triton backend has its
+    own Function with the flash backward: kernels/triton/attention.py AttentionPrefillTriton)."""
+
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, causal, window):
         ctx.args = (scale, causal, window)
-        ctx.triton = backend_for(q) == "triton"
-        if not ctx.triton:
-            ctx.save_for_backward(q, k, v, cu_seqlens)
-            return attention_prefill_reference(q, k, v, cu_seqlens, scale, causal, window)
-        # Triton: keep the output and its logsumexp for the flash backward (same output bits)
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        ctx.max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0  # one host sync
-        out, lse = triton_impl("attention", "attention_prefill")(q, k, v, cu, scale, causal, window,
-                                                                 max_seqlen=ctx.max_seqlen,
-                                                                 return_lse=True)
-        ctx.save_for_backward(q, k, v, cu, out, lse)
-        return out
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        return attention_prefill_reference(q, k, v, cu_seqlens, scale, causal, window)
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.triton:
-            q, k, v, cu, out, lse = ctx.saved_tensors
-            gq, gk, gv = triton_impl("attention_bwd", "attention_prefill_backward")(
-                g.contiguous(), q, k, v, out, lse, cu, *ctx.args, max_seqlen=ctx.max_seqlen)
-            return gq, gk, gv, None, None, None, None
         q, k, v, cu = ctx.saved_tensors
         fn = lambda a, b, c: _prefill_plain(a, b, c, cu, *ctx.args)  # noqa: E731
         gq, gk, gv = recompute_grads(fn, (q, k, v), ctx.needs_input_grad[:3], (g,))
@@ -145,8 +133,12 @@ def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sl
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{op}: sliding_window must be >= 1 or None")
     check_same_device(op, q=q, k=k, v=v)
-    return AttentionPrefillFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          cu_seqlens, float(scale), bool(causal), sliding_window)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if backend_for(q) == "triton":
+        # the output and its logsumexp kept for the flash backward (same output bits)
+        return triton_impl("attention", "attention_prefill_autograd")(q, k, v, cu_seqlens, float(scale),
+                                                                      bool(causal), sliding_window)
+    return AttentionPrefillFunction.apply(q, k, v, cu_seqlens, float(scale), bool(causal), sliding_window)
 
 
 def attention_paged_reference(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window):

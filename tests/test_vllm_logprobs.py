@@ -38,6 +38,8 @@ MODELS = {  # name -> (family, overrides, engines): Qwen3 untied (q/k norms, GQA
     "qwen2": ("qwen2", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64), ENGINES[1:2]),
     "mistral": ("mistral", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                                 tie_word_embeddings=True), ENGINES[2:]),
+    # Qwen3-MoE (8 experts top-2, a dense layer between sparse ones): vLLM's FusedMoE holds the experts
+    "qwen3moe": ("qwen3moe-e8-k2", dict(), ENGINES[1:2]),
 }
 
 
@@ -215,8 +217,9 @@ def test_vllm_multiprocess_engine_enabled_by_env(tmp_path):
     _assert_all_equal(result)
 
 
-def test_vllm_control_plugin_disabled_mismatches(tmp_path):
-    ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+def test_vllm_control_plugin_disabled_mismatches(tmp_path, name):
+    ckpt = _write_checkpoint(tmp_path / name, name)
     result = _run_child(tmp_path, model=ckpt, plugin="off", engines=ENGINES[1:2])
     total, bad = _compare(result["runs"][0], {})
     print(f"\nplugin disabled: {len(bad)} of {total} logprobs differ from the trainer's")

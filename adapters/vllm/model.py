@@ -52,8 +52,37 @@ class PlainLinearMethod(UnquantizedLinearMethod):
         raise RuntimeError("bitmatch: this linear layer's forward runs on bitmatch.kernels, not on vLLM's gemm")
 
 
+_PLAIN_MOE: dict[type, type] = {}
+
+
+def _plain_moe_method(method):
+    """The experts' unquantized method, minus its post-load conversion: vLLM's CPU/GPU backends
+    shuffle w13/w2 into a kernel format after loading; bitmatch reads them as [E, 2I, H] / [E, H, I]."""
+    base = type(method)
+    if base not in _PLAIN_MOE:
+        def process_weights_after_loading(self, layer):
+            pass  # keep the loaded layout
+
+        def apply(self, *args, **kwargs):
+            raise RuntimeError("bitmatch: these experts run on bitmatch.kernels.moe_experts, not on vLLM's fused MoE")
+
+        _PLAIN_MOE[base] = type(f"Plain{base.__name__}", (base,), {
+            "process_weights_after_loading": process_weights_after_loading, "apply": apply})
+    method.__class__ = _PLAIN_MOE[base]
+
+
 def keep_plain_linear_weights(model: torch.nn.Module) -> None:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
     for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if hasattr(mod, "w13_weight") and qm is not None:
+            if type(qm) is UnquantizedFusedMoEMethod:
+                _plain_moe_method(qm)
+            elif type(qm) not in _PLAIN_MOE.values():
+                raise BitmatchUnsupportedError(f"bitmatch: experts {name} use {type(qm).__name__}; only unquantized "
+                                               "experts are supported")
+            continue
         if not isinstance(mod, LinearBase):
             continue
         if type(mod.quant_method) is UnquantizedLinearMethod:

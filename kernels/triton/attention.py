@@ -412,7 +412,8 @@ class AttentionPrefillTriton(torch.autograd.Function):
 
 def attention_prefill_autograd(q, k, v, cu_seqlens, scale, causal=True, sliding_window=None, *,
                                max_seqlen=None):
-    """attention_prefill (same output bits) differentiable through the Triton backward."""
+    """attention_prefill (same output bits) differentiable through the Triton backward: what the
+    public ``bitmatch.kernels.attention_prefill`` runs on CUDA (max_seqlen None: one host sync)."""
     return AttentionPrefillTriton.apply(q, k, v, cu_seqlens, scale, causal, sliding_window,
                                         max_seqlen)
 
