@@ -11,13 +11,7 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from test_trl import TEMPERATURE, assert_trained, ex, logged, params_snapshot  # noqa: E402
-
-
-def _variety_reward(prompts, completions, **kwargs):
-    """Distinct characters per completion: varies across a random policy's samples, so the GRPO
-    advantages (and the gradients) are nonzero from the first step."""
-    return [float(len(set(c))) for c in completions]
+from test_trl import TEMPERATURE, assert_trained, ex, logged, params_snapshot, toy_reward  # noqa: E402
 
 
 def test_router_aux_loss_is_refused_with_the_fix(tmp_path):
@@ -46,7 +40,7 @@ def test_grpo_moe_three_steps_diff_zero(tmp_path):
     args = ex.toy_config(str(tmp_path / "out"), 3, per_device_train_batch_size=8, num_generations=4,
                          max_completion_length=5, temperature=TEMPERATURE, learning_rate=3e-3,
                          router_aux_loss_coef=0.0)
-    trainer = bt.attach(GRPOTrainer(model=policy, reward_funcs=_variety_reward, args=args,
+    trainer = bt.attach(GRPOTrainer(model=policy, reward_funcs=toy_reward, args=args,
                                     train_dataset=ex.toy_dataset(32), processing_class=ex.char_tokenizer()))
     before = params_snapshot(trainer.model)
     trainer.train()
