@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${BITMATCH_VERL_VENV:-.venv-verl}"
 [ -x "$VENV/bin/python" ] || python -m venv "$VENV"
-# torch first, the CPU build (a bare "torch" would pull a multi-GB CUDA build)
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[verl]" pytest
+# torch first, the CPU build (a bare "torch" would pull a multi-GB CUDA build); --no-compile: byte-compiling
+# every installed file costs CPU time in CI, imports compile what they use
+"$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q --no-compile -e ".[verl]" pytest
 # the dense model path must work with the older transformers verl accepts
 "$VENV/bin/python" -c "import transformers, verl; from packaging.version import Version as V; assert V(transformers.__version__) < V('5.11'), transformers.__version__; import bitmatch.adapters.verl as bv; bv.require_plugin(); print('verl', verl.__version__, 'transformers', transformers.__version__, 'plugin loaded', bv.plugin_loaded())"
 set +e
