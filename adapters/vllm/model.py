@@ -130,12 +130,15 @@ class BitmatchMixin:
         check_engine_config(vllm_config)  # again here: a worker may be started by other means
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         keep_plain_linear_weights(self)
-        self._bitmatch_attns = [m for m in self.modules() if hasattr(m, "kv_cache") and hasattr(m, "layer_name")]
+        object.__setattr__(self, "_bitmatch_attns",
+                           [m for m in self.modules() if hasattr(m, "kv_cache") and hasattr(m, "layer_name")])
         for attn in self._bitmatch_attns:
             check_backend(attn)
-        self._bitmatch_skeleton = None
+        # the skeleton lives outside the module tree (object.__setattr__): its parameters are views of
+        # vLLM's and must not appear in named_parameters (weight loading and sync read those)
+        object.__setattr__(self, "_bitmatch_skeleton", None)
         self.hf_view()  # refuse what the family or this plugin cannot run now, not at the first request
-        self._bitmatch_skeleton = None  # rebuilt after loading: vLLM may replace tensors while it loads
+        object.__setattr__(self, "_bitmatch_skeleton", None)  # rebuilt after loading: vLLM may replace tensors
 
     def hf_view(self):
         """The model as ``bitmatch.models`` reads an HF causal LM (parameters are vLLM's own), built on
@@ -151,7 +154,7 @@ class BitmatchMixin:
                 raise BitmatchUnsupportedError(
                     f"bitmatch: sliding-window attention (windows {windows}) under vLLM is not tested yet (vLLM "
                     "frees blocks outside the window); use a full-attention model")
-            self._bitmatch_skeleton = skel
+            object.__setattr__(self, "_bitmatch_skeleton", skel)
         return self._bitmatch_skeleton
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
