@@ -70,7 +70,7 @@ def decode_speed(model, prompts, a):
 
     eng = bitmatch.Engine(model, kv_cache_bytes=8 << 30, max_num_seqs=len(prompts), max_num_batched_tokens=8192)
     params = bitmatch.SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True)
-    eng.generate(prompts[:2], params, use_tqdm=False)  # warm up
+    eng.generate(prompts, params, use_tqdm=False)  # warm up on the same batch: every Triton config compiled
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = eng.generate(prompts, params, use_tqdm=False)
