@@ -18,7 +18,7 @@ _EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
 
 def test_two_process_grpo_diff_zero_on_every_rank(tmp_path):
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(_EX), "--steps", "3", "--max-completion-length", "4", "--output-dir", str(tmp_path / "out")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
