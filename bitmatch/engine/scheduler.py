@@ -6,9 +6,9 @@ arrival order while ``max_num_seqs`` and the free KV blocks allow. So a step may
 tokens with prefill chunks, and requests join and leave every step. When a running sequence
 needs a block and none is free, the lowest-priority (latest) running sequence is preempted:
 its blocks are freed and it goes back to the front of the queue with prompt + generated
-tokens as its new prompt (recompute). Its sampled tokens and logprobs are
-kept (its sampling noise is keyed by seed and token index), and the recomputed K/V and logits have the same bits (schedule invariance), so a
-preempted request reports the same tokens and logprobs as one that never was.
+tokens as its new prompt (recompute). Its sampled tokens and logprobs are kept (its sampling
+noise is keyed by seed and token index), and the recomputed K/V and logits have the same bits
+(schedule invariance), so a preempted request reports the same tokens and logprobs as one that never was.
 """
 from __future__ import annotations
 
