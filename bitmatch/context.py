@@ -3,7 +3,7 @@
 One object instead of threading positions, sequence boundaries and the paged-cache tables
 through every module call; it is passed to ``bitmatch.models.forward_hidden`` explicitly. The
 trainer builds a packed-prefill context (``cu_seqlens``); the engine builds a paged one
-(``slot_mapping``, ``block_table``, and ``caches``: one entry per cache group of the model's
+(``slot_mapping``, ``block_table``, ``state_slots`` and ``caches``: one entry per cache group of the model's
 family, ``{group name: {layer index: cache}}``, allocated by ``bitmatch.models.allocate_caches``).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ class ForwardContext:
     block_table: torch.Tensor | None = None      # [B, max_blocks] int32
     slot_mapping: torch.Tensor | None = None     # [T] int64
     caches: dict | None = None                   # {cache group: {layer: cache}}
+    state_slots: torch.Tensor | None = None      # [B] int64, paged mode: each sequence's per_seq slot
 
     @property
     def paged(self) -> bool:

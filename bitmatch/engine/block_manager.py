@@ -41,7 +41,8 @@ def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_state_slots: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -51,6 +52,9 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self._seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its registered full blocks
+        # Per-sequence state slots (cache groups of kind "per_seq"): one per running sequence; the
+        # scheduler admits at most max_num_seqs = num_state_slots sequences.
+        self.free_state_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +91,8 @@ class BlockManager:
             block.ref_count += 1
             hashes.append(block.hash)
         seq.block_table = list(hits)
+        if self.free_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         self._seq_hashes[seq.seq_id] = hashes
@@ -141,3 +147,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq.seq_id, None)
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1

@@ -76,23 +76,35 @@ class Engine:
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._lm = lm
         self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
-        per_block = bytes_per_block(cache_groups(model), self.block_size)
+        groups = cache_groups(model)
+        per_seq = [g.name for g in groups if g.kind == "per_seq"]
+        if per_seq and enable_prefix_caching:
+            raise ValueError(f"Engine: enable_prefix_caching=True is not supported for this model: its cache "
+                             f"group(s) {per_seq} hold per-sequence state (a recurrent state), which a reused "
+                             "prefix block does not carry; use enable_prefix_caching=False")
+        per_block = bytes_per_block(groups, self.block_size)
+        state_bytes = self.max_num_seqs * sum(g.bytes_per_seq() for g in groups)
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
                 if self.device.type == "cuda":
                     kv_cache_bytes = torch.cuda.mem_get_info(self.device)[0] // 2
             _positive_int("kv_cache_bytes", kv_cache_bytes)
-            num_gpu_blocks = kv_cache_bytes // per_block
+            if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
+                num_gpu_blocks = self.max_num_seqs * -(-(self.max_model_len or 32768) // self.block_size)
+            else:
+                num_gpu_blocks = (kv_cache_bytes - state_bytes) // per_block
             if num_gpu_blocks < 1:
                 raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is less than one KV block "
-                                 f"({per_block} bytes at block_size={self.block_size})")
+                                 f"({per_block} bytes at block_size={self.block_size}) after the per-sequence "
+                                 f"state of max_num_seqs={self.max_num_seqs} sequences ({state_bytes} bytes)")
         self.num_gpu_blocks = _positive_int("num_gpu_blocks", num_gpu_blocks)
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
-        self.block_manager = BlockManager(self.num_gpu_blocks, self.block_size, bool(enable_prefix_caching))
+        self.block_manager = BlockManager(self.num_gpu_blocks, self.block_size, bool(enable_prefix_caching),
+                                          num_state_slots=self.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.enable_chunked_prefill)
-        self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks)
+        self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks, self.max_num_seqs)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else \
             getattr(lm.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))

@@ -21,7 +21,7 @@ def bytes_per_block(groups, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int):
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0):
         from bitmatch.models import allocate_caches, cache_groups
 
         self.model = model
@@ -30,13 +30,26 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # the family says which caches it needs; the engine never names an architecture
         self.cache_groups = cache_groups(model)
-        self.caches = allocate_caches(self.cache_groups, num_blocks, block_size, self.device)
+        self.caches = allocate_caches(self.cache_groups, num_blocks, block_size, self.device,
+                                      num_seqs=num_state_slots)
+        # per-sequence state tensors, zeroed for every sequence that starts at token 0
+        self._state_tensors = [t for g in self.cache_groups if g.kind == "per_seq"
+                               for entry in self.caches[g.name].values() for t in entry]
         self.sampler = Sampler()
+
+    def reset_state_slots(self, slots: list[int]) -> None:
+        """Zero the per-sequence state of ``slots`` (a sequence (re)starting from token 0)."""
+        if slots and self._state_tensors:
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            for t in self._state_tensors:
+                t.index_fill_(0, idx, 0)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """(input_ids [T], ForwardContext, indices of the rows whose logits are sampled)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
+        fresh = [seq.state_slot for seq, _ in scheduled if seq.num_computed_tokens == 0 and seq.state_slot >= 0]
+        self.reset_state_slots(fresh)
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -57,7 +70,8 @@ class ModelRunner:
 
         ctx = ForwardContext(positions=t(positions, torch.int64), query_start_loc=t(qsl, torch.int32),
                              seq_lens=t(seq_lens, torch.int32), block_table=t(block_table, torch.int32),
-                             slot_mapping=t(slots, torch.int64), caches=self.caches)
+                             slot_mapping=t(slots, torch.int64), caches=self.caches,
+                             state_slots=t([seq.state_slot for seq, _ in scheduled], torch.int64))
         return t(input_ids, torch.int64), ctx, sample_rows
 
     @torch.no_grad()

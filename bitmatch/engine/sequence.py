@@ -36,6 +36,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens found in the prefix cache
         self.block_table: list[int] = []
+        self.state_slot = -1                # per_seq cache slot while running (BlockManager)
         self.logprobs: list[float] = []
         self.sampled_logprobs: list[float] = []
         self.finish_reason: str | None = None

@@ -12,8 +12,8 @@ How to add a family (one module plus its tests):
 2. Implement ``problems(config)`` (every unsupported option, all at once: each one a sentence
    naming the option and the value), ``build_spec(lm)`` (a frozen dataclass read from the config
    and modules), ``forward_hidden`` / ``compute_logits`` on ``bitmatch.kernels`` only,
-   ``cache_groups(spec, dtype)`` (the engine allocates what they describe; today's kind is
-   ``"paged_kv"``) and ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
+   ``cache_groups(spec, dtype)`` (the engine allocates what they describe: ``"paged_kv"``,
+   per-token ``"paged"`` state, per-sequence ``"per_seq"`` state; see ``CacheGroup``) and ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
 3. Declare ``packed_modules``: how vLLM merges HF tensors (``qkv_proj`` = q, k, v rows) or
    renames them; ``bitmatch.sync`` and the vLLM plugin derive their name tables from it.
 4. Add the module to ``FAMILY_MODULES`` below. Tests: parity with HF's own fp32 forward,
@@ -39,37 +39,76 @@ Recorder = Callable[[str, object], None]
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """One kind of per-token engine state, for the layers that use it.
+    """One kind of engine state, for the layers that use it. The forward context carries
+    ``ctx.caches[name][layer_idx]``.
 
     ``paged_kv``: K and V of ``num_kv_heads`` x ``head_dim`` per token, in the engine's paged
-    blocks (one (k_cache, v_cache) pair per layer in ``layers``). The forward context carries
-    ``ctx.caches[name][layer_idx]``.
+    blocks: per layer a (k_cache, v_cache) pair, each [num_blocks, block_size, Hkv, D].
+    ``paged``: any per-token state in the same paged blocks (same ``slot_mapping`` /
+    ``block_table`` as the K/V): per layer a tuple with one [num_blocks, block_size, *shape]
+    tensor per ``tensors`` entry ``(shape, dtype)``. Prefix caching stays exact as long as a
+    token's state depends only on the tokens up to it.
+    ``per_seq``: per-sequence state (recurrent states, open-chunk buffers): per layer a tuple with
+    one [num_seqs, *shape] tensor per ``tensors`` entry; ``ctx.state_slots[b]`` is the slot of the
+    b-th scheduled sequence. The engine zero-fills a slot when a sequence starts (or restarts
+    after preemption) at token 0, and refuses prefix caching (a reused prefix has no state).
     """
     name: str
     kind: str
     layers: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: torch.dtype = torch.float32
+    tensors: tuple = ()  # ((shape, dtype), ...) for "paged" and "per_seq"
+
+    KINDS = ("paged_kv", "paged", "per_seq")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise NotImplementedError(f"cache group {self.name!r}: kind {self.kind!r} is not one of {self.KINDS}")
+        if self.kind != "paged_kv" and not self.tensors:
+            raise ValueError(f"cache group {self.name!r}: kind {self.kind!r} needs tensors=((shape, dtype), ...)")
+
+    def entries(self) -> tuple:
+        """((shape, dtype), ...) of one layer's tensors (per token or per sequence)."""
+        if self.kind == "paged_kv":
+            return (((self.num_kv_heads, self.head_dim), self.dtype),) * 2
+        return tuple((tuple(shape), dt) for shape, dt in self.tensors)
+
+    def _bytes(self) -> int:
+        total = 0
+        for shape, dt in self.entries():
+            n = 1
+            for d in shape:
+                n *= int(d)
+            total += n * torch.empty((), dtype=dt).element_size()
+        return len(self.layers) * total
 
     def bytes_per_block(self, block_size: int) -> int:
-        if self.kind != "paged_kv":
-            raise NotImplementedError(f"cache group {self.name!r}: kind {self.kind!r} has no per-block size")
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block of ``block_size`` tokens costs (0 for per-sequence state)."""
+        return 0 if self.kind == "per_seq" else block_size * self._bytes()
+
+    def bytes_per_seq(self) -> int:
+        """Bytes one sequence slot costs (0 for paged state)."""
+        return self._bytes() if self.kind == "per_seq" else 0
 
 
-def allocate_caches(groups: Iterable[CacheGroup], num_blocks: int, block_size: int, device) -> dict:
-    """``{group name: {layer: cache}}`` for ``num_blocks`` blocks; zero-filled, because masked-out
-    cache slots must hold finite values (attention multiplies them by an exact zero)."""
+def allocate_caches(groups: Iterable[CacheGroup], num_blocks: int, block_size: int, device,
+                    num_seqs: int = 0) -> dict:
+    """``{group name: {layer: cache}}`` for ``num_blocks`` blocks and ``num_seqs`` sequence slots;
+    zero-filled, because masked-out cache slots must hold finite values (attention multiplies
+    them by an exact zero)."""
     out = {}
     for g in groups:
-        if g.kind != "paged_kv":
-            raise NotImplementedError(f"bitmatch engine: cache group {g.name!r} of kind {g.kind!r} is not "
-                                      "supported by this engine yet")
-        shape = (num_blocks, block_size, g.num_kv_heads, g.head_dim)
-        out[g.name] = {i: (torch.zeros(shape, dtype=g.dtype, device=device),
-                           torch.zeros(shape, dtype=g.dtype, device=device)) for i in g.layers}
+        if g.kind == "per_seq":
+            if num_seqs < 1:
+                raise ValueError(f"allocate_caches: cache group {g.name!r} holds per-sequence state: "
+                                 f"pass num_seqs >= 1 (got {num_seqs})")
+            lead = (num_seqs,)
+        else:
+            lead = (num_blocks, block_size)
+        out[g.name] = {i: tuple(torch.zeros(lead + shape, dtype=dt, device=device) for shape, dt in g.entries())
+                       for i in g.layers}
     return out
 
 
