@@ -10,6 +10,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 
 pytestmark = [
     pytest.mark.vllm,
@@ -76,3 +77,34 @@ def test_request_check_names_every_unsupported_option():
     assert not any(n.startswith(("top_k", "top_p")) for n in names)  # supported: bitmatch's mask
     with pytest.raises(BitmatchUnsupportedError, match="min_p=0.1"):
         check_request(SamplingParams(top_p=0.9, min_p=0.1), "processed_logprobs")
+
+
+def test_engine_check_names_a_registered_family_the_plugin_does_not_run():
+    """A family bitmatch runs in its own engine but not inside vLLM is refused with its reason."""
+    from types import SimpleNamespace
+
+    from bitmatch.adapters.vllm.checks import BitmatchUnsupportedError, check_engine_config
+    from bitmatch.models import registry
+    from bitmatch.models.dense import DenseFamily
+
+    class NoVllm(DenseFamily):
+        name = "probe-hybrid"
+        model_types = {"probe_hybrid": "ProbeHybridForCausalLM"}
+        vllm_supported = False
+        vllm_refusal = "vLLM's CPU backend has no kernel for the probe mixer"
+
+    registry.register(NoVllm())
+    mc = SimpleNamespace(hf_config=SimpleNamespace(architectures=["ProbeHybridForCausalLM"]), quantization=None,
+                         logprobs_mode="processed_logprobs", dtype=torch.bfloat16)
+    cfg = SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                                            pipeline_parallel_size=1),
+                          speculative_config=None, lora_config=None, cache_config=SimpleNamespace(cache_dtype="auto"))
+    try:
+        with pytest.raises(BitmatchUnsupportedError, match="probe-hybrid family.*no kernel for the probe mixer.*"
+                                                           "bitmatch.Engine"):
+            check_engine_config(cfg)
+        mc.hf_config.architectures = ["Qwen3ForCausalLM"]
+        check_engine_config(cfg)  # a supported family passes the same gate
+    finally:
+        registry._BY_MODEL_TYPE.pop("probe_hybrid", None)
+        registry._BY_ARCH.pop("ProbeHybridForCausalLM", None)

@@ -33,7 +33,14 @@ def _engine_problems(vllm_config) -> list[str]:
     archs = list(getattr(mc.hf_config, "architectures", None) or [])
     supported = vllm_architectures()
     if not archs or archs[0] not in supported:
-        out.append(f"architecture {archs[0] if archs else None!r} (supported: {', '.join(supported)})")
+        why = ""
+        if archs:
+            from bitmatch.models.registry import find_family
+            fam = find_family(archs[0])
+            if fam is not None:  # bitmatch runs it in its own engine and trainer, not inside vLLM
+                why = (f": bitmatch's vLLM plugin does not run the {fam.name or archs[0]} family ({fam.vllm_refusal}); "
+                       "use bitmatch.Engine for its rollouts")
+        out.append(f"architecture {archs[0] if archs else None!r}{why} (supported: {', '.join(supported)})")
     else:
         from bitmatch.models import family_for_architecture
         out += family_for_architecture(archs[0]).problems(mc.hf_config)

@@ -120,6 +120,8 @@ class Family:
     packed_modules: tuple = ()
     # the bitmatch vLLM plugin runs this family (set once its vLLM path is built and tested)
     vllm_supported: bool = False
+    # why not, when vllm_supported is False (the plugin's refusal quotes it)
+    vllm_refusal: str = "its vLLM path is not built yet"
 
     def problems(self, config) -> list[str]:
         raise NotImplementedError
@@ -189,6 +191,12 @@ def family_for_architecture(arch: str) -> Family:
     if arch not in _BY_ARCH:
         raise ValueError(f"bitmatch: no model family serves architecture {arch!r}; supported: {supported_message()}")
     return _BY_ARCH[arch]
+
+
+def find_family(arch: str) -> Family | None:
+    """The family serving architecture ``arch``, or None."""
+    _load()
+    return _BY_ARCH.get(arch)
 
 
 def family_for_config(config, arch: str | None = None) -> Family:
