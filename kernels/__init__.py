@@ -5,6 +5,7 @@ from ._backend import SUPPORTED_DTYPES, backend_for, use_backend
 from .activation import silu_and_mul
 from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .linear import linear
+from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
 from .logprobs import full_logprobs, token_logprobs
 from .moe import moe_experts, moe_route
 from .norm import fused_add_rms_norm, rms_norm
@@ -18,4 +19,5 @@ __all__ = [
     "uniform_noise", "use_backend", "backend_for", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "moe_route", "moe_experts",
+    "causal_conv1d", "mamba_chunk_scan", "gated_rms_norm",
 ]
