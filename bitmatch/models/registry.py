@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 import torch
 
-FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe")
+FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h")
 
 Recorder = Callable[[str, object], None]
 
