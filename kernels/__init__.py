@@ -3,6 +3,11 @@ CUDA tensors, the float64-exact reference for CPU tensors) is chosen per call, n
 silent fallback. See each module's docstring for its canonical reduction order."""
 from ._backend import SUPPORTED_DTYPES, backend_for, use_backend
 from .activation import silu_and_mul
+from .compressed_attention import sink_attention
+from .compressor import compress_windows
+from .indexer import indexer_topk
+from .mhc import hc_head, hc_post, hc_pre
+from .rotary_interleaved import apply_rotary_interleaved
 from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .linear import linear
 from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
@@ -19,5 +24,7 @@ __all__ = [
     "uniform_noise", "use_backend", "backend_for", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "moe_route", "moe_experts",
+    "sink_attention", "compress_windows", "indexer_topk", "hc_pre", "hc_post", "hc_head",
+    "apply_rotary_interleaved",
     "causal_conv1d", "mamba_chunk_scan", "gated_rms_norm",
 ]

@@ -1,0 +1,119 @@
+"""compress_windows: DeepSeek-V4's KV compressor pooling (CSA and HCA), window by window.
+
+A compressed entry w pools the projected tokens of one complete window of ``m`` tokens
+(HCA: tokens w*m .. w*m+m-1) or, with ``overlap`` (CSA), 2m slots: window w-1's first-half
+channels ("Ca", slots 0..m-1) then window w's second-half channels ("Cb", slots m..2m-1); for
+w = 0 the Ca slots are absent (HF: zero kv, -inf gate: weight exactly 0). Per channel:
+
+    z_j  = fp32(gate_j) + position_bias_j               (fp32, one rounding, as HF promotes)
+    p    = fp32(softmax_j(z))                           exp64(z - max) / tree_sum over slots
+    out  = round_dtype(tree_sum_j f64(kv_j) * f64(round_dtype(p_j)))
+
+Canonical order: the softmax normalizer and the pooled sum are ``_exact.tree_sum`` folds over
+the slot axis (fixed width m or 2m), the products exact in float64. So an entry's bits are a
+function of its window's tokens alone: whether the window closes inside a full prefill, a
+chunked prefill or a decode step, the entry is the same. (HF sums in the model dtype in torch's
+order: parity to rounding, not bits.) RMSNorm and RoPE at position w*m follow as separate ops.
+Reference: CPU. Triton: not written yet (raises naming the op).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _exact
+from ._backend import backend_for, check_float, check_same_device, needs_autograd, recompute_grads, triton_impl
+
+F64 = torch.float64
+
+
+def _slots(kv, gate, bias, prev_kv, prev_gate, has_prev):
+    """(kv [W, S, D], z [W, S, D] fp32, valid [W, S, 1]) over the S = m or 2m pooling slots."""
+    m = kv.shape[1]
+    if prev_kv is None:
+        z = gate.float() + bias.float()
+        return kv, z, None
+    d = prev_kv.shape[-1]
+    kv_all = torch.cat([prev_kv, kv[..., d:]], dim=1)
+    z = torch.cat([prev_gate.float() + bias[:, :d].float(), gate[..., d:].float() + bias[:, d:].float()], dim=1)
+    valid = torch.cat([has_prev.view(-1, 1).expand(-1, m), torch.ones_like(has_prev).view(-1, 1).expand(-1, m)], 1)
+    return kv_all, z, valid.unsqueeze(-1)
+
+
+def compress_reference(kv, gate, bias, prev_kv, prev_gate, has_prev):
+    kv_all, z, valid = _slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    z = z.to(F64)
+    if valid is not None:
+        z = torch.where(valid, z, -torch.inf)
+    mx = z.amax(1, keepdim=True)
+    e = _exact.exp64(z - mx)
+    if valid is not None:
+        e = torch.where(valid, e, 0.0)
+    p = (e / _exact.tree_sum(e, 1).unsqueeze(1)).float().to(kv.dtype)  # HF: fp32 softmax, then .to(kv dtype)
+    return _exact.tree_sum(kv_all.to(F64) * p.to(F64), 1).to(kv.dtype)
+
+
+def _compress_plain(kv, gate, bias, prev_kv, prev_gate, has_prev):
+    kv_all, z, valid = _slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    if valid is not None:
+        z = z.masked_fill(~valid, float("-inf"))
+    return (kv_all.float() * z.softmax(1)).sum(1)
+
+
+def _forward(kv, gate, bias, prev_kv, prev_gate, has_prev):
+    if backend_for(kv) == "reference":
+        return compress_reference(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    return triton_impl("compressor", "compress_windows")(kv, gate, bias, prev_kv, prev_gate, has_prev)
+
+
+class CompressFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kv, gate, bias, prev_kv, prev_gate, has_prev):
+        ctx.save_for_backward(kv, gate, bias, prev_kv, prev_gate, has_prev)
+        return _forward(kv, gate, bias, prev_kv, prev_gate, has_prev)
+
+    @staticmethod
+    def backward(ctx, g):
+        kv, gate, bias, prev_kv, prev_gate, has_prev = ctx.saved_tensors
+        grads = recompute_grads(lambda a, b, c, d, e: _compress_plain(a, b, c, d, e, has_prev),
+                                (kv, gate, bias, prev_kv, prev_gate), ctx.needs_input_grad[:5], (g,))
+        return (*grads, None)
+
+
+def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, has_prev=None):
+    """kv, gate [W, m, C] (W complete windows of m tokens, the compressor's projections in the
+    compute dtype), position_bias [m, C] (fp32) -> pooled entries [W, D] in kv's dtype.
+
+    HCA: C = D, no ``prev_*``. CSA (overlapping windows): C = 2D, ``prev_kv``/``prev_gate``
+    [W, m, D] are each window's previous window's first-half channels and ``has_prev`` [W] bool
+    says whether that window exists (False for window 0).
+    Invariance: each entry's bits depend only on its own window's (and previous window's) rows.
+    """
+    op = "compress_windows"
+    for n, t in (("kv", kv), ("gate", gate), ("position_bias", position_bias)):
+        check_float(n, t, op)
+    if kv.dim() != 3 or gate.shape != kv.shape:
+        raise ValueError(f"{op}: kv and gate must be [W, m, C] of one shape, got {tuple(kv.shape)}, {tuple(gate.shape)}")
+    w_, m, c = kv.shape
+    if position_bias.shape != (m, c):
+        raise ValueError(f"{op}: position_bias must be [m={m}, C={c}], got {tuple(position_bias.shape)}")
+    overlap = prev_kv is not None
+    if overlap != (prev_gate is not None) or overlap != (has_prev is not None):
+        raise ValueError(f"{op}: prev_kv, prev_gate and has_prev go together (CSA) or not at all (HCA)")
+    if overlap:
+        if c % 2:
+            raise ValueError(f"{op}: overlapping windows need C = 2D, got C={c}")
+        check_float("prev_kv", prev_kv, op)
+        check_float("prev_gate", prev_gate, op)
+        if prev_kv.shape != (w_, m, c // 2) or prev_gate.shape != prev_kv.shape:
+            raise ValueError(f"{op}: prev_kv/prev_gate must be [W={w_}, m={m}, D={c // 2}], got "
+                             f"{tuple(prev_kv.shape)}, {tuple(prev_gate.shape)}")
+        if has_prev.dtype != torch.bool or has_prev.shape != (w_,):
+            raise ValueError(f"{op}: has_prev must be a bool tensor [W={w_}]")
+        check_same_device(op, kv=kv, prev_kv=prev_kv, has_prev=has_prev)
+    check_same_device(op, kv=kv, gate=gate, position_bias=position_bias)
+    args = (kv.contiguous(), gate.contiguous(), position_bias.contiguous(),
+            None if prev_kv is None else prev_kv.contiguous(), None if prev_gate is None else prev_gate.contiguous(),
+            has_prev)
+    if needs_autograd(kv, gate, position_bias, prev_kv, prev_gate):
+        return CompressFunction.apply(*args)
+    return _forward(*args)

@@ -1,0 +1,53 @@
+"""apply_rotary_interleaved: DeepSeek-V4's partial RoPE on interleaved channel pairs.
+
+The last ``2 * cos.shape[-1]`` channels of each head are rotated, pairs (2i, 2i+1) by angle i
+(HF ``apply_rotary_pos_emb`` of ``modeling_deepseek_v4``: ``x * cos + rotate_half(x) * sin``
+with ``rotate_half`` pairing neighbours); the leading "nope" channels pass through untouched.
+``inverse=True`` rotates by the negative angle: V4 de-rotates the RoPE slice of the attention
+output, because K = V carried the key's rotation into the values.
+
+Rounding points (HF's): cos/sin rounded to x.dtype, then each product and the sum in fp32,
+one rounding to x.dtype. These are elementwise IEEE operations (correctly rounded on every
+code path and backend, never fused), so they are written as plain torch ops: each element's
+bits depend on its own inputs alone, and autograd differentiates them as they are.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._backend import check_float
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                             inverse: bool = False) -> torch.Tensor:
+    """x [T, H, D] (or [T, D]); cos/sin [T, R/2] from ``rotary_cos_sin(positions, R, ...)``:
+    rotate the trailing R channels of every head by interleaved pairs; returns x's dtype.
+
+    Invariance: elementwise per token; each token's bits depend on its own x and position.
+    """
+    op = "apply_rotary_interleaved"
+    for n, t in (("x", x), ("cos", cos), ("sin", sin)):
+        check_float(n, t, op)
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x.unsqueeze(1)
+    if x.dim() != 3:
+        raise ValueError(f"{op}: x must be [T, H, D] or [T, D], got shape {tuple(x.shape)}")
+    t_, _, d = x.shape
+    half = cos.shape[-1] if cos.dim() == 2 else -1
+    if cos.shape != (t_, half) or sin.shape != cos.shape or not 0 < 2 * half <= d:
+        raise ValueError(f"{op}: cos/sin must be [T={t_}, R/2] with R <= D={d}, got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    dt = x.dtype
+    c = cos.to(dt).float().unsqueeze(1)
+    s = sin.to(dt).float().unsqueeze(1)
+    if inverse:
+        s = -s  # exact: a sign flip
+    nope, rope = x[..., : d - 2 * half], x[..., d - 2 * half:]
+    xe, xo = rope[..., 0::2].float(), rope[..., 1::2].float()
+    # rotate_half(x) = (-x_odd, x_even) per pair; two products and one sum in fp32, as HF
+    oe = xe * c + (-xo) * s
+    oo = xo * c + xe * s
+    rot = torch.stack([oe, oo], dim=-1).flatten(-2).to(dt)
+    out = torch.cat([nope, rot], dim=-1)
+    return out.squeeze(1) if squeeze else out
