@@ -32,7 +32,8 @@ from typing import Callable, Iterable
 
 import torch
 
-FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h")
+FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h",
+                 "bitmatch.models.deepseek_v4")
 
 Recorder = Callable[[str, object], None]
 
