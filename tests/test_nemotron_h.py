@@ -1,0 +1,124 @@
+"""Nemotron-H on bitmatch kernels: parity with HF's fp32 forward (every block kind, sequences of many
+chunks, left and right padding), engine == trainer bit for bit across batch, prompt lengths around
+chunk boundaries, chunked-prefill splits, decode across chunk boundaries and preemption; refused
+options; gradients vs HF's autograd; and the controls: HF's own forward differs from the engine, and
+HF's prefill differs from HF's cached decode."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import bitmatch
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.models import nemotron_h as NH
+from bitmatch.testing_models import pad_batch, random_prompts
+from test_engine import assert_bitmatch, hf_logprobs
+
+Q = 8  # the tiny config's chunk_size
+
+
+@pytest.fixture(scope="module")
+def hf32():
+    return NH.tiny_model(torch.float32, seed=0)
+
+
+def _patched(hf, dtype=None):
+    return bitmatch.patch(copy.deepcopy(hf), compute_dtype=dtype or next(hf.parameters()).dtype)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_parity_with_hf_fp32_every_block_kind(hf32, side):
+    assert set(hf32.config.layers_block_type) == {"linear_attention", "moe", "full_attention", "mlp"}
+    m = _patched(hf32)
+    prompts = random_prompts(3, 5, 5 * Q + 3, seed=1) + [list(range(3, 3 + 5 * Q))]
+    ids, mask = pad_batch(prompts, side)
+    with torch.no_grad():
+        ref = hf32(input_ids=ids, attention_mask=mask).logits
+        got = m(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=2e-5)
+
+
+def test_engine_equals_trainer_batch_boundaries_chunking_decode(hf32):
+    """Prompts of lengths around chunk boundaries (Q-1, Q, Q+1, 2Q, ...), 11 decode steps (across
+    boundaries), chunked prefill with step budgets of 5 and 13 tokens (splits inside chunks), 1..6
+    sequences per step; bf16 compute on the fp32 model (fp32 master weights) as well."""
+    n = 0
+    for dtype, budget, seqs in ((torch.float32, 64, 6), (torch.float32, 5, 3), (torch.bfloat16, 13, 4)):
+        model = _patched(hf32, dtype)
+        lens = [1, Q - 1, Q, Q + 1, 2 * Q, 2 * Q + 3][:seqs + 2]
+        prompts = [list(range(5, 5 + L)) if i % 2 else random_prompts(1, L, L, seed=L)[0] for i, L in enumerate(lens)]
+        params = [SamplingParams(temperature=(1.0, 0.7)[i % 2], max_tokens=11, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
+        eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=8)
+        outs = eng.generate(prompts, params, use_tqdm=False)
+        n += assert_bitmatch(model, outs, params, batch=3)
+    assert n > 0
+
+
+def test_engine_preemption_recompute_same_bits(hf32):
+    model = _patched(hf32, torch.bfloat16)
+    prompts = random_prompts(5, 6, 2 * Q + 5, seed=4)
+    params = [SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, seed=i) for i in range(5)]
+    tight = Engine(model, max_num_seqs=5, block_size=4, num_gpu_blocks=14)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.scheduler.num_preemptions > 0
+    assert_bitmatch(model, outs, params)
+    roomy = Engine(model, max_num_seqs=5, block_size=4).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].logprobs for o in roomy] == [o.outputs[0].logprobs for o in outs]
+
+
+def test_control_hf_forward_and_hf_cached_decode_differ(hf32):
+    """The comparisons can fail: HF's stock forward vs the engine, and HF's own prefill vs its
+    cached one-token decode (its chunked scan vs its recurrent step)."""
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = _patched(hf16)
+    prompts = random_prompts(3, Q + 1, 2 * Q + 2, seed=7)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=i) for i in range(3)]
+    outs = Engine(model, max_num_seqs=3).generate(prompts, params, use_tqdm=False)
+    stock = hf_logprobs(hf16, outs, 1.0)
+    assert sum(int((torch.tensor(o.outputs[0].logprobs) != s).sum()) for o, s in zip(outs, stock)) > 0
+    ids = torch.tensor([random_prompts(1, 3 * Q + 2, 3 * Q + 2, seed=8)[0]])
+    with torch.no_grad():
+        full = hf32(ids).logits[0, -1]
+        out = hf32(ids[:, :-1], use_cache=True)
+        step = hf32(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+    assert not torch.equal(full, step)
+
+
+def test_unsupported_options_refused_and_prefix_caching_refused(hf32):
+    bad = NH.tiny_config(n_group=2, topk_group=1, mlp_hidden_act="gelu", mamba_ssm_cache_dtype="bfloat16")
+    with pytest.raises(ValueError) as e:
+        bitmatch.models.check_config(bad)
+    for word in ("n_group=2", "mlp_hidden_act='gelu'", "mamba_ssm_cache_dtype"):
+        assert word in str(e.value)
+    model = _patched(hf32)
+    with pytest.raises(ValueError, match="mamba"):
+        Engine(model, enable_prefix_caching=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="start at position 0"):
+        model(input_ids=ids, position_ids=torch.tensor([[3, 4, 5, 6]]))
+
+
+def test_gradients_match_hf_autograd():
+    ref = NH.tiny_model(torch.float32, seed=3).train()
+    m = _patched(ref).train()
+    ids, mask = pad_batch(random_prompts(2, Q + 3, 3 * Q, seed=2), "right")
+    lp = bitmatch.token_logprobs(m, ids, mask, temperature=0.8)
+    (lp * mask[:, 1:]).sum().backward()
+    logits = ref(input_ids=ids, attention_mask=mask).logits[:, :-1] / 0.8
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    (want * mask[:, 1:]).sum().backward()
+    got, exp = dict(m.named_parameters()), dict(ref.named_parameters())
+    checked = []
+    for name, p in got.items():
+        g = exp[name].grad
+        if g is None or g.abs().max() == 0:
+            continue
+        err = ((p.grad - g).norm() / g.norm()).item()
+        assert err < 1e-3, f"{name}: relative grad error {err}"
+        checked.append(name)
+    for part in ("A_log", "dt_bias", "mixer.D", "conv1d.weight", "mixer.norm.weight", "gate.weight", "up_proj"):
+        assert any(part in n for n in checked), part
