@@ -29,7 +29,8 @@ gated_rms_norm: h = fp32(y * fp32(silu(z))); per group of ``group_size`` channel
 inv = 1 / sqrt(tree_sum(h^2) / group_size + eps); out = fp32(weight * fp32(h * inv)).
 
 Backward (trainer): gradients by re-running a plain differentiable fp32 version (correct, not
-invariant), as the other reference ops do. No Triton implementation yet: CUDA tensors raise.
+invariant), as the other reference ops do. No Triton implementation yet: CUDA tensors (and
+use_backend("triton")) raise NotImplementedError naming the op, never a silent fallback.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, needs_autograd, recompute_grads, triton_impl
+from ._backend import backend_for, check_float, check_int, needs_autograd, recompute_grads
 from .moe import _log1p64
 
 F64 = torch.float64
@@ -48,6 +49,11 @@ _SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x above it
 
 def _silu64(v):
     return v / (1.0 + _exact.exp64(-v))
+
+
+def _no_triton(op):
+    raise NotImplementedError(f"bitmatch.kernels.{op}: no Triton (CUDA) implementation yet; the Mamba2 ops run on "
+                              "CPU tensors (reference backend) only, so Nemotron-H runs on CPU")
 
 
 def _seqs(cu):
@@ -140,7 +146,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=
     w = weight.to(x.dtype).contiguous()
     b = None if bias is None else bias.to(x.dtype).contiguous()
     if backend_for(x) != "reference":
-        return triton_impl("mamba", "causal_conv1d")(x, w, b, cu_seqlens, activation, conv_state, state_slots)
+        _no_triton(op)
     if conv_state is not None:
         _check_state(op, "conv_state", conv_state, (weight.shape[1] - 1, x.shape[1]), x.dtype, state_slots,
                      cu_seqlens.shape[0] - 1)
@@ -340,8 +346,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
             raise ValueError(f"{op}: with a cache, seq_start must be [{nb}] (each sequence's first position)")
     Df = None if D is None else D.float().contiguous()
     if backend_for(x) != "reference":
-        return triton_impl("mamba", "mamba_chunk_scan")(x, dt, A, B, C, Df, dt_bias, chunk_size, cu_seqlens,
-                                                        float(dt_min), seq_start, cache, state_slots)
+        _no_triton(op)
     if cache is not None:
         return scan_reference(x, process_dt(dt, dt_bias, dt_min), A, B, C, Df, chunk_size, cu_seqlens,
                               seq_start, cache, state_slots)
@@ -400,7 +405,7 @@ def gated_rms_norm(y, z, weight, group_size, eps):
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or y.shape[1] % group_size:
         raise ValueError(f"{op}: group_size must divide I={y.shape[1]}, got {group_size!r}")
     if backend_for(y) != "reference":
-        return triton_impl("mamba", "gated_rms_norm")(y, z, weight, group_size, float(eps))
+        _no_triton(op)
     if needs_autograd(y, z, weight):
         return _GatedFunction.apply(y.contiguous(), z.contiguous(), weight.contiguous(), group_size, float(eps))
     return gated_norm_reference(y, z, weight, group_size, float(eps))

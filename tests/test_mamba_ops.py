@@ -208,3 +208,16 @@ def test_input_errors_are_named():
         K.causal_conv1d(torch.randn(5, 3), torch.randn(3, 4), None, torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="group_size"):
         K.gated_rms_norm(torch.randn(2, 6), torch.randn(2, 6), torch.randn(6), 4, 1e-5)
+
+
+def test_no_silent_fallback_on_the_triton_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, dt, B, C = _inputs(4)
+    A, D, db = _params()
+    with K.use_backend("triton"):
+        with pytest.raises(NotImplementedError, match="mamba_chunk_scan: no Triton"):
+            K.mamba_chunk_scan(x, dt, A, B, C, Q, torch.tensor([0, 4]))
+        with pytest.raises(NotImplementedError, match="causal_conv1d: no Triton"):
+            K.causal_conv1d(torch.randn(4, 3), torch.randn(3, 4), None, torch.tensor([0, 4]))
+        with pytest.raises(NotImplementedError, match="gated_rms_norm: no Triton"):
+            K.gated_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4), 2, 1e-5)

@@ -122,3 +122,26 @@ def test_gradients_match_hf_autograd():
         checked.append(name)
     for part in ("A_log", "dt_bias", "mixer.D", "conv1d.weight", "mixer.norm.weight", "gate.weight", "up_proj"):
         assert any(part in n for n in checked), part
+
+
+def test_parity_latent_moe_biases_tied_embeddings():
+    """The optional parts: MoE latent projection (fc1/fc2), in/out_proj and MLP biases, no conv bias,
+    tied embeddings, a chunk of 4 and a pattern starting with attention."""
+    hf = NH.tiny_model(torch.float32, seed=5, moe_latent_size=24, use_bias=True, mlp_bias=True, use_conv_bias=False,
+                       tie_word_embeddings=True, chunk_size=4,
+                       layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention"])
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0, 0.1)
+    assert not isinstance(hf.model.layers[2].mixer.fc1_latent_proj, torch.nn.Identity)
+    m = _patched(hf)
+    ids, mask = pad_batch(random_prompts(3, 3, 19, seed=6), "right")
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids, attention_mask=mask).logits, m(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=2e-5)
+    params = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=i) for i in range(3)]
+    outs = Engine(m, max_num_seqs=3, max_num_batched_tokens=7).generate(random_prompts(3, 2, 11, seed=9), params,
+                                                                         use_tqdm=False)
+    assert_bitmatch(m, outs, params)
