@@ -67,3 +67,14 @@ def test_example_refuses_quantized_checkpoint(tmp_path):
         json.dump(d, f)
     with pytest.raises(SystemExit, match="dequantize"):
         _dsv4_example().refuse_quantized(str(tmp_path))
+
+
+def test_example_main_two_steps(tmp_path):
+    """The example itself (tiny DeepSeek-V4 in code, TRL GRPO, attach with on_mismatch="raise")."""
+    n = torch.get_num_threads()
+    try:
+        trainer = _dsv4_example().main(["--steps", "2", "--batch", "8", "--output-dir", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(n)
+    hist = trainer._bitmatch.history
+    assert len(hist) == 2 and all(h.total > 0 and h.mismatches == 0 for h in hist)
