@@ -17,7 +17,9 @@ integer products (``_exact``) over fixed 4096-key chunks from position 0 / entry
 query's bits do not depend on how many later tokens or entries exist, nor on the batch:
 full prefill, chunked prefill and decode agree. The sink is folded into the same max and the
 same normalizer as the keys (never a second softmax).
-Reference: CPU. Backward: a plain fp32 recompute. Triton: not written yet (raises naming the op).
+Reference: CPU. Backward: a plain fp32 recompute (both backends). Triton backend (CUDA):
+kernels/triton/compressed_attention.py (scores and value sums from the invariant Triton linear,
+the same folds and fold order; no fused flash kernel yet).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ the slot axis (fixed width m or 2m), the products exact in float64. So an entry'
 function of its window's tokens alone: whether the window closes inside a full prefill, a
 chunked prefill or a decode step, the entry is the same. (HF sums in the model dtype in torch's
 order: parity to rounding, not bits.) RMSNorm and RoPE at position w*m follow as separate ops.
-Reference: CPU. Triton: not written yet (raises naming the op).
+Reference: CPU. Triton backend (CUDA): kernels/triton/compressor.py, the same structure in fp32
+(torch.exp, the same folds): its own bits, invariant the same way.
 """
 from __future__ import annotations
 

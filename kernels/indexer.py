@@ -13,7 +13,8 @@ visible keys the top ``k`` by (score desc, index asc) are selected: ties go to t
 so the same entries are chosen whatever the batch, the chunking or the number of keys present.
 The result is a boolean selection mask, so the attention reads the chosen entries in index
 order (order-free). The selection is piecewise constant: no gradient (HF's neither).
-Reference: CPU. Triton: not written yet (raises naming the op).
+Reference: CPU. Triton backend (CUDA): kernels/triton/indexer.py (dots from the invariant Triton
+linear in fp32 IEEE, the same fold over heads).
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ hc_head (after the last layer): pre of its own fn/base/scale, then the collapse.
 Every reduction is a fixed-order fold over one token's own values: a token's bits depend on
 that token alone. Sinkhorn runs in a fixed iteration order (column first, as HF).
 Reference: CPU (forward exact; backward a plain fp32 recompute). hc_post is elementwise plus a
-fixed stream loop, so it is plain torch on every backend. Triton for hc_pre / hc_head: not
-written yet (raises naming the op).
+fixed stream loop, so it is plain torch on every backend. Triton backend (CUDA) for hc_pre /
+hc_head: kernels/triton/mhc.py (fp32, torch.exp, the Triton linear for the mixes).
 """
 from __future__ import annotations
 
