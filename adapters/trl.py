@@ -130,7 +130,7 @@ class TrlAdapter:
     # -- setup ------------------------------------------------------------------------------
     def _pick_dtype(self, compute_dtype):
         from bitmatch.models import unwrap_causal_lm
-        p = unwrap_causal_lm(self.trainer.model).model.embed_tokens.weight.dtype
+        p = unwrap_causal_lm(self.trainer.model).get_input_embeddings().weight.dtype
         if compute_dtype is None:
             args = self.trainer.args
             if p == torch.float32 and getattr(args, "bf16", False):

@@ -139,6 +139,20 @@ class Family:
     def cache_groups(self, spec, dtype) -> list[CacheGroup]:
         raise NotImplementedError
 
+    def tiny_config(self, **overrides):
+        """An HF config of the family's smallest tested shape (``bitmatch locate/check --family``).
+        Default: the family module's own ``tiny_config(**overrides)`` function, else the first
+        ``bitmatch.testing_models.TINY_CONFIGS`` entry of one of its model types."""
+        import sys
+        own = getattr(sys.modules.get(type(self).__module__), "tiny_config", None)
+        if callable(own):
+            return own(**overrides)
+        from bitmatch.testing_models import TINY_CONFIGS, tiny_config
+        for key, (mt, _) in TINY_CONFIGS.items():
+            if mt in self.model_types:
+                return tiny_config(key, **overrides)
+        raise NotImplementedError(f"family {self.name!r} has no tiny_config: give a checkpoint path instead")
+
     def patch_modules(self, lm) -> list[tuple[torch.nn.Module, Callable]]:
         """(module, forward(module, *args, state=PatchState, **kwargs)) pairs for ``bitmatch.patch``."""
         raise NotImplementedError
@@ -283,7 +297,7 @@ def compute_dtype_of(lm) -> torch.dtype:
     st = patch_state(lm)
     if st is not None and st.compute_dtype is not None:
         return st.compute_dtype
-    return lm.model.embed_tokens.weight.dtype
+    return lm.get_input_embeddings().weight.dtype  # not every family names it embed_tokens
 
 
 def call_layer(layer, fn, args, bm):
