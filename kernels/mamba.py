@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, needs_autograd, recompute_grads
+from ._backend import backend_for, check_float, check_int, needs_autograd, recompute_grads, triton_impl
 from .moe import _log1p64
 
 F64 = torch.float64
@@ -346,7 +346,10 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
             raise ValueError(f"{op}: with a cache, seq_start must be [{nb}] (each sequence's first position)")
     Df = None if D is None else D.float().contiguous()
     if backend_for(x) != "reference":
-        _no_triton(op)
+        if needs_autograd(x, dt, A, B, C, D, dt_bias):
+            _no_triton(op + " backward")
+        return triton_impl("mamba", "mamba_chunk_scan")(x, dt, A, B, C, Df, dt_bias, chunk_size, cu_seqlens,
+                                                        float(dt_min), seq_start, cache, state_slots)
     if cache is not None:
         return scan_reference(x, process_dt(dt, dt_bias, dt_min), A, B, C, Df, chunk_size, cu_seqlens,
                               seq_start, cache, state_slots)

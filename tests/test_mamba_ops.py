@@ -5,13 +5,18 @@ neighbours in shuffled slots), gradients vs HF's autograd, input errors; and the
 own chunked scan vs its recurrent step, and HF's prefill split in two, differ."""
 from __future__ import annotations
 
+import os
 import random
+import sys
 
-import pytest
-import torch
+if not ("triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"):
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede triton's import (see test_triton_interpret)
 
-import bitmatch.kernels as K
-from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import bitmatch.kernels as K  # noqa: E402
+from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal  # noqa: E402
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 
@@ -215,9 +220,43 @@ def test_no_silent_fallback_on_the_triton_backend(monkeypatch):
     x, dt, B, C = _inputs(4)
     A, D, db = _params()
     with K.use_backend("triton"):
-        with pytest.raises(NotImplementedError, match="mamba_chunk_scan: no Triton"):
-            K.mamba_chunk_scan(x, dt, A, B, C, Q, torch.tensor([0, 4]))
+        with pytest.raises(NotImplementedError, match="mamba_chunk_scan backward: no Triton"):
+            K.mamba_chunk_scan(x.requires_grad_(True), dt, A, B, C, Q, torch.tensor([0, 4]))
         with pytest.raises(NotImplementedError, match="causal_conv1d: no Triton"):
             K.causal_conv1d(torch.randn(4, 3), torch.randn(3, 4), None, torch.tensor([0, 4]))
         with pytest.raises(NotImplementedError, match="gated_rms_norm: no Triton"):
             K.gated_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4), 2, 1e-5)
+
+
+def test_triton_scan_interpreter_schedule_invariance_and_parity():
+    """The Triton scan under TRITON_INTERPRET=1 (shapes >= 16 for tl.dot): parity with the reference,
+    and its own bits equal across full prefill, token-by-token decode and chunked splits (buffer and
+    boundary state in the cache), two sequences packed vs alone."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
+    h, p, g, n, q = 2, 16, 1, 16, 16
+    gen = torch.Generator().manual_seed(11)
+    T = 21
+    x, dt = torch.randn(T, h, p, generator=gen), torch.randn(T, h, generator=gen)
+    B, C = torch.randn(T, g, n, generator=gen), torch.randn(T, g, n, generator=gen)
+    A, D, db = -torch.rand(h, generator=gen) - 0.1, torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+
+    def call(sl, start=None, cache=None, slot=1):
+        kw = {} if cache is None else dict(seq_start=torch.tensor([start]), cache=cache, state_slots=torch.tensor([slot]))
+        return K.mamba_chunk_scan(x[sl], dt[sl], A, B[sl], C[sl], q, torch.tensor([0, sl.stop - sl.start]), D=D,
+                                  dt_bias=db, dt_min=DT_MIN, **kw)
+
+    ref = call(slice(0, T))
+    with K.use_backend("triton"):
+        full = call(slice(0, T))
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=5e-5)
+        for splits in ([1] * T, [5, 13, 3], [16, 5]):
+            cache = (torch.zeros(2, h, p, n), torch.zeros(2, q, h, p), torch.zeros(2, q, g, n), torch.zeros(2, q, h))
+            at, outs = 0, []
+            for k in splits:
+                outs.append(call(slice(at, at + k), at, cache))
+                at += k
+            assert_bitwise_equal(torch.cat(outs), full, f"triton splits {splits}")
+        both = K.mamba_chunk_scan(torch.cat([x[:4], x]), torch.cat([dt[:4], dt]), A, torch.cat([B[:4], B]),
+                                  torch.cat([C[:4], C]), q, torch.tensor([0, 4, 4 + T]), D=D, dt_bias=db, dt_min=DT_MIN)
+        assert_bitwise_equal(both[4:], full, "triton packed")
