@@ -130,15 +130,43 @@ def shared_expert(mod, x, dtype, limit):
     return linear(mod.down_proj, K.silu_and_mul(torch.cat([g, u], -1)), dtype)
 
 
+class _ElementwiseScores(torch.autograd.Function):
+    """sigmoid / sqrtsoftplus scores of every expert on CUDA: elementwise fp32 torch ops (one value
+    per element, whatever the launch), the gradient through the same formula."""
+
+    @staticmethod
+    def forward(ctx, logits, scoring):
+        from bitmatch.kernels.moe import _scores_plain
+        ctx.save_for_backward(logits)
+        ctx.scoring = scoring
+        return _scores_plain(logits, scoring)
+
+    @staticmethod
+    def backward(ctx, g):
+        from bitmatch.kernels._backend import recompute_grads
+        from bitmatch.kernels.moe import _scores_plain
+        (logits,) = ctx.saved_tensors
+        return recompute_grads(lambda z: _scores_plain(z, ctx.scoring), (logits,), (True,), (g,))[0], None
+
+
+def _all_scores(logits, spec):
+    """fp32 [T, E] scores in expert order for hash routing (which needs every expert's score)."""
+    from bitmatch.kernels._backend import backend_for
+    if backend_for(logits) == "reference" or spec.scoring == "softmax":
+        # all E scores (rank order) from moe_route, back to expert order: exact copies
+        s, order = _kernels().moe_route(logits, spec.num_experts, scoring=spec.scoring)
+        return torch.zeros_like(s).scatter(1, order, s)
+    # Triton: moe_route with k = E would unroll E selection steps; the scores alone are elementwise
+    return _ElementwiseScores.apply(logits, spec.scoring)
+
+
 def moe_block(mlp, x, input_ids, spec, layer_idx, dtype, rec=None, prefix="mlp"):
     """Routed experts + the shared expert on rows x [T, hidden] -> [T, hidden]."""
     K = _kernels()
     router = mlp.gate
     logits = K.linear(x.float(), cast_param(router.weight, F32))
     if spec.mlp_layer_types[layer_idx] == "hash_moe":
-        # all E scores (rank order) from moe_route, back to expert order: exact copies
-        s, order = K.moe_route(logits, spec.num_experts, scoring=spec.scoring)
-        scores = torch.zeros_like(s).scatter(1, order, s)
+        scores = _all_scores(logits, spec)
         ids = router.tid2eid[input_ids].long()
         w = scores.gather(1, ids)
         tot = w[:, 0]

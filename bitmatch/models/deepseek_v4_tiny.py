@@ -39,22 +39,32 @@ def tiny_model(dtype=torch.float32, seed: int = 0, **overrides):
     cfg = tiny_config(**overrides)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed + 1)
+    randomize_constants(model, seed + 1)
+    model.config._experts_implementation = "eager"
+    return model.to(dtype).eval()
+
+
+def randomize_constants(model, seed: int = 1) -> None:
+    """Draw the parameters HF initialises to constants (sinks, position biases, mHC bases and
+    scales, the hash table, the router correction bias), on the model's own device."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(t, std, mean=0.0):
+        return (mean + std * torch.randn(t.shape, generator=g)).to(t.device, t.dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(rnd(p, 1.0))
             elif name.endswith("position_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                p.copy_(rnd(p, 0.5))
             elif name.endswith(("attn_hc.base", "ffn_hc.base", "hc_base")):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                p.copy_(rnd(p, 0.3))
             elif name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_scale")):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(rnd(p, 0.2, 1.0))
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
                 e = model.config.n_routed_experts
-                b.copy_(torch.stack([torch.randperm(e, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
+                perm = torch.rand(b.shape[0], e, generator=g).argsort(-1)[:, : b.shape[1]]  # distinct experts
+                b.copy_(perm.to(b.device))
             elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    model.config._experts_implementation = "eager"
-    return model.to(dtype).eval()
+                b.copy_(rnd(b, 0.1))
