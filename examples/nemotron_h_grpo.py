@@ -30,16 +30,6 @@ def tiny_policy(seed: int = 0):
     return tiny_model(torch.float32, seed=seed).train()
 
 
-def _embed_alias(model):
-    """Until adapters/trl.py reads the embedding through get_input_embeddings() (requested in
-    /work/team/requests.md): Nemotron-H names it model.embeddings; a plain attribute (not a
-    registered submodule, so parameters and state_dict are unchanged) lets the adapter read its dtype."""
-    base_model = model.model
-    if not hasattr(base_model, "embed_tokens"):
-        base_model.__dict__["embed_tokens"] = base_model.embeddings
-    return model
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="NemotronHForCausalLM path or hub id (default: a tiny one built in code)")
@@ -67,7 +57,6 @@ def main(argv=None):
         args = base.toy_config(a.output_dir, a.steps, learning_rate=a.lr or 1e-2, per_device_train_batch_size=16,
                                num_generations=8, temperature=1.0)
         compute_dtype = torch.float32
-    _embed_alias(model)
     trainer = GRPOTrainer(model=model, reward_funcs=base.repeat_letter_reward, args=args,
                           train_dataset=base.toy_dataset(), processing_class=tokenizer)
     trainer = bitmatch.adapters.trl.attach(trainer, compute_dtype=compute_dtype)   # the one line

@@ -31,12 +31,11 @@ def test_grpo_nemotron_h_two_steps_diff_zero(tmp_path):
     import bitmatch.adapters.trl as bt
 
     nx = _example()
-    policy = nx._embed_alias(nx.tiny_policy(seed=1))
+    policy = nx.tiny_policy(seed=1)
     args = ex.toy_config(str(tmp_path / "out"), 2, per_device_train_batch_size=8, num_generations=4,
                          max_completion_length=10, temperature=TEMPERATURE, learning_rate=1e-2)
     trainer = bt.attach(GRPOTrainer(model=policy, reward_funcs=toy_reward, args=args,
-                                    train_dataset=ex.toy_dataset(16), processing_class=ex.char_tokenizer()),
-                        compute_dtype=torch.float32)
+                                    train_dataset=ex.toy_dataset(16), processing_class=ex.char_tokenizer()))
     before = params_snapshot(trainer.model)
     trainer.train()
     hist = trainer._bitmatch.history
