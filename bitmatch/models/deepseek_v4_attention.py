@@ -152,7 +152,7 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
         for name, val in step.items():
             _flat(cache[name]).index_copy_(0, ctx.slot_mapping, val.detach())
     sinks = cast_param(attn.sinks, torch.float32)
-    outs = []
+    outs, selected = [], []
     for seq in seqs:
         s, e, qpos, n, slots = seq
         rows = slice(s, e)
@@ -171,11 +171,18 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
                                     rope_at, rows)
                 mask = K.indexer_topk(iq[rows], qpos, ient, iw[rows], rate=m, top_k=spec.index_topk,
                                       softmax_scale=spec.index_head_dim ** -0.5)
-        if rec is not None and comp is not None:
-            rec(f"{prefix}.compressor.{s}", (entries, mask))
+        if rec is not None and lt == CSA:
+            # per query token: the selected entry indices in index order, -1 padded to index_topk
+            k = spec.index_topk
+            idx = torch.where(mask, torch.arange(mask.shape[1], device=x.device).view(1, -1), mask.shape[1] + k)
+            idx = torch.cat([idx, torch.full((idx.shape[0], k), mask.shape[1] + k, device=x.device)], 1)
+            idx = idx.sort(1).values[:, :k]
+            selected.append(torch.where(idx >= mask.shape[1], -1, idx))
         outs.append(K.sink_attention(q[rows], qpos, full_kv, entries, mask, sinks, scale=spec.scale,
                                      window=spec.sliding_window))
     o = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    if selected:
+        rec(f"{prefix}.indexer", torch.cat(selected, 0))
     o = K.apply_rotary_interleaved(o, cos, sin, inverse=True)
     if rec is not None:
         rec(f"{prefix}.attn", o)
