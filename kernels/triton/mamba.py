@@ -116,8 +116,8 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_ptr, start_
         if l == Q - 1:  # the chunk closes: S_{c+1}
             carry = 0.0
             acc = tl.zeros([P, N], dtype=tl.float32)
-            for k in range(0, Q // SB):
-                base = cq + k * SB
+            for kc in range(0, Q // SB):
+                base = cq + kc * SB
                 dts = tl.sum(_load_chunk(dt_ptr, H, h, db, H, base, offs_s, pos, p0, t0, one, Q, HAS_CACHE), axis=1)
                 bs = _load_chunk(B_ptr, G * N, g * N, bb, G * N, base, offs_s, pos, p0, t0, offs_n, Q, HAS_CACHE)
                 xs = _load_chunk(x_ptr, H * P, h * P, xb, H * P, base, offs_s, pos, p0, t0, offs_p, Q, HAS_CACHE)
