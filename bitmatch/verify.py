@@ -202,7 +202,8 @@ class LocateResult:
     def verdict(self) -> str:
         if self.first_divergent is None:
             kind = f"within tolerance {self.tolerance:g}" if self.tolerance is not None else "bit-identical"
-            return f"all {self.ops_compared} op outputs {kind}"
+            left = len(self.ops) - self.ops_compared
+            return f"all {self.ops_compared} op outputs {kind}" + (f" ({left} not compared)" if left else "")
         at = "" if self.position is None else f" at sequence {self.position[0]} position {self.position[1]}"
         el = "" if self.element is None else f" element {self.element}"
         where = f"layer {self.layer}, op {self.op}" if self.layer is not None else f"op {self.op}"
@@ -645,8 +646,14 @@ def _recording(engine, rec):
         rec("lm_head", out)
         rec.keys = keys
         return out
+    def forward_hidden(lm, spec, ids, ctx, dt, recorder=None):
+        if rec.keys is None or len(rec.keys) != ids.numel():   # a step the hooked prepare did not see
+            raise RuntimeError("locate --pair engine: the engine ran a step without its runner's prepare(); "
+                               "the recorder cannot attribute its rows (engine internals changed?)")
+        out = fwd(lm, spec, ids, ctx, dt, recorder or rec)
+        return out
     runner.prepare = prep
-    fam.forward_hidden = lambda lm, spec, ids, ctx, dt, recorder=None: fwd(lm, spec, ids, ctx, dt, recorder or rec)
+    fam.forward_hidden = forward_hidden
     fam.compute_logits = compute_logits
     try:
         yield
@@ -880,8 +887,8 @@ def format_table(results, max_rows: int = 40) -> str:
         tol = f", tolerance {r.tolerance:g}" if r.tolerance is not None else ", exact bits"
         inj = f", injected: {r.inject}" if r.inject else ""
         lines.append(f"== {r.pair}: {r.comparison}{tol}{inj}")
-        lines.append(f"  {'op':<40} {'status':<12} {'error':>9}  {'fingerprint ' + r.side_a[:12]:<25} "
-                     f"fingerprint {r.side_b[:12]}")
+        lines.append(f"  A = {r.side_a}, B = {r.side_b}")
+        lines.append(f"  {'op':<40} {'status':<12} {'error':>9}  {'fingerprint A':<25} fingerprint B")
         rows = r.ops
         if len(rows) > max_rows:
             at = next((i for i, o in enumerate(rows) if o["status"] == "DIFFERS"), len(rows) - 3)
