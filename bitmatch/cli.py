@@ -197,11 +197,19 @@ def tiny_model_for(family: str, dtype=None, seed: int = 0):
             continue
         if callable(getattr(obj, "tiny_model", None)):
             return obj.tiny_model(dtype=dtype, seed=seed), f"tiny {fam.name} ({getattr(obj, '__name__', fam.name)}.tiny_model)"
-    name = next((n for n, (mt, _) in TINY_CONFIGS.items() if mt in fam.model_types), None)
-    if name is None:
-        raise ValueError(f"family {fam.name!r} has no tiny model: give its module a tiny_model(dtype, seed) "
-                         f"or add a TINY_CONFIGS entry (model types {sorted(fam.model_types)}); or pass a checkpoint")
-    return tiny_model(name, dtype=dtype, seed=seed), f"tiny {name}"
+    try:
+        cfg = fam.tiny_config()   # the registry's: the module's tiny_config, else a TINY_CONFIGS entry
+    except (NotImplementedError, AttributeError):
+        raise ValueError(f"family {fam.name!r} has no tiny model: give its module a tiny_model(dtype, seed) or "
+                         f"tiny_config(), or add a TINY_CONFIGS entry (model types {sorted(fam.model_types)}); "
+                         "or pass a checkpoint") from None
+    import transformers
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    entry = next((n for n, (mt, _) in TINY_CONFIGS.items() if mt in fam.model_types), None)
+    return model.to(dtype).eval(), f"tiny {entry or fam.name + ' (' + type(fam).__name__ + '.tiny_config)'}"
 
 
 def _capture_kernel_calls(model, seqs):
