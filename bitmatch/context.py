@@ -23,6 +23,14 @@ class ForwardContext:
     slot_mapping: torch.Tensor | None = None     # [T] int64
     caches: dict | None = None                   # {cache group: {layer: cache}}
     state_slots: torch.Tensor | None = None      # [B] int64, paged mode: each sequence's per_seq slot
+    # host-side step metadata (ModelRunner.prepare computes them once per step from its host lists):
+    # kernels read these ints instead of reading device tensors back, so a step has no per-layer
+    # host sync and can be captured in a CUDA graph. None: the kernels compute them (direct callers).
+    max_query_len: int | None = None             # longest query chunk of the step
+    max_seq_len: int | None = None               # longest context (seq_lens bound); positions < it
+    # every sequence of the step starts at position 0 (no cached prefix): attention may run on the
+    # step's own contiguous K/V (attention_prefill over query_start_loc), same bits as the paged path
+    fresh_prefill: bool = False
 
     @property
     def paged(self) -> bool:

@@ -117,9 +117,13 @@ class AttentionPrefillFunction(torch.autograd.Function):
         return gq, gk, gv, None, None, None, None
 
 
-def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sliding_window: int | None = None):
+def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sliding_window: int | None = None,
+                      *, max_seqlen: int | None = None):
     """Attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1].
 
+    ``max_seqlen``: the longest sequence, known on the host (the engine's step metadata); given,
+    cu_seqlens' values are not read back (no host sync: the caller built both from the same
+    host data), only its shape is checked.
     Invariance: the row of the token at position t depends only on its sequence's q_t and
     k/v at positions <= t (within the window); equal bits to attention_paged/decode.
     """
@@ -128,8 +132,13 @@ def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sl
     check_int("cu_seqlens", cu_seqlens, op)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: q and k must have the same number of tokens")
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens must be [B+1] from 0 to T={q.shape[0]}")
+    if max_seqlen is None:
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
+            raise ValueError(f"{op}: cu_seqlens must be [B+1] from 0 to T={q.shape[0]}")
+    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or not 0 <= max_seqlen <= q.shape[0]:
+        raise ValueError(f"{op}: max_seqlen must be an int in [0, T={q.shape[0]}], got {max_seqlen!r}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{op}: sliding_window must be >= 1 or None")
     check_same_device(op, q=q, k=k, v=v)
@@ -137,7 +146,8 @@ def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sl
     if backend_for(q) == "triton":
         # the output and its logsumexp kept for the flash backward (same output bits)
         return triton_impl("attention", "attention_prefill_autograd")(q, k, v, cu_seqlens, float(scale),
-                                                                      bool(causal), sliding_window)
+                                                                      bool(causal), sliding_window,
+                                                                      max_seqlen=max_seqlen)
     return AttentionPrefillFunction.apply(q, k, v, cu_seqlens, float(scale), bool(causal), sliding_window)
 
 
@@ -156,7 +166,7 @@ def attention_paged_reference(q, k_cache, v_cache, block_table, query_start_loc,
     return out
 
 
-def _check_paged(op, q, k_cache, v_cache, block_table, seq_lens):
+def _check_paged(op, q, k_cache, v_cache, block_table, seq_lens, max_seq_len=None):
     check_float("q", q, op)
     check_float("k_cache", k_cache, op)
     check_float("v_cache", v_cache, op)
@@ -170,41 +180,65 @@ def _check_paged(op, q, k_cache, v_cache, block_table, seq_lens):
     check_int("seq_lens", seq_lens, op)
     if block_table.dim() != 2 or block_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"{op}: block_table must be [B, max_blocks] with B = len(seq_lens)")
-    if seq_lens.numel() and int(seq_lens.max()) > block_table.shape[1] * k_cache.shape[1]:
+    longest = max_seq_len if max_seq_len is not None else (int(seq_lens.max()) if seq_lens.numel() else 0)
+    if longest > block_table.shape[1] * k_cache.shape[1]:
         raise ValueError(f"{op}: a seq_len exceeds the blocks of its block_table row")
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
 
 
+def _host_bound(op, name, value, hi):
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+        raise ValueError(f"{op}: {name} must be an int in [0, {hi}], got {value!r}")
+    return value
+
+
 def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale: float,
-                    sliding_window: int | None = None):
+                    sliding_window: int | None = None, *, max_query_len: int | None = None,
+                    max_seq_len: int | None = None):
     """Queries of B sequences against a paged cache; sequence b's queries are the last
     positions of its seq_lens[b] tokens (chunked prefill or decode).
 
+    ``max_query_len`` / ``max_seq_len``: the step's longest query chunk and context, known on the
+    host (the engine computes them once per step in ``ModelRunner.prepare``). Given both, the
+    per-call value checks that would read device tensors back (a host sync per layer, and none
+    allowed inside a CUDA graph) are replaced by checks of these ints; the caller vouches that
+    they bound ``query_start_loc`` / ``seq_lens``. Direct callers that omit them get every check.
     Invariance: same bits as attention_prefill for the same token, for any block size,
     block table, chunk split or batch composition.
     """
     op = "attention_paged"
-    _check_paged(op, q, k_cache, v_cache, block_table, seq_lens)
+    host = max_query_len is not None and max_seq_len is not None
+    if host:
+        _host_bound(op, "max_seq_len", max_seq_len, block_table.shape[1] * k_cache.shape[1])
+        _host_bound(op, "max_query_len", max_query_len, min(max_seq_len, q.shape[0]))
+    _check_paged(op, q, k_cache, v_cache, block_table, seq_lens, max_seq_len if host else None)
     check_int("query_start_loc", query_start_loc, op)
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or int(query_start_loc[-1]) != q.shape[0]:
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"{op}: query_start_loc must be [B+1] ending at T={q.shape[0]}")
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if bool((q_lens > seq_lens).any()):
-        raise ValueError(f"{op}: a sequence has more queries than seq_lens tokens")
+    if not host:
+        if int(query_start_loc[-1]) != q.shape[0]:
+            raise ValueError(f"{op}: query_start_loc must be [B+1] ending at T={q.shape[0]}")
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if bool((q_lens > seq_lens).any()):
+            raise ValueError(f"{op}: a sequence has more queries than seq_lens tokens")
     if backend_for(q) == "reference":
         return attention_paged_reference(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                                          float(scale), sliding_window)
+    kw = dict(max_query_len=max_query_len, max_seq_len=max_seq_len) if host else {}
     return triton_impl("attention", "attention_paged")(
-        q.contiguous(), k_cache, v_cache, block_table, query_start_loc, seq_lens, float(scale), sliding_window)
+        q.contiguous(), k_cache, v_cache, block_table, query_start_loc, seq_lens, float(scale), sliding_window,
+        **kw)
 
 
-def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, sliding_window: int | None = None):
+def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, sliding_window: int | None = None,
+                     *, max_seq_len: int | None = None):
     """One query per sequence, q [B, Hq, D], against the paged cache (= attention_paged).
 
     Invariance: the same bits as prefill row seq_lens[b]-1 of the same sequence.
     """
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return attention_paged(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, sliding_window)
+    kw = {} if max_seq_len is None else dict(max_query_len=min(1, q.shape[0]), max_seq_len=max_seq_len)
+    return attention_paged(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, sliding_window, **kw)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -25,18 +25,21 @@ def linear_reference(x2d, weight, bias):
     return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
 
-def _forward(x2d, weight, bias):
+def _forward(x2d, weight, bias, segments=None):
     if backend_for(x2d) == "reference":
+        # exact products and sums, one rounding per element: any column split gives the same bits
         return linear_reference(x2d, weight, bias)
+    if segments is not None:
+        return triton_impl("linear", "linear_segments")(x2d, weight, bias, segments)
     return triton_impl("linear", "linear")(x2d, weight, bias)
 
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias):
+    def forward(ctx, x2d, weight, bias, segments=None):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return _forward(x2d, weight, bias)
+        return _forward(x2d, weight, bias, segments)
 
     @staticmethod
     def backward(ctx, g):
@@ -49,15 +52,25 @@ class LinearFunction(torch.autograd.Function):
         gx = (gc @ weight.to(ct)).to(x2d.dtype) if ctx.needs_input_grad[0] else None
         gw = (gc.t() @ x2d.to(ct)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         gb = g.float().sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           segments: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T + bias`` in x's dtype.
 
+    ``segments``: ``weight`` is the row concatenation of weights of these N sizes (fused q/k/v,
+    gate/up); each segment's output columns then get exactly the bits of ``linear`` on that
+    segment's weight alone (its own K-split of the canonical order; the Triton kernel accumulates
+    K in a fixed order per output element whatever N is: tests/test_fused_proj.py).
     Invariance: each output row's bits depend only on that row of x, weight and bias.
     """
     op = "linear"
+    if segments is not None:
+        segments = tuple(int(n) for n in segments)
+        if not segments or min(segments) < 1 or sum(segments) != weight.shape[0]:
+            raise ValueError(f"{op}: segments {segments} must be positive sizes summing to weight's N "
+                             f"{weight.shape[0]}")
     check_float("x", x, op)
     check_float("weight", weight, op)
     if weight.dim() != 2:
@@ -71,5 +84,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     check_same_device(op, x=x, weight=weight, bias=bias)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    out = LinearFunction.apply(x2d, weight.contiguous(), bias)
+    out = LinearFunction.apply(x2d, weight.contiguous(), bias, segments)
     return out.reshape(*lead, weight.shape[0])

@@ -37,7 +37,13 @@ class Engine:
 
     model: an HF causal LM module (patched or not; used in place) or a checkpoint path
     (loaded with ``bitmatch.models.load_model``). KV budget: ``num_gpu_blocks`` blocks or
-    ``kv_cache_bytes`` bytes (default: half the free memory on an accelerator, 512 MiB on CPU).
+    ``kv_cache_bytes`` bytes; by default on CUDA, vLLM's rule: ``gpu_memory_utilization`` of the
+    device's memory minus what is in use (weights, other processes) minus the activation peak of a
+    profiled step of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sampled rows
+    (``model_runner.profile_kv_budget``); 512 MiB on CPU.
+    ``enforce_eager``: no CUDA graphs (vLLM's flag); otherwise pure-decode steps on CUDA replay one
+    graph per padded batch bucket (``bitmatch.engine.graphs``) for contexts up to
+    ``max_seq_len_to_capture``; same bits either way.
     ``seed`` seeds the requests whose SamplingParams have no seed (with the request's index).
     ``enable_prefix_caching`` reuses full KV blocks across requests inside a ``generate`` call;
     the cache is reset at the start of every ``generate`` because the weights may have changed.
@@ -45,7 +51,9 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_gpu_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
+                 max_seq_len_to_capture: int = 8192):
         from bitmatch.models import cache_groups, check_supported, unwrap_causal_lm
 
         if isinstance(model, (str, os.PathLike)):
@@ -84,11 +92,22 @@ class Engine:
                              "prefix block does not carry; use enable_prefix_caching=False")
         per_block = bytes_per_block(groups, self.block_size)
         state_bytes = self.max_num_seqs * sum(g.bytes_per_seq() for g in groups)
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        _positive_int("max_seq_len_to_capture", max_seq_len_to_capture)
+        self.kv_profile = None
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
                 if self.device.type == "cuda":
-                    kv_cache_bytes = torch.cuda.mem_get_info(self.device)[0] // 2
+                    from bitmatch.engine.model_runner import profile_kv_budget
+                    self.kv_profile = profile_kv_budget(model, groups, self.block_size, self.max_num_batched_tokens,
+                                                        self.max_num_seqs, float(gpu_memory_utilization))
+                    kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
+                    if kv_cache_bytes < per_block + state_bytes:
+                        raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="
+                                         f"{gpu_memory_utilization} ({self.kv_profile}); raise it, or lower "
+                                         "max_num_batched_tokens / max_num_seqs")
             _positive_int("kv_cache_bytes", kv_cache_bytes)
             if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
                 num_gpu_blocks = self.max_num_seqs * -(-(self.max_model_len or 32768) // self.block_size)
@@ -104,7 +123,9 @@ class Engine:
                                           num_state_slots=self.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.enable_chunked_prefill)
-        self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks, self.max_num_seqs)
+        self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks, self.max_num_seqs,
+                                        max_num_seqs=self.max_num_seqs, enforce_eager=bool(enforce_eager),
+                                        max_seq_len_to_capture=max_seq_len_to_capture)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else \
             getattr(lm.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))

@@ -3,11 +3,23 @@
 The model path is M's ``bitmatch.models.forward_hidden`` / ``compute_logits`` on the HF
 module's own parameters (read at every step, so a weight update is seen at once). In paged
 mode each attention layer writes the step's K/V at ``slot_mapping`` and calls
-``kernels.attention_paged`` for every token, decode and prefill chunk alike, so the bits of a
-token's logits do not depend on how its prefix was scheduled.
+``kernels.attention_paged`` (or, for a step of fresh prefills, ``attention_prefill`` on the
+step's own K/V: same bits), so the bits of a token's logits do not depend on how its prefix was
+scheduled.
+
+Step inputs are built on the host with numpy (no per-token Python loop) into two packed arrays
+and uploaded in one pinned, non-blocking copy each; the step's host metadata (longest query and
+context) rides in the ForwardContext, so the forward reads nothing back: the sampled tokens'
+transfer is the step's one host sync.
+
+Pure-decode steps on CUDA replay a CUDA graph (``graphs.DecodeGraphs``): one per padded batch
+bucket, persistent input buffers, padded rows pointed at a scratch KV block. The kernels are
+batch-invariant, so a real row's bits do not depend on its bucket or on the padding
+(tests/test_engine_graphs.py; ``simulate_buckets`` runs the same padded inputs eagerly on CPU).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
@@ -20,8 +32,127 @@ def bytes_per_block(groups, block_size: int) -> int:
     return sum(g.bytes_per_block(block_size) for g in groups)
 
 
+def upload(arr: np.ndarray, device) -> torch.Tensor:
+    """One host array on ``device``: pinned and non-blocking on CUDA (the caching host allocator
+    keeps the pinned block until the copy is done), a copy on CPU."""
+    t = torch.from_numpy(arr)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.clone()
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM-style padded batch buckets: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs (included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 8))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+@torch.no_grad()
+def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs: int, utilization: float) -> dict:
+    """Bytes left for the KV cache on the model's CUDA device (vLLM's profile run): the device's
+    memory x ``utilization``, minus what is already in use (the weights, other processes), minus
+    the activation peak of one step of ``max_tokens`` fresh-prefill tokens whose ``max_seqs`` rows
+    are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights created by the
+    step (fused projections) stay allocated and are counted as in use."""
+    from bitmatch.engine.sampling import SamplingParams
+    from bitmatch.models import allocate_caches, compute_logits, forward_hidden
+    dev = next(model.parameters()).device
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    other = (total - free) - torch.cuda.memory_reserved(dev)    # other processes, CUDA context
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    nb = -(-max_tokens // block_size) + 1
+    has_state = any(g.kind == "per_seq" for g in groups)
+    caches = allocate_caches(groups, nb, block_size, dev, num_seqs=1 if has_state else 0)
+    cache_bytes = torch.cuda.memory_allocated(dev) - base
+    T, S = max_tokens, min(max_seqs, max_tokens)
+    pos = np.arange(T, dtype=np.int64)
+    inp = StepInputs.__new__(StepInputs)
+    inp.B, inp.T = 1, T
+    inp.ids, inp.positions, inp.slots = np.zeros(T, np.int64), pos, pos.copy()
+    inp.qsl, inp.seq_lens = np.array([0, T], np.int64), np.array([T], np.int64)
+    inp.block_table = np.arange(nb, dtype=np.int64)[None]
+    inp.state_slots = np.zeros(1, np.int64)
+    inp.sample_rows = np.zeros(0, np.int64)
+    inp.max_query_len = inp.max_seq_len = T
+    inp.fresh_prefill = True
+    ids, ctx, _ = inp.context(dev, caches)
+    hidden = forward_hidden(model, ids, ctx)
+    logits = compute_logits(model, hidden[torch.arange(S, device=dev) % T])
+    Sampler()(logits, [SamplingParams()] * S, list(range(S)), [0] * S)
+    del hidden, logits, ctx, ids, caches
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
+    in_use = torch.cuda.memory_allocated(dev)
+    kv = int(total * utilization) - other - in_use - peak
+    return {"total_bytes": total, "utilization": utilization, "other_processes_bytes": other,
+            "in_use_bytes": in_use, "activation_peak_bytes": peak, "kv_cache_bytes": max(0, kv)}
+
+
+class StepInputs:
+    """Host arrays of one step (numpy), built without a per-token loop."""
+
+    def __init__(self, scheduled: list[tuple[Sequence, int]], block_size: int):
+        B = len(scheduled)
+        seqs = [s for s, _ in scheduled]
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, B)
+        ns = np.fromiter((n for _, n in scheduled), np.int64, B)
+        ends = starts + ns
+        lens = np.fromiter((len(s) for s in seqs), np.int64, B)
+        qsl = np.zeros(B + 1, np.int64)
+        np.cumsum(ns, out=qsl[1:])
+        T = int(qsl[-1])
+        width = max(len(s.block_table) for s in seqs)
+        bt = np.zeros((B, max(width, 1)), np.int64)
+        for i, s in enumerate(seqs):  # per sequence, not per token
+            bt[i, :len(s.block_table)] = s.block_table
+        tok_seq = np.repeat(np.arange(B), ns)
+        positions = np.arange(T, dtype=np.int64) + np.repeat(starts - qsl[:-1], ns)
+        if all(n == 1 for _, n in scheduled):
+            ids = np.fromiter((s.token_ids[a] for s, a in zip(seqs, starts.tolist())), np.int64, B)
+        else:
+            ids = np.concatenate([np.asarray(s.token_ids[a:a + n], np.int64)
+                                  for (s, n), a in zip(scheduled, starts.tolist())])
+        self.B, self.T = B, T
+        self.ids, self.positions, self.qsl, self.seq_lens, self.block_table = ids, positions, qsl, ends, bt
+        self.slots = bt[tok_seq, positions // block_size] * block_size + positions % block_size
+        self.state_slots = np.fromiter((s.state_slot for s in seqs), np.int64, B)
+        self.sample_mask = ends == lens          # prefill done or decode: the last row samples
+        self.sample_rows = qsl[1:][self.sample_mask] - 1
+        self.max_query_len = int(ns.max())
+        self.max_seq_len = int(ends.max())
+        self.fresh_prefill = bool((starts == 0).all())
+        self.pure_decode = bool((ns == 1).all() and self.sample_mask.all())
+
+    def context(self, device, caches) -> tuple[torch.Tensor, ForwardContext, torch.Tensor]:
+        """(input_ids, ForwardContext, sample_rows) on ``device``: two uploads (int64, int32)."""
+        B, T = self.B, self.T
+        i64 = np.concatenate([self.ids, self.positions, self.slots, self.state_slots, self.sample_rows])
+        i32 = np.concatenate([self.qsl, self.seq_lens, self.block_table.reshape(-1)]).astype(np.int32)
+        a, b = upload(i64, device), upload(i32, device)
+        S = self.sample_rows.shape[0]
+        ctx = ForwardContext(positions=a[T:2 * T], slot_mapping=a[2 * T:3 * T], state_slots=a[3 * T:3 * T + B],
+                             query_start_loc=b[:B + 1], seq_lens=b[B + 1:2 * B + 1],
+                             block_table=b[2 * B + 1:].view(B, -1), caches=caches,
+                             max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                             fresh_prefill=self.fresh_prefill)
+        return a[:T], ctx, a[3 * T + B:3 * T + B + S]
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0):
+    """Allocates the caches (plus one scratch KV block and state slot for padded graph rows),
+    prepares each step's inputs and runs it, eagerly or by graph replay.
+
+    enforce_eager: never use CUDA graphs (vLLM's flag). max_seq_len_to_capture: longest context a
+    graph serves (its attention is captured for that bound); longer decode steps run eagerly.
+    simulate_buckets: run pure-decode steps eagerly on the padded bucket inputs a graph would get
+    (CPU tests of the padding, where graphs do not exist).
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0, *,
+                 max_num_seqs: int | None = None, enforce_eager: bool = False, max_seq_len_to_capture: int = 8192,
+                 simulate_buckets: bool = False):
         from bitmatch.models import allocate_caches, cache_groups
 
         self.model = model
@@ -30,12 +161,24 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # the family says which caches it needs; the engine never names an architecture
         self.cache_groups = cache_groups(model)
-        self.caches = allocate_caches(self.cache_groups, num_blocks, block_size, self.device,
-                                      num_seqs=num_state_slots)
+        has_state = any(g.kind == "per_seq" for g in self.cache_groups)
+        # the last block / slot is scratch: padded graph rows write and read only there
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_state_slots if has_state else -1
+        self.caches = allocate_caches(self.cache_groups, num_blocks + 1, block_size, self.device,
+                                      num_seqs=num_state_slots + 1 if has_state else 0)
         # per-sequence state tensors, zeroed for every sequence that starts at token 0
         self._state_tensors = [t for g in self.cache_groups if g.kind == "per_seq"
                                for entry in self.caches[g.name].values() for t in entry]
         self.sampler = Sampler()
+        self.buckets = capture_sizes(max_num_seqs or 1)
+        self.simulate_buckets = bool(simulate_buckets)
+        self.graphs = None
+        self._pending = None
+        if self.device.type == "cuda" and not enforce_eager:
+            from bitmatch.engine.graphs import DecodeGraphs, graph_safe
+            if graph_safe(model):
+                self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
 
     def reset_state_slots(self, slots: list[int]) -> None:
         """Zero the per-sequence state of ``slots`` (a sequence (re)starting from token 0)."""
@@ -44,48 +187,77 @@ class ModelRunner:
             for t in self._state_tensors:
                 t.index_fill_(0, idx, 0)
 
+    def bucket_for(self, B: int) -> int | None:
+        for b in self.buckets:
+            if b >= B:
+                return b
+        return None
+
+    def pad(self, inp: StepInputs, bucket: int) -> StepInputs:
+        """The step's inputs padded to ``bucket`` rows: padded rows decode token 0 at position 0
+        with a 1-token context in the scratch block (and scratch state slot), so they never touch a
+        real sequence's cache; real rows are unchanged."""
+        import copy
+        p = copy.copy(inp)
+        n = bucket - inp.B
+        if n <= 0:
+            return p
+        bs, sb = self.block_size, self.scratch_block
+
+        def ext(x, v):
+            return np.concatenate([x, np.full(n, v, np.int64)])
+        p.B = p.T = bucket
+        p.ids, p.positions, p.slots = ext(inp.ids, 0), ext(inp.positions, 0), ext(inp.slots, sb * bs)
+        p.state_slots = ext(inp.state_slots, self.scratch_slot)
+        p.seq_lens = ext(inp.seq_lens, 1)
+        p.qsl = np.arange(bucket + 1, dtype=np.int64)
+        pad_bt = np.zeros((n, inp.block_table.shape[1]), np.int64)
+        pad_bt[:, 0] = sb
+        p.block_table = np.concatenate([inp.block_table, pad_bt])
+        p.sample_rows = inp.sample_rows  # only real rows are sampled
+        return p
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """(input_ids [T], ForwardContext, indices of the rows whose logits are sampled)."""
-        bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, sample_rows = [], [], [], [0], [], []
-        fresh = [seq.state_slot for seq, _ in scheduled if seq.num_computed_tokens == 0 and seq.state_slot >= 0]
-        self.reset_state_slots(fresh)
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            if end == len(seq):  # prefill done or decode: the last row gives the next token
-                sample_rows.append(qsl[-1] - 1)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        block_table = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
-        dev = self.device
+        """(input_ids [T], ForwardContext, sample_rows [S] device tensor) of an eager step."""
+        pending = self._pending
+        self._pending = None
+        inp = pending[1] if pending is not None and pending[0] is scheduled else StepInputs(scheduled, self.block_size)
+        self._reset_fresh(scheduled)
+        return inp.context(self.device, self.caches)
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
-
-        ctx = ForwardContext(positions=t(positions, torch.int64), query_start_loc=t(qsl, torch.int32),
-                             seq_lens=t(seq_lens, torch.int32), block_table=t(block_table, torch.int32),
-                             slot_mapping=t(slots, torch.int64), caches=self.caches,
-                             state_slots=t([seq.state_slot for seq, _ in scheduled], torch.int64))
-        return t(input_ids, torch.int64), ctx, sample_rows
+    def _reset_fresh(self, scheduled):
+        self.reset_state_slots([seq.state_slot for seq, _ in scheduled
+                                if seq.num_computed_tokens == 0 and seq.state_slot >= 0])
 
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]):
         """Run the step; returns (sequences that sample, tokens, logprobs, sampled_logprobs)."""
         from bitmatch.models import compute_logits, forward_hidden
 
-        input_ids, ctx, sample_rows = self.prepare(scheduled)
-        hidden = forward_hidden(self.model, input_ids, ctx)
-        seqs = [seq for seq, n in scheduled if seq.num_computed_tokens + n == len(seq)]
-        if not seqs:
-            return [], [], [], []
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
-        logits = compute_logits(self.model, hidden.index_select(0, rows))
+        inp = StepInputs(scheduled, self.block_size)
+        seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
+        hidden = None
+        # a hooked prepare (bitmatch.verify's recorder, tests) observes every step: eager then
+        hooked = "prepare" in self.__dict__
+        bucket = self.bucket_for(inp.B) if inp.pure_decode and not hooked else None
+        if bucket is not None and self.graphs is not None:
+            self._reset_fresh(scheduled)
+            hidden = self.graphs.run(self.pad(inp, bucket), bucket)  # None: this step is not graphable
+        elif bucket is not None and self.simulate_buckets:
+            self._reset_fresh(scheduled)
+            ids, ctx, _ = self.pad(inp, bucket).context(self.device, self.caches)
+            hidden = forward_hidden(self.model, ids, ctx)
+        if hidden is not None:
+            hidden = hidden[:inp.B]
+        else:
+            self._pending = (scheduled, inp)
+            ids, ctx, rows = self.prepare(scheduled)
+            hidden = forward_hidden(self.model, ids, ctx)
+            if not seqs:
+                return [], [], [], []
+            if rows.shape[0] != hidden.shape[0]:
+                hidden = hidden.index_select(0, rows)
+        logits = compute_logits(self.model, hidden)
         tokens, lps, sampled = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                             [s.num_completion_tokens for s in seqs])
         return seqs, tokens, lps, sampled

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import bitmatch.kernels as K
@@ -88,26 +89,28 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  indices: list[int]) -> tuple[list[int], list[float], list[float]]:
+        from bitmatch.engine.model_runner import upload
         dev = logits.device
-        # per-row parameters: host lists (no device sync), one small upload each
-        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params], dtype=torch.float32,
-                             device=dev)
+        n = len(params)
+        # per-row parameters: host arrays, two pinned non-blocking uploads (no device sync)
         greedy = [sp.greedy for sp in params]
+        masked_rows = [sp.masked for sp in params]
+        f32 = np.array([[1.0 if sp.greedy else sp.temperature for sp in params],
+                        [sp.top_p if m else 1.0 for sp, m in zip(params, masked_rows)]], np.float32)
+        i64 = np.array([[K.sampling.to_int64_seed(s) for s in seeds], list(indices),
+                        [sp.top_k if m else -1 for sp, m in zip(params, masked_rows)], greedy], np.int64)
+        f32, i64 = upload(f32.reshape(-1), dev).view(2, n), upload(i64.reshape(-1), dev).view(4, n)
+        temps = f32[0]
         masked = logits
-        if any(sp.masked for sp in params):
-            top_k = torch.tensor([sp.top_k if sp.masked else -1 for sp in params], dtype=torch.int64, device=dev)
-            top_p = torch.tensor([sp.top_p if sp.masked else 1.0 for sp in params], dtype=torch.float32,
-                                 device=dev)
-            masked = K.apply_top_k_top_p(logits, temps, top_k, top_p)
+        if any(masked_rows):
+            masked = K.apply_top_k_top_p(logits, temps, i64[2], f32[1])
         if all(greedy):
             tokens = logits.float().argmax(-1)
         else:
-            u = K.uniform_noise(torch.tensor([K.sampling.to_int64_seed(s) for s in seeds], dtype=torch.int64,
-                                             device=dev),
-                                torch.tensor(indices, dtype=torch.int64, device=dev))
+            u = K.uniform_noise(i64[0], i64[1])
             tokens = K.categorical_sample(masked, temps, u)
             if any(greedy):
-                tokens = torch.where(torch.tensor(greedy, device=dev), logits.float().argmax(-1), tokens)
+                tokens = torch.where(i64[3].bool(), logits.float().argmax(-1), tokens)
         # the reported logprobs: the trainer's function on the same logits (its autograd Function
         # directly: the inputs are valid by construction, and the public entry's value checks
         # would cost three host syncs per call)

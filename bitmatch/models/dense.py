@@ -29,6 +29,7 @@ Families that share this attention and differ in the MLP (``qwen3_moe``) subclas
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,85 @@ def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast_param(h, dtype)
 
 
+# ----------------------------------------------------------------------------- fused projections
+# Inference only (no autograd recording): q/k/v and gate/up as one GEMM each on a concatenated
+# copy of the HF weights, which stay the source of truth. kernels.linear(segments=) gives each
+# segment the bits of its own linear, so fusing changes no bit. The copy is keyed on the weights'
+# data_ptr (a replaced tensor: new copy) and _version (an in-place update, an optimizer step or
+# a weight sync: recomputed in place, so a captured CUDA graph reading it stays valid).
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _FusedEntry:
+    __slots__ = ("mods", "dtype", "key", "weight", "bias", "segments")
+
+    def _params(self):
+        return [m.weight for m in self.mods] + [m.bias for m in self.mods if getattr(m, "bias", None) is not None]
+
+    def versions(self):
+        return tuple((p.data_ptr(), p._version) for p in self._params())
+
+    def build(self, out=None):
+        ws = [cast_param(m.weight, self.dtype) for m in self.mods]
+        self.weight = torch.cat(ws, 0) if out is None else torch.cat(ws, 0, out=out)
+        bs = [getattr(m, "bias", None) for m in self.mods]
+        self.bias = None if bs[0] is None else torch.cat([cast_param(b, self.dtype) for b in bs], 0)
+        self.key = self.versions()
+
+    def refresh(self):
+        key = self.versions()
+        if key == self.key:
+            return
+        same_ptrs = [p for p, _ in key] == [p for p, _ in self.key]
+        self.build(out=self.weight if same_ptrs else None)
+
+
+def _fused_weight(parent, name: str, mods, dtype):
+    """(weight, bias, segments) of ``mods`` fused, or None when fusing does not apply (autograd
+    records: the trainer keeps its separate parameters; PEFT layers; mixed bias)."""
+    if torch.is_grad_enabled() or any(lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
+                                      for m in mods):
+        return None
+    if len({getattr(m, "bias", None) is None for m in mods}) != 1:
+        return None
+    per = _FUSED.setdefault(parent, {})
+    e = per.get(name)
+    if e is None or e.dtype != dtype or any(a is not b for a, b in zip(e.mods, mods)):
+        e = _FusedEntry()
+        e.mods, e.dtype = tuple(mods), dtype
+        e.segments = tuple(m.weight.shape[0] for m in mods)
+        e.build()
+        per[name] = e
+    else:
+        e.refresh()
+    return e.weight, e.bias, e.segments
+
+
+def refresh_fused(lm) -> None:
+    """Bring every fused copy of ``lm``'s layers up to date in place (before a CUDA graph replay,
+    which runs no host code)."""
+    for layer in lm.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for e in _FUSED.get(parent, {}).values():
+                e.refresh()
+
+
+def _fused_linear(parent, name, mods, x, dtype):
+    """The outputs of ``linear(m, x)`` for each of ``mods``: one GEMM when fusable, same bits."""
+    f = _fused_weight(parent, name, mods, dtype)
+    if f is None:
+        return [linear(m, x, dtype) for m in mods]
+    w, b, segs = f
+    y = _kernels().linear(x, w, b, segments=segs)
+    return list(torch.split(y, segs, dim=-1))
+
+
 def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp"):
+    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if rec is None else None
+    if f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
+        w, b, segs = f
+        a = _kernels().silu_and_mul(_kernels().linear(x, w, b, segments=segs))
+        return linear(mlp_mod.down_proj, a, dtype)
     g = linear(mlp_mod.gate_proj, x, dtype)
     u = linear(mlp_mod.up_proj, x, dtype)
     if rec is not None:
@@ -161,9 +240,8 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     K = _kernels()
     T = x.shape[0]
     D = spec.head_dim
-    q = linear(attn.q_proj, x, dtype).view(T, -1, D)
-    k = linear(attn.k_proj, x, dtype).view(T, -1, D)
-    v = linear(attn.v_proj, x, dtype).view(T, -1, D)
+    q, k, v = _fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype)
+    q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
     if rec is not None:
         rec(f"{prefix}.q_proj", q)
         rec(f"{prefix}.k_proj", k)
@@ -181,8 +259,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     if ctx.paged:
         k_cache, v_cache = ctx.cache("kv", layer_idx)
         K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        o = K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
-                              spec.scale, sliding_window=sw)
+        o = _paged_attention(K, q, k, v, k_cache, v_cache, ctx, spec.scale, sw)
     else:
         if ctx.cu_seqlens is None:
             raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
@@ -193,6 +270,47 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     if rec is not None:
         rec(f"{prefix}.o_proj", o)
     return o
+
+
+def _paged_attention(K, q, k, v, k_cache, v_cache, ctx: ForwardContext, scale, sw):
+    """The paged step's attention (K/V already written): a step of fresh prefills (no cached
+    prefix) attends over its own contiguous K/V with attention_prefill, with no per-token gather
+    through the block table; any other step through attention_paged. Same bits either way (the
+    kernels share the canonical KV-block order: tests/test_engine_prefill_fast.py)."""
+    if ctx.fresh_prefill and ctx.max_query_len is not None:
+        return K.attention_prefill(q, k, v, ctx.query_start_loc, scale, causal=True, sliding_window=sw,
+                                   max_seqlen=ctx.max_query_len)
+    host = {} if ctx.max_seq_len is None or ctx.max_query_len is None else dict(
+        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+    return K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
+                             scale, sliding_window=sw, **host)
+
+
+_ROPE_TABLES: dict = {}
+
+
+def rope_cos_sin(ctx: ForwardContext, head_dim: int, base: float, scaling, max_position_embeddings):
+    """(cos, sin) fp32 [T, head_dim // 2] of ``ctx.positions``.
+
+    With the step's host bound (``ctx.max_seq_len``: positions < it) the rows are gathered from a
+    table ``kernels.rotary_cos_sin(arange(n))`` built once per rope config and device, so the step
+    has no host sync (the kernel's own call reads the positions' range back) and can be captured
+    in a CUDA graph. Same bits: rotary_cos_sin's row of a position depends only on the position.
+    Tables are never dropped (a captured graph may read an older, smaller one).
+    """
+    K = _kernels()
+    if ctx.max_seq_len is None or ctx.positions.device.type != "cuda":
+        return K.rotary_cos_sin(ctx.positions, head_dim, base, scaling, dtype=torch.float32,
+                                max_position_embeddings=max_position_embeddings)
+    key = (head_dim, float(base), repr(scaling), max_position_embeddings, str(ctx.positions.device))
+    tables = _ROPE_TABLES.setdefault(key, [])
+    if not tables or tables[-1][0].shape[0] < ctx.max_seq_len:
+        n = max(4096, 1 << max(0, ctx.max_seq_len - 1).bit_length())
+        pos = torch.arange(n, device=ctx.positions.device)
+        tables.append(K.rotary_cos_sin(pos, head_dim, base, scaling, dtype=torch.float32,
+                                       max_position_embeddings=max_position_embeddings))
+    cos_t, sin_t = tables[-1]
+    return cos_t[ctx.positions], sin_t[ctx.positions]
 
 
 @dataclass
@@ -298,13 +416,25 @@ class DenseFamily(Family):
     def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp"):
         return gated_mlp(mlp_mod, x, dtype, rec, prefix)
 
+    def cuda_graph_safe(self, lm) -> bool:
+        """The engine may capture this family's decode steps in CUDA graphs: true for the dense
+        forward itself (every op sync-free given the context's host bounds); a subclass that
+        overrides the forward or the MLP must opt in by overriding this."""
+        cls = type(self)
+        return (cls.forward_hidden is DenseFamily.forward_hidden and cls.mlp is DenseFamily.mlp
+                and not any(lora.is_lora_layer(m) for m in lm.modules()))
+
+    def refresh_derived_weights(self, lm) -> None:
+        """The fused q/k/v, gate/up copies brought up to date in place (before a graph replay)."""
+        refresh_fused(lm)
+
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
         K = _kernels()
         h = embed(lm, input_ids, dtype)
         if recorder is not None:
             recorder("embed_tokens", h)
-        cos, sin = K.rotary_cos_sin(ctx.positions, spec.head_dim, spec.rope_base, spec.rope_scaling,
-                                    dtype=torch.float32, max_position_embeddings=spec.max_position_embeddings)
+        cos, sin = rope_cos_sin(ctx, spec.head_dim, spec.rope_base, spec.rope_scaling,
+                                spec.max_position_embeddings)
         residual = None
         for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
             bm = LayerCall(self, ctx, spec, i, dtype, recorder)

@@ -150,7 +150,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, K_CHUNK,
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, b_ptr, out_ptr, total_n, N, HAS_BIAS: tl.constexpr,
+def _reduce_kernel(ws_ptr, b_ptr, out_ptr, total_n, N, stride_om, HAS_BIAS: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -160,15 +160,17 @@ def _reduce_kernel(ws_ptr, b_ptr, out_ptr, total_n, N, HAS_BIAS: tl.constexpr,
         total = total + tl.load(ws_ptr + (offs + s * total_n), mask=mask, other=0.0)
     if HAS_BIAS:
         total = total + tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    # out may be a column slice of a wider output (fused projections): row stride stride_om
+    tl.store(out_ptr + (offs // N) * stride_om + offs % N, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, weight, bias, cfg, split):
+def _launch(x, weight, bias, cfg, split, out=None):
     M, K = x.shape
     N = weight.shape[0]
     BM, BN, BK, GROUP_M, warps, stages, mode = cfg
     interp = interpreting(x)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     k_chunk = K // split if split > 1 else triton.cdiv(K, BK) * BK
@@ -186,7 +188,7 @@ def _launch(x, weight, bias, cfg, split):
                                        BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, EVEN_K=even_k,
                                        INTERP=interp, PREC=prec, **kw)
         BLOCK = 1024
-        _reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, b_arg, out, M * N, N, HAS_BIAS=has_bias,
+        _reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, b_arg, out, M * N, N, out.stride(0), HAS_BIAS=has_bias,
                                                      SPLIT=split, BLOCK=BLOCK,
                                                      **({} if interp else dict(num_warps=4)))
     else:
@@ -266,7 +268,7 @@ def tma_supported(x, weight):
             and x.is_contiguous() and weight.is_contiguous())
 
 
-def _launch_tma(x, weight, bias, cfg, split):
+def _launch_tma(x, weight, bias, cfg, split, out=None):
     from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = x.shape
     N = weight.shape[0]
@@ -275,7 +277,8 @@ def _launch_tma(x, weight, bias, cfg, split):
         raise ValueError(f"bitmatch.kernels.linear: the TMA path needs bf16/fp16, K and N "
                          f"multiples of 8 and contiguous inputs; got {x.dtype}, K={K}, N={N}")
     interp = interpreting(x)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     # the same chunking as _launch: SPLIT equal chunks, or one chunk of whole BK blocks
@@ -302,11 +305,34 @@ def tma_config_for(M, N, K):
     return None
 
 
-def linear(x, weight, bias=None):
-    """x [M, K] @ weight[N, K]^T (+ bias[N]) -> [M, N] in x.dtype (inputs contiguous)."""
+def linear(x, weight, bias=None, *, split=None, out=None):
+    """x [M, K] @ weight[N, K]^T (+ bias[N]) -> [M, N] in x.dtype (inputs contiguous).
+    split: the canonical K split (default split_for(N, K)); out: an [M, N] view to write into."""
     M, K = x.shape
     N = weight.shape[0]
+    split = split_for(N, K) if split is None else split
     cfg = tma_config_for(M, N, K)
     if cfg is not None and tma_supported(x, weight):
-        return _launch_tma(x, weight, bias, cfg, split_for(N, K))
-    return _launch(x, weight, bias, config_for(M, N, K), split_for(N, K))
+        return _launch_tma(x, weight, bias, cfg, split, out)
+    return _launch(x, weight, bias, config_for(M, N, K), split, out)
+
+
+def linear_segments(x, weight, bias, segments):
+    """x @ weight^T for weight = the row concatenation of weights of N sizes ``segments``: each
+    segment's columns get the bits of ``linear`` on its own weight (its own split_for(N_i, K)).
+    Adjacent segments with the same split run as one launch (the K order of an output element
+    does not depend on N or the tile: each element is its own fixed sequence of fp32 dots);
+    segments with another split get their own launch into their column slice of the output."""
+    M, K = x.shape
+    out = torch.empty((M, weight.shape[0]), device=x.device, dtype=x.dtype)
+    groups, n0 = [], 0
+    for n in segments:
+        s = split_for(n, K)
+        if groups and groups[-1][2] == s:
+            groups[-1][1] += n
+        else:
+            groups.append([n0, n0 + n, s])
+        n0 += n
+    for a, b, s in groups:
+        linear(x, weight[a:b], None if bias is None else bias[a:b], split=s, out=out[:, a:b])
+    return out
