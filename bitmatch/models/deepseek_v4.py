@@ -314,3 +314,6 @@ class DeepseekV4Family(Family):
 
 
 FAMILY = register(DeepseekV4Family())
+
+# the family's smallest tested shape (Family.tiny_config reads the module's tiny_config)
+from bitmatch.models.deepseek_v4_tiny import tiny_config  # noqa: E402,F401
