@@ -456,8 +456,12 @@ def locate(argv=None) -> int:
     bitmatch.patch(model, compute_dtype=dtype)   # as a user runs it: the compute dtype set once
     vocab = model.lm_head.weight.shape[0]
     prompts = random_prompts(a.prompts, a.min_len, a.max_len, seed=a.seed + 1, vocab_hi=min(99, vocab))
-    results = verify.locate_pair(a.pair, model, prompts, inject=a.inject, temperature=a.temperature,
-                                 tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed)
+    try:
+        results = verify.locate_pair(a.pair, model, prompts, inject=a.inject, temperature=a.temperature,
+                                     tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed)
+    except (NotImplementedError, RuntimeError, ValueError) as e:   # e.g. an op with no Triton version
+        print(f"bitmatch locate --pair {a.pair}: {e}", file=sys.stderr)
+        return 2
     report = {"command": "bitmatch locate " + " ".join(argv if argv is not None else sys.argv[2:]),
               "versions": version_string(), "model": what, "dtype": a.dtype, "pair": a.pair, "inject": a.inject,
               "prompts": prompts, "bitmatched": all(r.bitmatched for r in results),
