@@ -29,8 +29,8 @@ gated_rms_norm: h = fp32(y * fp32(silu(z))); per group of ``group_size`` channel
 inv = 1 / sqrt(tree_sum(h^2) / group_size + eps); out = fp32(weight * fp32(h * inv)).
 
 Backward (trainer): gradients by re-running a plain differentiable fp32 version (correct, not
-invariant), as the other reference ops do. No Triton implementation yet: CUDA tensors (and
-use_backend("triton")) raise NotImplementedError naming the op, never a silent fallback.
+invariant) in torch, on either backend. Triton (CUDA): kernels/triton/mamba.py, with its own
+fp32 canonical order (documented there); both backends share the schedule above.
 """
 from __future__ import annotations
 
@@ -51,17 +51,18 @@ def _silu64(v):
     return v / (1.0 + _exact.exp64(-v))
 
 
-def _no_triton(op):
-    raise NotImplementedError(f"bitmatch.kernels.{op}: no Triton (CUDA) implementation yet; the Mamba2 ops run on "
-                              "CPU tensors (reference backend) only, so Nemotron-H runs on CPU")
-
-
 def _seqs(cu):
     c = cu.tolist()
     return list(zip(c[:-1], c[1:]))
 
 
 # ---------------------------------------------------------------- causal conv1d
+def _conv_forward(x, weight, bias, cu, conv_state, slots, activation):
+    if backend_for(x) == "reference":
+        return conv1d_reference(x, weight, bias, cu, conv_state, slots, activation)
+    return triton_impl("mamba", "causal_conv1d")(x, weight, bias, cu, conv_state, slots, activation)
+
+
 def conv1d_reference(x, weight, bias, cu, conv_state, slots, activation):
     T, Cd = x.shape
     K = weight.shape[1]
@@ -101,7 +102,7 @@ class _ConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, cu, activation):
         ctx.save_for_backward(x, weight, bias, cu)
         ctx.activation = activation
-        return conv1d_reference(x, weight, bias, cu, None, None, activation)
+        return _conv_forward(x, weight, bias, cu, None, None, activation)
 
     @staticmethod
     def backward(ctx, g):
@@ -145,15 +146,13 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=
         raise ValueError(f"{op}: cu_seqlens[-1]={int(cu_seqlens[-1])} != T={x.shape[0]}")
     w = weight.to(x.dtype).contiguous()
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    if backend_for(x) != "reference":
-        _no_triton(op)
     if conv_state is not None:
         _check_state(op, "conv_state", conv_state, (weight.shape[1] - 1, x.shape[1]), x.dtype, state_slots,
                      cu_seqlens.shape[0] - 1)
-        return conv1d_reference(x, w, b, cu_seqlens, conv_state, state_slots, activation)
+        return _conv_forward(x.contiguous(), w, b, cu_seqlens, conv_state, state_slots, activation)
     if needs_autograd(x, w, b):
         return _ConvFunction.apply(x.contiguous(), w, b, cu_seqlens, activation)
-    return conv1d_reference(x.contiguous(), w, b, cu_seqlens, None, None, activation)
+    return _conv_forward(x.contiguous(), w, b, cu_seqlens, None, None, activation)
 
 
 # ---------------------------------------------------------------- chunked SSD scan
@@ -277,12 +276,19 @@ def _scan_plain(x, dt, A, B, C, D, Q, cu):
     return torch.cat(outs)
 
 
+def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache, slots):
+    if backend_for(x) == "reference":
+        return scan_reference(x, process_dt(dt_raw, dt_bias, dt_min), A, B, C, D, Q, cu, seq_start, cache, slots)
+    return triton_impl("mamba", "mamba_chunk_scan")(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache,
+                                                    slots)
+
+
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min):
         ctx.save_for_backward(x, dt_raw, A, B, C, D, dt_bias, cu)
         ctx.cfg = (Q, dt_min)
-        return scan_reference(x, process_dt(dt_raw, dt_bias, dt_min), A, B, C, D, Q, cu, None, None, None)
+        return _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, None, None, None)
 
     @staticmethod
     def backward(ctx, g):
@@ -345,19 +351,13 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
         if seq_start is None or seq_start.shape != (nb,):
             raise ValueError(f"{op}: with a cache, seq_start must be [{nb}] (each sequence's first position)")
     Df = None if D is None else D.float().contiguous()
-    if backend_for(x) != "reference":
-        if needs_autograd(x, dt, A, B, C, D, dt_bias):
-            _no_triton(op + " backward")
-        return triton_impl("mamba", "mamba_chunk_scan")(x, dt, A, B, C, Df, dt_bias, chunk_size, cu_seqlens,
-                                                        float(dt_min), seq_start, cache, state_slots)
     if cache is not None:
-        return scan_reference(x, process_dt(dt, dt_bias, dt_min), A, B, C, Df, chunk_size, cu_seqlens,
-                              seq_start, cache, state_slots)
+        return _scan_forward(x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), Df, dt_bias,
+                             chunk_size, cu_seqlens, float(dt_min), seq_start, cache, state_slots)
     args = (x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), Df, dt_bias)
     if needs_autograd(*args):
         return _ScanFunction.apply(*args, chunk_size, cu_seqlens, float(dt_min))
-    return scan_reference(args[0], process_dt(dt, dt_bias, dt_min), args[2], args[3], args[4], Df, chunk_size,
-                          cu_seqlens, None, None, None)
+    return _scan_forward(*args, chunk_size, cu_seqlens, float(dt_min), None, None, None)
 
 
 # ---------------------------------------------------------------- gated RMSNorm
@@ -377,12 +377,18 @@ def _gated_plain(y, z, weight, group_size, eps):
     return weight.float() * hg.view_as(h)
 
 
+def _gated_forward(y, z, weight, group_size, eps):
+    if backend_for(y) == "reference":
+        return gated_norm_reference(y, z, weight, group_size, eps)
+    return triton_impl("mamba", "gated_rms_norm")(y, z, weight, group_size, eps)
+
+
 class _GatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, z, weight, group_size, eps):
         ctx.save_for_backward(y, z, weight)
         ctx.cfg = (group_size, eps)
-        return gated_norm_reference(y, z, weight, group_size, eps)
+        return _gated_forward(y, z, weight, group_size, eps)
 
     @staticmethod
     def backward(ctx, g):
@@ -407,8 +413,6 @@ def gated_rms_norm(y, z, weight, group_size, eps):
                          f"{tuple(weight.shape)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or y.shape[1] % group_size:
         raise ValueError(f"{op}: group_size must divide I={y.shape[1]}, got {group_size!r}")
-    if backend_for(y) != "reference":
-        _no_triton(op)
     if needs_autograd(y, z, weight):
         return _GatedFunction.apply(y.contiguous(), z.contiguous(), weight.contiguous(), group_size, float(eps))
-    return gated_norm_reference(y, z, weight, group_size, float(eps))
+    return _gated_forward(y.contiguous(), z.contiguous(), weight.contiguous(), group_size, float(eps))

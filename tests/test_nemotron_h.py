@@ -161,3 +161,26 @@ def test_vllm_plugin_refuses_nemotron_h_naming_why():
     msg = " ".join(checks._engine_problems(cfg))
     assert "nemotron_h" in msg and "is_act_and_mul=False" in msg and "open-chunk buffer" in msg, msg
     assert "bitmatch.Engine" in msg
+
+
+@pytest.mark.slow
+def test_triton_backend_interpreter_parity_and_engine_diff_zero():
+    """The whole model on the Triton backend (TRITON_INTERPRET=1, chunk 16): parity with HF fp32, and
+    engine (chunked prefill, decode across a chunk boundary) == trainer bit for bit."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's import (run tests/test_mamba_ops.py's module first)")
+    import bitmatch.kernels as K
+
+    hf = NH.tiny_model(torch.float32, seed=0, chunk_size=16)
+    m = _patched(hf)
+    prompts = random_prompts(2, 12, 20, seed=1)
+    ids, mask = pad_batch(prompts, "right")
+    with torch.no_grad(), K.use_backend("triton"):
+        got = m(input_ids=ids, attention_mask=mask).logits
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+        params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=i) for i in range(2)]
+        outs = Engine(m, max_num_seqs=2, max_num_batched_tokens=7).generate(prompts, params, use_tqdm=False)
+        assert_bitmatch(m, outs, params)
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=2e-5)
