@@ -424,6 +424,9 @@ def locate(argv=None) -> int:
     ap.add_argument("--min-len", type=int, default=4)
     ap.add_argument("--max-len", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt (engine pair)")
+    ap.add_argument("--block-size", type=int, default=16, help="paged KV block size (engine, schedule)")
+    ap.add_argument("--step-tokens", type=int, default=7,
+                    help="engine: max_num_batched_tokens (small: prompts prefilled in chunks beside decodes)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--tolerance", type=float, help="hf/backend: max |a-b| / max |a| allowed per op")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -458,7 +461,9 @@ def locate(argv=None) -> int:
     prompts = random_prompts(a.prompts, a.min_len, a.max_len, seed=a.seed + 1, vocab_hi=min(99, vocab))
     try:
         results = verify.locate_pair(a.pair, model, prompts, inject=a.inject, temperature=a.temperature,
-                                     tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed)
+                                     tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed,
+                                     block_size=a.block_size,
+                                     engine_kw=dict(block_size=a.block_size, max_num_batched_tokens=a.step_tokens))
     except (NotImplementedError, RuntimeError, ValueError) as e:   # e.g. an op with no Triton version
         print(f"bitmatch locate --pair {a.pair}: {e}", file=sys.stderr)
         return 2
