@@ -214,8 +214,8 @@ def tiny_model_for(family: str, dtype=None, seed: int = 0):
 
 def _capture_kernel_calls(model, seqs):
     """Every bitmatch.kernels call one trainer forward (packed prefill + token_logprobs) and one
-    engine-style forward (paged, chunked) make, as [op, args, kwargs, model op]: the op list of
-    the family, at its shapes, derived by running it (no per-family table)."""
+    engine-style forward (paged, chunked) make, as (op, args, kwargs): the op list of the family,
+    at its shapes, derived by running it (no per-family table)."""
     import torch
 
     import bitmatch.kernels as K
@@ -223,36 +223,25 @@ def _capture_kernel_calls(model, seqs):
     from bitmatch.models import compute_logits, forward_hidden, pack
     from bitmatch.testing_models import pad_batch
 
-    calls, pending = [], []
+    calls = []
     names = [n for n in K.__all__ if callable(getattr(K, n)) and n not in ("use_backend", "backend_for")]
     saved = {n: getattr(K, n) for n in names}
 
     def wrap(name, fn):
         def w(*a, **k):
-            rec = [name, a, k, None]
-            calls.append(rec)
-            pending.append(rec)
+            calls.append((name, a, k))
             return fn(*a, **k)
         return w
-
-    def recorder(op, _):
-        for r in pending:
-            r[3] = op
-        pending.clear()
     for n, fn in saved.items():
         setattr(K, n, wrap(n, fn))
     try:
         ids, mask = pad_batch(seqs, "right")
         p = pack(ids, mask)
         with torch.no_grad():
-            h = forward_hidden(model, p.input_ids, p.context(), recorder=recorder)
-            logits = compute_logits(model, h)
-            recorder("lm_head", None)
+            logits = compute_logits(model, forward_hidden(model, p.input_ids, p.context()))
             src = (~p.seq_end).nonzero(as_tuple=True)[0]
             K.token_logprobs(logits[src], p.input_ids[src + 1], 0.7)
-            recorder("logprobs", None)
             verify._paged_trace(model, seqs, verify.schedule_steps([len(s) for s in seqs], "chunked"))
-            recorder("(engine step)", None)
     finally:
         for n, fn in saved.items():
             setattr(K, n, fn)
@@ -332,10 +321,10 @@ def _family_cases(family: str, device: str, n: int = 6):
     seqs = [s[:n_] for s, n_ in zip(random_prompts(3, 23, 23, seed=5), (11, 19, 23))]
     calls = _capture_kernel_calls(model, seqs)
     groups: dict = {}
-    for op, a, k, where in calls:
-        groups.setdefault(_signature(op, a, k), [op, a, k, where])
+    for op, a, k in calls:
+        groups.setdefault(_signature(op, a, k), (op, a, k))
     out, first, seen_seq = [], {}, set()
-    for op, a, k, where in groups.values():
+    for op, a, k in groups.values():
         first.setdefault(op, (a, k))
         shapes = [tuple(t.shape) for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor)][:2]
         label = f"{op} " + "x".join(str(list(sh)).replace(" ", "") for sh in shapes)

@@ -529,7 +529,7 @@ def stock_kernels() -> dict:
 
     from bitmatch import testing as T
 
-    def temp_col(t, n):
+    def temp_col(t):
         return t.reshape(-1, 1) if isinstance(t, torch.Tensor) else t
     return {
         "linear": lambda x, w, b=None: F.linear(x, w, b),
@@ -542,7 +542,7 @@ def stock_kernels() -> dict:
         "attention_paged": lambda q, kc, vc, bt, qsl, lens, scale, sliding_window=None:
             T.stock_sdpa_paged(q, kc, vc, bt, qsl, lens, scale, sliding_window),
         "token_logprobs": lambda x, tok, temperature=1.0: torch.log_softmax(
-            x.float() / temp_col(temperature, x.shape[0]), -1).gather(1, tok.long()[:, None])[:, 0],
+            x.float() / temp_col(temperature), -1).gather(1, tok.long()[:, None])[:, 0],
         "moe_route": _stock_moe_route,
         "moe_experts": _stock_moe_experts,
     }
