@@ -29,7 +29,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_train  # noqa: E402
+import stock_ops as _stock  # noqa: E402
 from stock_ops import stock_ops  # noqa: E402
+
+import bitmatch.kernels as K  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# the stock linear takes the fused projections' segments argument (same GEMM, cuBLAS)
+# and the host bounds the engine passes (ignored: the stock ops read them back themselves)
+_stock.STOCK["linear"] = lambda x, w, b=None, segments=None: F.linear(x, w, b)
+_sp, _sa = _stock.STOCK["attention_prefill"], _stock.STOCK["attention_paged"]
+_stock.STOCK["attention_prefill"] = lambda *a, max_seqlen=None, **kw: _sp(*a, **kw)
+_stock.STOCK["attention_paged"] = lambda *a, max_query_len=None, max_seq_len=None, **kw: _sa(*a, **kw)
 
 
 
@@ -71,9 +82,13 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     prompts = _prompts(n_prompts, 64, 400, model.config.vocab_size, 7)
     params = [bitmatch.SamplingParams(temperature=T, max_tokens=new_tokens, seed=1000 + i, ignore_eos=True)
               for i in range(n_prompts)]
-    configs = {"64_seqs": dict(max_num_seqs=64), "3_seqs_block32_budget97":
+    # CUDA graphs on (the default) in every config but the eager one: the buckets differ per config
+    # (64 seqs: rows pad into 8/16/...; 3 seqs: buckets 1, 2, 3), the bits must not
+    configs = {"64_seqs_graphs": dict(max_num_seqs=64), "3_seqs_block32_budget97_graphs":
                dict(max_num_seqs=3, block_size=32, max_num_batched_tokens=97),
-               "1_seq_no_chunking": dict(max_num_seqs=1, enable_chunked_prefill=False, max_num_batched_tokens=4096)}
+               "1_seq_no_chunking_graphs": dict(max_num_seqs=1, enable_chunked_prefill=False,
+                                                max_num_batched_tokens=4096),
+               "64_seqs_enforce_eager": dict(max_num_seqs=64, enforce_eager=True)}
 
     def ours(ids, mask):
         return bitmatch.token_logprobs(model, ids, mask, temperature=T)
@@ -86,7 +101,12 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
         for name, kw in configs.items():
             eng = bitmatch.Engine(model, kv_cache_bytes=2 << 30, **kw)
             outs = eng.generate(prompts, params, use_tqdm=False)
+            g = eng.model_runner.graphs
+            graph_stats = None if g is None else {"captures": g.num_captures, "replays": g.num_replays,
+                                                  "buckets": sorted(g.graphs)}
             del eng
+            import gc
+            gc.collect()
             got = [torch.tensor(o.outputs[0].logprobs, dtype=torch.float32) for o in outs]
             tr = _trainer_lps(model, outs, ours)
             st = _trainer_lps(model, outs, stock)
@@ -94,7 +114,15 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
             res[name] = {"tokens": sum(len(x) for x in got),
                          "mismatches_vs_token_logprobs": sum(_mismatch(a, b) for a, b in zip(got, tr)),
                          "control_mismatches_vs_stock_trainer": sum(_mismatch(a, b) for a, b in zip(got, st)),
-                         "control_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, st))}
+                         "control_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, st)),
+                         "cuda_graphs": graph_stats}
+    # the default KV sizing (vLLM's rule: a profiled step, gpu_memory_utilization) on this model
+    import gc
+    eng = bitmatch.Engine(model, max_num_seqs=64, gpu_memory_utilization=0.5)
+    res["default_kv_sizing"] = {**eng.kv_profile, "num_gpu_blocks": eng.num_gpu_blocks}
+    del eng
+    gc.collect()
+    gpu_train.empty_cache()
     res["same_tokens_across_configs"] = all(t == tokens[0] for t in tokens)
     res["total_tokens"] = sum(v["tokens"] for k, v in res.items() if isinstance(v, dict))
     res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in res.values() if isinstance(v, dict))
@@ -106,6 +134,48 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
 
 
 # ------------------------------------------------------------------ controls
+def cuda_controls():
+    """Controls that must find mismatches on the H200 (the harness can fail there): the stock ops
+    the contract replaces, each compared the way the bitmatch tests compare its invariant op."""
+    import torch.nn.functional as F
+    res = {}
+    g = torch.Generator(device=gpu_train.DEV).manual_seed(0)
+    # 1. SDPA (flash) one-token decode against K[:t+1] vs prefill row t, long contexts
+    H, D = 32, 128
+    for L in (2048, 8192):
+        q, k, v = (torch.randn(1, H, L, D, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+        pre = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        rows = list(range(L - 64, L))
+        bad = 0
+        for t in rows:
+            dec = F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+            bad += int(not torch.equal(dec[:, :, 0], pre[:, :, t]))
+        res[f"sdpa_decode_vs_prefill_L{L}"] = {"rows": len(rows), "mismatching_rows": bad}
+    # 2. cuBLAS F.linear: rows at small M vs the same rows inside M = 4096
+    for N, K_ in ((4096, 4096), (4096, 12288)):
+        x = torch.randn(4096, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(N, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g) * K_ ** -0.5
+        big = F.linear(x, w)
+        res[f"cublas_small_m_{N}x{K_}"] = {f"M{m}": int((F.linear(x[:m], w) != big[:m]).any(-1).sum())
+                                           for m in (1, 8, 32, 64)}
+        ours = {f"M{m}": int((K.linear(x[:m], w) != K.linear(x, w)[:m]).any(-1).sum()) for m in (1, 8, 32, 64)}
+        res[f"bitmatch_linear_small_m_{N}x{K_}"] = ours
+    # 3. temperature formulas at realistic logit scales: log_softmax(x / T) vs log_softmax(x * (1 / T))
+    for T in (0.6, 0.7, 0.9):
+        x = (torch.randn(256, 151936, device=gpu_train.DEV, generator=g) * 4).to(torch.bfloat16).float()
+        a = torch.log_softmax(x / T, -1)
+        b = torch.log_softmax(x * (1.0 / T), -1)
+        res[f"temperature_div_vs_mul_T{T}"] = {"elements": a.numel(), "mismatching": int((a != b).sum())}
+    res["every_stock_control_mismatches"] = all(
+        (v.get("mismatching_rows", 0) > 0) if k.startswith("sdpa") else
+        (any(n > 0 for n in v.values()) if k.startswith("cublas") else
+         (v["mismatching"] > 0 if k.startswith("temperature") else True))
+        for k, v in res.items() if isinstance(v, dict))
+    res["bitmatch_linear_rows_differing"] = sum(n for k, v in res.items() if k.startswith("bitmatch_linear")
+                                                for n in v.values())
+    return res
+
+
 def controls():
     """The control rows of `bitmatch check --device cuda`: each must find a mismatch."""
     from bitmatch import cli
@@ -195,8 +265,10 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
     V = model.config.vocab_size
     Bmax = max(batches)
     per_tok = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 2
-    eng = bitmatch.Engine(model, max_num_seqs=Bmax, max_num_batched_tokens=Bmax * prompt_len + Bmax,
-                          kv_cache_bytes=int(Bmax * (prompt_len + n_new + 32) * per_tok * 1.1))
+    kw = dict(max_num_seqs=Bmax, max_num_batched_tokens=Bmax * prompt_len + Bmax,
+              kv_cache_bytes=int(Bmax * (prompt_len + n_new + 32) * per_tok * 1.1))
+    eng = bitmatch.Engine(model, **kw)                        # CUDA graphs for decode (the default)
+    eager = bitmatch.Engine(model, enforce_eager=True, **kw)  # ours eager; the stock-ops engine
     # seeded per prompt: both engines draw the same noise for the same request
     def params(i):
         return bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
@@ -214,12 +286,19 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
         r = {"B": B}
         try:
             with torch.no_grad():
-                _engine_run(eng, prompts, warm)          # Triton compiles for these shapes
+                _engine_run(eng, prompts, warm)          # Triton compiles, graph capture of the buckets
+                _engine_run(eng, prompts, warm)
                 wall, steps, lp_ours = _engine_run(eng, prompts, params)
                 r.update(ours_wall_s=wall, ours_decode_ms=_decode_ms(steps, n_new), ours_prefill_step_ms=steps[0])
+                g = eng.model_runner.graphs
+                r["graphs"] = None if g is None else {"captures": g.num_captures, "replays": g.num_replays}
+                _engine_run(eager, prompts, warm)
+                wall, steps, lp_eager = _engine_run(eager, prompts, params)
+                r.update(eager_wall_s=wall, eager_decode_ms=_decode_ms(steps, n_new),
+                         graphs_vs_eager_first_logprob_bits_equal=bool(torch.equal(lp_ours, lp_eager)))
                 with stock_ops() as n_swapped:
-                    _engine_run(eng, [p[:16] for p in prompts], warm)
-                    wall, steps, lp_stock = _engine_run(eng, prompts, params)
+                    _engine_run(eager, [p[:16] for p in prompts], warm)
+                    wall, steps, lp_stock = _engine_run(eager, prompts, params)
                 # the stock-ops engine runs the same model: first-token logprobs agree to rounding
                 r.update(stock_swapped_refs=n_swapped, stock_wall_s=wall, stock_decode_ms=_decode_ms(steps, n_new),
                          stock_prefill_step_ms=steps[0],
@@ -238,7 +317,9 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
                      tokens_per_s_vs_stock_ops=r["stock_wall_s"] / r["ours_wall_s"],
                      tokens_per_s_vs_hf_generate=r["hf_wall_s"] / r["ours_wall_s"],
                      decode_step_vs_stock_ops=r["stock_decode_ms"] / r["ours_decode_ms"],
-                     decode_step_vs_hf=r["hf_decode_ms"] / r["ours_decode_ms"])
+                     decode_step_vs_hf=r["hf_decode_ms"] / r["ours_decode_ms"],
+                     eager_tokens_per_s_vs_stock_ops_eager=r["stock_wall_s"] / r["eager_wall_s"],
+                     graph_decode_speedup_vs_eager=r["eager_decode_ms"] / r["ours_decode_ms"])
         except Exception:
             r["error"] = traceback.format_exc()[-2000:]
             print(r["error"], flush=True)
@@ -247,7 +328,9 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
                                 if k != "error"}, flush=True)
         rec.data["sections"].setdefault("rollout", {})[size] = out
         rec.flush()
-    del eng, model
+    del eng, eager, model
+    import gc
+    gc.collect()
     gpu_train.empty_cache()
     return out
 
@@ -270,7 +353,8 @@ def main():
     t0 = time.time()
     deadline = t0 + a.budget_s
     secs = a.sections.split(",")
-    bad = [n for n in secs if n.split(":")[0] not in ("diff", "controls", "rollout", "train", "backward_ops")]
+    bad = [n for n in secs if n.split(":")[0] not in ("diff", "controls", "rollout", "train", "backward_ops",
+                                                       "cuda_controls")]
     if bad:
         ap.error(f"--sections: unknown {bad} (diff, controls, rollout[:SIZE], train, backward_ops)")
     for name in secs:
@@ -280,9 +364,12 @@ def main():
         try:
             if name == "diff":
                 rec.put("diff", diff())
+            elif name == "cuda_controls":
+                rec.put("cuda_controls", cuda_controls())
             elif name == "backward_ops":
                 rec.put("backward_ops", gpu_train.backward_ops())
             elif name == "controls":
+                rec.put("cuda_controls", cuda_controls())
                 rec.put("controls", controls())
             elif name == "train":
                 tr = {}

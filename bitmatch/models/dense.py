@@ -178,7 +178,8 @@ class _FusedEntry:
 def _fused_weight(parent, name: str, mods, dtype):
     """(weight, bias, segments) of ``mods`` fused, or None when fusing does not apply (autograd
     records: the trainer keeps its separate parameters; PEFT layers; mixed bias)."""
-    if torch.is_grad_enabled() or any(lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
+    # (inference mode, e.g. inside vLLM: its tensors carry no _version to key the copy on)
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled() or any(lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
                                       for m in mods):
         return None
     if len({getattr(m, "bias", None) is None for m in mods}) != 1:
