@@ -100,7 +100,13 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     with torch.no_grad():
         for name, kw in configs.items():
             eng = bitmatch.Engine(model, kv_cache_bytes=2 << 30, **kw)
-            outs = eng.generate(prompts, params, use_tqdm=False)
+            try:
+                outs = eng.generate(prompts, params, use_tqdm=False)
+            except Exception:  # one config failing keeps the others' figures
+                res[name] = {"error": traceback.format_exc()[-2000:]}
+                print(res[name]["error"], flush=True)
+                del eng
+                continue
             g = eng.model_runner.graphs
             graph_stats = None if g is None else {"captures": g.num_captures, "replays": g.num_replays,
                                                   "buckets": sorted(g.graphs)}
@@ -123,7 +129,7 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     del eng
     gc.collect()
     gpu_train.empty_cache()
-    res["same_tokens_across_configs"] = all(t == tokens[0] for t in tokens)
+    res["same_tokens_across_configs"] = bool(tokens) and all(t == tokens[0] for t in tokens)
     res["total_tokens"] = sum(v["tokens"] for k, v in res.items() if isinstance(v, dict))
     res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in res.values() if isinstance(v, dict))
     res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in res.values()
