@@ -124,16 +124,20 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
                          "cuda_graphs": graph_stats}
     # the default KV sizing (vLLM's rule: a profiled step, gpu_memory_utilization) on this model
     import gc
-    eng = bitmatch.Engine(model, max_num_seqs=64, gpu_memory_utilization=0.5)
-    res["default_kv_sizing"] = {**eng.kv_profile, "num_gpu_blocks": eng.num_gpu_blocks}
-    del eng
+    try:
+        eng = bitmatch.Engine(model, max_num_seqs=64, gpu_memory_utilization=0.5)
+        res["default_kv_sizing"] = {**eng.kv_profile, "num_gpu_blocks": eng.num_gpu_blocks}
+        del eng
+    except Exception:
+        res["default_kv_sizing"] = {"error": traceback.format_exc()[-2000:]}
     gc.collect()
     gpu_train.empty_cache()
     res["same_tokens_across_configs"] = bool(tokens) and all(t == tokens[0] for t in tokens)
-    res["total_tokens"] = sum(v["tokens"] for k, v in res.items() if isinstance(v, dict))
-    res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in res.values() if isinstance(v, dict))
-    res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in res.values()
-                                          if isinstance(v, dict))
+    cfgs = [v for v in res.values() if isinstance(v, dict) and "tokens" in v]
+    res["total_tokens"] = sum(v["tokens"] for v in cfgs)
+    res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in cfgs)
+    res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in cfgs)
+    res["configs_failed"] = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     del model
     gpu_train.empty_cache()
     return res
