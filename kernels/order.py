@@ -11,7 +11,10 @@ instead of assuming it.
 - triton (CUDA): linear's dot over K = ordered fp32 sum of ``split_for(N, K)`` fixed K chunks
   (``linear_split_table``), each a sequential tensor-core accumulation; attention walks KV from
   position 0 in ``kv_block`` blocks with an online softmax inside ``kv_partition`` partitions
-  merged in order, row sums of P on the tensor core when ``rowsum_mma``.
+  merged in order, row sums of P on the tensor core when ``rowsum_mma``. The state recurrences and
+  the DeepSeek-V4 ops have no switch either, only a named version each (``recurrent_ops``): the
+  Mamba2 scan on absolute chunks with fp32 boundary states and the open chunk replayed per token
+  (``kernels/mamba.py``), the sink attention / compressor / indexer compositions on linear's order.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ class CanonicalOrder:
     # (N, K) -> K chunks; any shape not listed: 1 (plain sequential K). From the H200 sweep of
     # benchmarks/gpu_ops.py --sweep (Qwen3-8B o_proj 2 x 2048, down_proj 3 x 4096).
     linear_split_table: tuple = field(default=(((4096, 4096), 2), ((4096, 12288), 3)))
+    # versions of the ops whose order is fixed by their code alone (bump one when its order changes)
+    recurrent_ops: tuple = field(default=(("mamba2_scan", 1), ("causal_conv1d", 1), ("dsv4_attention", 1)))
 
     def stamp(self, backend: str) -> dict:
         """What fixes the bits on ``backend`` ("reference" or "triton"), with its fingerprint."""
@@ -40,6 +45,7 @@ class CanonicalOrder:
             d = {k: v for k, v in asdict(self).items() if k != "reference"}
             d["backend"] = backend
             d["linear_split_table"] = [[list(nk), s] for nk, s in self.linear_split_table]
+            d["recurrent_ops"] = [list(kv) for kv in self.recurrent_ops]
         else:
             raise ValueError(f"canonical order: backend must be 'reference' or 'triton', got {backend!r}")
         d["fingerprint"] = xxhash.xxh3_64(json.dumps(d, sort_keys=True).encode()).hexdigest()
