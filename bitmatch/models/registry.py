@@ -139,6 +139,12 @@ class Family:
     def cache_groups(self, spec, dtype) -> list[CacheGroup]:
         raise NotImplementedError
 
+    def cuda_graph_safe(self, lm) -> bool:
+        """Whether the engine may capture this family's decode step in a CUDA graph: only a forward
+        with no host sync and no data-dependent shapes (MoE expert counts, recurrent state
+        bookkeeping) opts in. Default False: the step runs eagerly."""
+        return False
+
     def tiny_config(self, **overrides):
         """An HF config of the family's smallest tested shape (``bitmatch locate/check --family``).
         Default: the family module's own ``tiny_config(**overrides)`` function, else the first
