@@ -1,0 +1,229 @@
+"""``bitmatch check --family NAME``: the invariance harness on every kernel op a family calls, at
+the family's own (tiny-config) shapes, with controls at the same shapes that must find mismatches.
+The op list is not declared anywhere: it is captured by running the family once (a trainer forward
+and an engine step), so a new family is covered the day it registers."""
+from __future__ import annotations
+
+from bitmatch.cli import _stock_logprob_rows
+
+
+def tiny_model_for(family: str, dtype=None, seed: int = 0):
+    """(tiny random-weight model of ``family``, what it is): a TINY_CONFIGS entry name; or a
+    registered family (its name or a model_type), built by the family's own ``tiny_model`` (on the
+    Family, its module, or its ``<module>_tiny`` module), else the first TINY_CONFIGS entry of its
+    model types. ValueError naming the registered families otherwise."""
+    import importlib
+
+    import torch
+
+    from bitmatch.models import families
+    from bitmatch.testing_models import TINY_CONFIGS, tiny_model
+
+    dtype = dtype or torch.bfloat16
+    if family in TINY_CONFIGS:
+        return tiny_model(family, dtype=dtype, seed=seed), f"tiny {family}"
+    fams = families()
+    fam = next((f for f in fams if f.name == family or family in f.model_types), None)
+    if fam is None:
+        raise ValueError(f"unknown family {family!r}; registered: {', '.join(f.name for f in fams)} "
+                         f"(or a tiny config: {', '.join(TINY_CONFIGS)})")
+    mod = type(fam).__module__
+    for where in (fam, mod, mod + "_tiny"):
+        try:
+            obj = importlib.import_module(where) if isinstance(where, str) else where
+        except ImportError:
+            continue
+        if callable(getattr(obj, "tiny_model", None)):
+            return obj.tiny_model(dtype=dtype, seed=seed), f"tiny {fam.name} ({getattr(obj, '__name__', fam.name)}.tiny_model)"
+    try:
+        cfg = fam.tiny_config()   # the registry's: the module's tiny_config, else a TINY_CONFIGS entry
+    except (NotImplementedError, AttributeError):
+        raise ValueError(f"family {fam.name!r} has no tiny model: give its module a tiny_model(dtype, seed) or "
+                         f"tiny_config(), or add a TINY_CONFIGS entry (model types {sorted(fam.model_types)}); "
+                         "or pass a checkpoint") from None
+    import transformers
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    entry = next((n for n, (mt, _) in TINY_CONFIGS.items() if mt in fam.model_types), None)
+    return model.to(dtype).eval(), f"tiny {entry or fam.name + ' (' + type(fam).__name__ + '.tiny_config)'}"
+
+
+def _capture_kernel_calls(model, seqs):
+    """Every bitmatch.kernels call one trainer forward (packed prefill + token_logprobs) and one
+    engine-style forward (paged, chunked) make, as (op, args, kwargs): the op list of the family,
+    at its shapes, derived by running it (no per-family table)."""
+    import torch
+
+    import bitmatch.kernels as K
+    from bitmatch import verify
+    from bitmatch.models import compute_logits, forward_hidden, pack
+    from bitmatch.testing_models import pad_batch
+
+    calls = []
+    names = [n for n in K.__all__ if callable(getattr(K, n)) and n not in ("use_backend", "backend_for")]
+    saved = {n: getattr(K, n) for n in names}
+
+    def wrap(name, fn):
+        def w(*a, **k):
+            calls.append((name, a, k))
+            return fn(*a, **k)
+        return w
+    for n, fn in saved.items():
+        setattr(K, n, wrap(n, fn))
+    try:
+        ids, mask = pad_batch(seqs, "right")
+        p = pack(ids, mask)
+        with torch.no_grad():
+            logits = compute_logits(model, forward_hidden(model, p.input_ids, p.context()))
+            src = (~p.seq_end).nonzero(as_tuple=True)[0]
+            K.token_logprobs(logits[src], p.input_ids[src + 1], 0.7)
+            verify._paged_trace(model, seqs, verify.schedule_steps([len(s) for s in seqs], "chunked"))
+    finally:
+        for n, fn in saved.items():
+            setattr(K, n, fn)
+    return calls
+
+
+def _signature(op, args, kwargs):
+    import torch
+    sig = lambda a: (tuple(a.shape[1:]), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)  # noqa: E731
+    return (op, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in sorted(kwargs.items())))
+
+
+def invariance_kind(fn) -> str:
+    """"row" when the op's documented guarantee is per row / token / element (the batch harness
+    applies), else "sequence" (the output depends on other tokens: a causal prefix, keys, windows,
+    a state). A kernel may say so itself with ``fn.invariance``; otherwise the "Invariance:"
+    sentence of its docstring (every public op has one) decides."""
+    import re
+
+    kind = getattr(fn, "invariance", None)
+    if kind in ("row", "sequence"):
+        return kind
+    doc = " ".join((fn.__doc__ or "").split())
+    m = re.search(r"Invariance:(.*?)(\.\s|\.$|$)", doc)
+    text = m.group(1).lower() if m else ""
+    if re.search(r"sequence|predecessor|window|keys|prefix|prefill|block|state", text):
+        return "sequence"
+    return "row" if re.search(r"\brow|token|element", text) else "sequence"
+
+
+def _row_harness(op, args, kwargs, n):
+    """assert_batch_invariant on the op's row arguments (tensors whose dim 0 is the first tensor's),
+    the rest held fixed; None when the op is not row-wise (an int tensor that is not rows: a
+    sequence/state op)."""
+    import torch
+
+    import bitmatch.kernels as K
+    from bitmatch import testing as T
+
+    if invariance_kind(getattr(K, op)) != "row":
+        return None
+    items = list(enumerate(args)) + list(kwargs.items())
+    tens = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    if not tens or tens[0][1].dim() == 0:
+        return None
+    R = tens[0][1].shape[0]
+    rows = [(k, v) for k, v in tens if v.dim() and v.shape[0] == R]
+    keys = [k for k, _ in rows]
+    if any(not v.is_floating_point() for k, v in tens if k not in keys):
+        return None
+    fn = getattr(K, op)
+
+    def call(*vals):
+        a, kw = list(args), dict(kwargs)
+        for k, v in zip(keys, vals):
+            if isinstance(k, int):
+                a[k] = v
+            else:
+                kw[k] = v
+        return fn(*a, **kw)
+    return lambda: T.assert_batch_invariant(call, tuple(v for _, v in rows), max_batch=64, cases=n) or n
+
+
+def _family_cases(family: str, device: str, n: int = 6):
+    """(op, axes, fn, is_control) rows for every kernel op ``family`` calls at its tiny shapes, the
+    whole model along the schedule axes, and controls at the same shapes (stock ops)."""
+    import torch
+    import torch.nn.functional as F
+
+    from bitmatch import testing as T
+    from bitmatch import verify
+    from bitmatch.testing_models import random_prompts
+
+    import bitmatch
+    model = bitmatch.patch(tiny_model_for(family, torch.bfloat16, seed=0)[0].to(device), compute_dtype=torch.bfloat16)
+    # 53 tokens: a prime row count no weight dimension shares, so "rows" are tokens
+    seqs = [s[:n_] for s, n_ in zip(random_prompts(3, 23, 23, seed=5), (11, 19, 23))]
+    calls = _capture_kernel_calls(model, seqs)
+    groups: dict = {}
+    for op, a, k in calls:
+        groups.setdefault(_signature(op, a, k), (op, a, k))
+    out, first, seen_seq = [], {}, set()
+    for op, a, k in groups.values():
+        first.setdefault(op, (a, k))
+        shapes = [tuple(t.shape) for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor)][:2]
+        label = f"{op} " + "x".join(str(list(sh)).replace(" ", "") for sh in shapes)
+        if op == "attention_prefill":
+            q, kk, v, cu, scale = a[:5]
+            win = a[6] if len(a) > 6 else k.get("sliding_window")
+            cu_ = cu.tolist()
+            sq = [(q[s:e], kk[s:e], v[s:e]) for s, e in zip(cu_[:-1], cu_[1:])]
+            out.append((label, f"schedule (prefill/chunked/decode), block size, batch{', window ' + str(win) if win else ''}",
+                        lambda sq=sq, scale=scale, win=win: T.assert_schedule_invariant(
+                            sq, scale, sliding_window=win, cases=n) or n, False))
+        elif op in ("attention_paged", "write_kv_cache", "attention_decode"):
+            continue  # the attention_prefill rows run these against paged caches
+        else:
+            h = _row_harness(op, a, k, n)
+            if h is None and op not in seen_seq:
+                seen_seq.add(op)
+                out.append((f"{op} (every shape)", "sequence op: covered by the model row", lambda: 0, False))
+            elif h is None:
+                continue
+            else:
+                out.append((label, "batch, padding", h, False))
+    out.append((f"model ({family})", "schedule: decode, chunk splits, batch composition",
+                lambda: _raise_if_diverged(verify.locate_pair("schedule", model, [s[:7] for s in seqs])), False))
+    x, w = first["linear"][0][:2]
+    out.append(("control: F.linear fp32", "batch", lambda: T.assert_batch_invariant(
+        lambda r: F.linear(r, w.float()), x.float(), cases=20) or 20, True))
+    if "attention_prefill" in first:
+        q, kk, v, cu, scale = first["attention_prefill"][0][:5]
+        cu_ = cu.tolist()
+        sq = [(q[s:e], kk[s:e], v[s:e]) for s, e in zip(cu_[:-1], cu_[1:])]
+        out.append(("control: SDPA", "schedule", lambda: T.assert_schedule_invariant(
+            sq, scale, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8, True))
+    lg = first["token_logprobs"][0][0]
+    out.append(("control: x/T vs x*(1/T)", "engine", lambda: T.assert_batch_invariant(
+        _stock_logprob_rows, lg.float(), max_batch=64, cases=20, seed=9) or 20, True))
+    out.append(("control: HF forward", "batch", lambda: _hf_batch_control(model, seqs), True))
+    return out
+
+
+def _raise_if_diverged(results) -> int:
+    from bitmatch.testing import BitMismatch
+    bad = [r for r in results if not r.bitmatched]
+    if bad:
+        raise BitMismatch("; ".join(r.summary() for r in bad))
+    return len(results)
+
+
+def _hf_batch_control(model, seqs) -> int:
+    """HF's own fp32 forward: each sequence alone vs all in one right-padded batch (must differ)."""
+    import torch
+
+    from bitmatch.testing import assert_bitwise_equal
+    from bitmatch.testing_models import pad_batch
+    from bitmatch.verify import fp32_reference
+
+    hf = fp32_reference(model)
+    ids, mask = pad_batch(seqs, "right")
+    with torch.no_grad():
+        batch = hf(input_ids=ids, attention_mask=mask).logits
+        for i, s in enumerate(seqs):
+            alone = hf(input_ids=torch.tensor([s])).logits[0]
+            assert_bitwise_equal(batch[i, :len(s)], alone, f"HF forward, sequence {i} alone vs in the batch")
+    return len(seqs)
