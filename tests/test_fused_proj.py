@@ -71,22 +71,71 @@ def test_triton_fused_gate_up_equal_split():
 
 
 def test_dense_fused_copy_follows_in_place_updates():
+    """The engine's paged steps use the fused copies (same bits as the trainer's separate
+    projections); an in-place update is followed; the trainer path never fuses."""
     from bitmatch.context import ForwardContext
-    from bitmatch.models import dense, forward_hidden
+    from bitmatch.models import allocate_caches, cache_groups, dense, forward_hidden
     from bitmatch.testing_models import tiny_model
     model = tiny_model()
     ids = torch.tensor([3, 5, 7, 9, 11])
-    ctx = ForwardContext(positions=torch.arange(5), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    packed = ForwardContext(positions=torch.arange(5), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+
+    def paged():
+        return ForwardContext(positions=torch.arange(5), query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+                              seq_lens=torch.tensor([5], dtype=torch.int32),
+                              block_table=torch.zeros((1, 1), dtype=torch.int32), slot_mapping=torch.arange(5),
+                              caches=allocate_caches(cache_groups(model), 1, 16, "cpu"))
     with torch.no_grad():
-        fused = forward_hidden(model, ids, ctx)
-        assert dense._FUSED, "no fused projection was used under no_grad"
-    with torch.enable_grad():  # the trainer's path: separate projections
-        sep = forward_hidden(model, ids, ctx).detach()
+        sep = forward_hidden(model, ids, packed)
+        assert not dense._FUSED.get(model.model.layers[0].self_attn), "the trainer path fused"
+        fused = forward_hidden(model, ids, paged())
+        assert dense._FUSED.get(model.model.layers[0].self_attn), "the engine path did not fuse"
     assert _bits_equal(fused, sep)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place: _version bumps
         model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
-        after = forward_hidden(model, ids, ctx)
-    with torch.enable_grad():
-        sep2 = forward_hidden(model, ids, ctx).detach()
+        after = forward_hidden(model, ids, paged())
+        sep2 = forward_hidden(model, ids, packed)
     assert _bits_equal(after, sep2) and not _bits_equal(after, fused)
+
+
+def _engine_vs_trainer(eng, model, prompts):
+    import bitmatch
+    from bitmatch.engine import SamplingParams
+    from bitmatch.testing_models import pad_batch
+    outs = eng.generate(prompts, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    ids, mask = pad_batch(seqs)
+    with torch.no_grad():  # the trainer path never reads the fused copies
+        lp = bitmatch.token_logprobs(model, ids, mask, temperature=1.0)
+    bad = 0
+    for b, o in enumerate(outs):
+        p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
+        bad += int((lp[b, p - 1:p + c - 1].float() != torch.tensor(o.outputs[0].logprobs)).sum())
+    return bad
+
+
+def test_engine_sees_a_weight_write_through_data_between_generates(monkeypatch):
+    """A write through ``param.data`` bumps no version counter; the engine rebuilds its fused
+    copies whenever it starts work after being idle, so the next generate() is Diff = 0 on the new
+    weights. Control: without that rebuild the fused copy is stale and the engine differs."""
+    from bitmatch.engine import Engine
+    from bitmatch.models import dense
+    from bitmatch.testing_models import random_prompts, tiny_model
+    model = tiny_model("qwen3")
+    eng = Engine(model, num_gpu_blocks=64)
+    prompts = random_prompts(3, 3, 12, seed=5)
+    assert _engine_vs_trainer(eng, model, prompts) == 0
+    assert dense._FUSED, "the engine did not fuse (the test would prove nothing)"
+
+    def write(seed):
+        g = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers:
+            for m in (layer.self_attn.q_proj, layer.mlp.up_proj):
+                m.weight.data.copy_(torch.randn(m.weight.shape, generator=g).to(m.weight.dtype) * 0.2)
+
+    write(1)
+    assert _engine_vs_trainer(eng, model, prompts) == 0
+    monkeypatch.setattr(dense, "refresh_fused", lambda lm, force=False: None)
+    write(2)
+    assert _engine_vs_trainer(eng, model, prompts) > 0

@@ -83,6 +83,9 @@ class Engine:
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._lm = lm
+        from bitmatch.models import spec_of
+        self._family = spec_of(lm)[0]
+        self._idle = True  # no request running: the next step rebuilds derived weights (fused copies)
         self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
         groups = cache_groups(model)
         per_seq = [g.name for g in groups if g.kind == "per_seq"]
@@ -194,6 +197,7 @@ class Engine:
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
         self._seqs.clear()
+        self._idle = True
 
     # -- weight versions --------------------------------------------------------------------
     @property
@@ -235,6 +239,12 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self._idle:  # first step after idle: weights derived from the parameters are rebuilt
+            self._idle = False
+            refresh = getattr(self._family, "refresh_derived_weights", None)
+            if refresh is not None:
+                with torch.no_grad():
+                    refresh(self._lm, force=True)
         for seq, _ in scheduled:
             if seq.weight_version is None and not seq.token_ids[seq.num_prompt_tokens:]:
                 seq.weight_version, seq.weight_fingerprint = version, fp
@@ -261,6 +271,8 @@ class Engine:
             else:
                 continue
             finished.append(RequestOutput.from_seq(self._seqs.pop(seq.request_id), self.tokenizer))
+        if self.scheduler.is_finished():
+            self._idle = True
         return finished
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

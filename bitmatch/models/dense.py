@@ -167,9 +167,9 @@ class _FusedEntry:
         self.bias = None if bs[0] is None else torch.cat([cast_param(b, self.dtype) for b in bs], 0)
         self.key = self.versions()
 
-    def refresh(self):
+    def refresh(self, force: bool = False):
         key = self.versions()
-        if key == self.key:
+        if key == self.key and not force:
             return
         same_ptrs = [p for p, _ in key] == [p for p, _ in self.key]
         self.build(out=self.weight if same_ptrs else None)
@@ -197,18 +197,20 @@ def _fused_weight(parent, name: str, mods, dtype):
     return e.weight, e.bias, e.segments
 
 
-def refresh_fused(lm) -> None:
+def refresh_fused(lm, force: bool = False) -> None:
     """Bring every fused copy of ``lm``'s layers up to date in place (before a CUDA graph replay,
-    which runs no host code)."""
+    which runs no host code). ``force``: rebuild even where the version counters did not move (a
+    write through ``param.data`` bumps no counter; the engine forces a rebuild whenever it starts
+    work after being idle, so such a write between generate() calls is seen)."""
     for layer in lm.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for e in _FUSED.get(parent, {}).values():
-                e.refresh()
+                e.refresh(force)
 
 
-def _fused_linear(parent, name, mods, x, dtype):
+def _fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
     """The outputs of ``linear(m, x)`` for each of ``mods``: one GEMM when fusable, same bits."""
-    f = _fused_weight(parent, name, mods, dtype)
+    f = _fused_weight(parent, name, mods, dtype) if fuse else None
     if f is None:
         return [linear(m, x, dtype) for m in mods]
     w, b, segs = f
@@ -216,8 +218,13 @@ def _fused_linear(parent, name, mods, x, dtype):
     return list(torch.split(y, segs, dim=-1))
 
 
-def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp"):
-    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if rec is None else None
+def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp",
+              fuse: bool = False):
+    """``fuse``: gate/up as one GEMM on the fused copy (the engine's paged steps only: the engine
+    rebuilds the copies whenever it starts work, so a weight written behind autograd's back, e.g.
+    through ``param.data`` or by an optimizer, cannot leave a stale copy in a trainer forward)."""
+    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) \
+        if rec is None and fuse else None
     if f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
         w, b, segs = f
         a = _kernels().silu_and_mul(_kernels().linear(x, w, b, segments=segs))
@@ -241,7 +248,8 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     K = _kernels()
     T = x.shape[0]
     D = spec.head_dim
-    q, k, v = _fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype)
+    # fused only in the engine's paged steps (see gated_mlp)
+    q, k, v = _fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
     q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
     if rec is not None:
         rec(f"{prefix}.q_proj", q)
@@ -340,7 +348,7 @@ def decoder_layer(layer, h, residual, cos, sin, *, bm: LayerCall):
     x, residual = fused_add_rms_norm(layer.post_attention_layernorm, a, residual, dt)
     if rec is not None:
         rec(f"{p}.post_attention_layernorm", (x, residual))
-    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp")
+    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp", fuse=bm.ctx.paged)
     return m, residual
 
 
@@ -414,8 +422,8 @@ class DenseFamily(Family):
     def cache_groups(self, spec: DenseSpec, dtype) -> list[CacheGroup]:
         return [CacheGroup("kv", "paged_kv", tuple(range(spec.num_layers)), spec.num_kv_heads, spec.head_dim, dtype)]
 
-    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp"):
-        return gated_mlp(mlp_mod, x, dtype, rec, prefix)
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False):
+        return gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse)
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: true for the dense
@@ -425,9 +433,10 @@ class DenseFamily(Family):
         return (cls.forward_hidden is DenseFamily.forward_hidden and cls.mlp is DenseFamily.mlp
                 and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
-    def refresh_derived_weights(self, lm) -> None:
-        """The fused q/k/v, gate/up copies brought up to date in place (before a graph replay)."""
-        refresh_fused(lm)
+    def refresh_derived_weights(self, lm, force: bool = False) -> None:
+        """The fused q/k/v, gate/up copies brought up to date in place (before a graph replay;
+        ``force``: rebuilt whatever the version counters say)."""
+        refresh_fused(lm, force)
 
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
         K = _kernels()

@@ -90,10 +90,10 @@ class Qwen3MoeFamily(dense.DenseFamily):
         return MoeSpec(**vars(base), num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                        renormalize=bool(cfg.norm_topk_prob), sparse_layers=sparse)
 
-    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp"):
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False):
         if hasattr(mlp_mod, "experts"):
             return _moe_block(mlp_mod, x, dtype, rec, prefix)
-        return dense.gated_mlp(mlp_mod, x, dtype, rec, prefix)
+        return dense.gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse)
 
     def patch_mlp(self, mlp_mod):
         if hasattr(mlp_mod, "experts"):

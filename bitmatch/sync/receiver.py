@@ -107,10 +107,13 @@ class _Slots:
     """HF name -> tensor view inside a bank of the target's own tensors (HF or engine layout)."""
 
     def __init__(self, target, layout: str, arch: str | None):
+        # detach(), not .data: a detached view shares the parameter's version counter, so a commit
+        # bumps p._version and whatever the engine derived from the weight (fused q/k/v, gate/up
+        # copies) sees the update; a write through .data would be invisible to it
         if isinstance(target, torch.nn.Module):
-            self.live = {k: p.data for k, p in target.named_parameters()}
+            self.live = {k: p.detach() for k, p in target.named_parameters()}
         else:
-            self.live = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in target.items()}
+            self.live = {k: (v.detach() if isinstance(v, torch.nn.Parameter) else v) for k, v in target.items()}
         if layout not in ("hf", "vllm"):
             raise ValueError(f"layout must be 'hf' or 'vllm', got {layout!r}")
         self.layout = layout
