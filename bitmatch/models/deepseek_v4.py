@@ -32,7 +32,7 @@ import torch
 
 from bitmatch.context import ForwardContext
 from bitmatch.models import deepseek_v4_attention as A
-from bitmatch.models.dense import _plain_linear_params, embed, linear, rms_norm
+from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
 from bitmatch.precision import cast_param
 
@@ -301,8 +301,7 @@ class DeepseekV4Family(Family):
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        w, b = _plain_linear_params(lm.lm_head)
-        return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+        return lm_head_logits(lm, hidden, dtype)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm, _norm_forward), (lm.model.hc_head, _inner_forward)]

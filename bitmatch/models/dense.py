@@ -218,6 +218,13 @@ def _fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
     return list(torch.split(y, segs, dim=-1))
 
 
+def lm_head_logits(lm, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Logits [N, vocab] of ``lm.lm_head`` on kernels.linear, weights cast at use (every family's head;
+    a row's bits do not depend on the other rows)."""
+    w, b = _plain_linear_params(lm.lm_head)
+    return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+
+
 def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp",
               fuse: bool = False):
     """``fuse``: gate/up as one GEMM on the fused copy (the engine's paged steps only: the engine
@@ -458,8 +465,7 @@ class DenseFamily(Family):
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        w, b = _plain_linear_params(lm.lm_head)
-        return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+        return lm_head_logits(lm, hidden, dtype)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm, _norm_forward)]

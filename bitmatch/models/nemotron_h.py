@@ -273,8 +273,7 @@ class NemotronHFamily(Family):
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        w, b = dense._plain_linear_params(lm.lm_head)
-        return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
+        return dense.lm_head_logits(lm, hidden, dtype)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm_f, _norm_forward)]
