@@ -22,7 +22,8 @@ division exactly as ``token_logprobs``):
 Every step is exact or elementwise, so a row's mask depends only on that row's logits, T, k
 and p: never on the batch, the row's position, the backend or the thread count. The same
 integer weights give the categorical draw (``categorical_sample``: inverse CDF in vocabulary
-order, exact int64 prefix sums), and ``uniform_noise`` is SplitMix64 written in torch int64
+order, exact int64 prefix sums; on CUDA one fused Triton kernel, ``kernels/triton/sampling.py``,
+with the same bits), and ``uniform_noise`` is SplitMix64 written in torch int64
 ops: both run the same on CPU and CUDA and inside a CUDA graph (no host sync, no generator
 state).
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import check_float
+from ._backend import backend_for, check_float, triton_impl
 from .logprobs import _check as _check_scalar_temperature
 from .logprobs import _scaled
 
@@ -41,7 +42,8 @@ _GAMMA = 0x9E3779B97F4A7C15         # SplitMix64's increment and finalizer multi
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
-__all__ = ["top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample", "uniform_noise", "to_int64_seed"]
+__all__ = ["top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample", "categorical_sample_reference",
+           "uniform_noise", "to_int64_seed"]
 
 
 def _weight_bits(vocab: int) -> int:
@@ -144,28 +146,48 @@ def apply_top_k_top_p(logits: torch.Tensor, temperature=1.0, top_k=None, top_p=N
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def categorical_sample(logits: torch.Tensor, temperature, uniforms: torch.Tensor) -> torch.Tensor:
-    """int64 [N]: one token per row drawn from ``softmax(logits.float() / T)`` by inverse CDF.
-
-    Each row's distribution is its integer weights (module docstring; -inf logits weigh 0, so a
-    masked token is never drawn); ``r = floor(u * W)`` with ``u = uniforms[i]`` in [0, 1), and
-    the token is the first whose inclusive int64 prefix sum exceeds r. The weights approximate
-    the softmax to 2**-b of the top probability (b = 62 - ceil(log2 V), 44 for V = 151,936).
-    Invariance: a row's token depends only on its logits, T and u (exact integer sums).
-    """
-    op = "categorical_sample"
-    check_float("logits", logits, op)
-    temp = _check_temperature(op, logits, temperature)
+def categorical_sample_reference(logits: torch.Tensor, temp: torch.Tensor, uniforms: torch.Tensor,
+                                 greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """``categorical_sample`` in torch ops on any device (the readable definition; the CPU
+    backend, and the torch-on-CUDA side of benchmarks/sampler.py). Inputs as validated there."""
     n, vocab = logits.shape
-    if uniforms.shape != (n,):
-        raise ValueError(f"{op}: uniforms must be [N={n}], got {tuple(uniforms.shape)}")
     z = _scaled(logits, temp)
     w = _int_weights(z, z.amax(-1, keepdim=True), _weight_bits(vocab))
     cdf = torch.cumsum(w, -1)
     total = cdf[:, -1:]
     r = torch.floor(uniforms.to(device=logits.device, dtype=F64).unsqueeze(1) * total.to(F64)).to(torch.int64)
     r = torch.minimum(r.clamp_min(0), total - 1)  # u * W may round up to W when W > 2**53
-    return torch.searchsorted(cdf, r, right=True).squeeze(1)
+    tokens = torch.searchsorted(cdf, r, right=True).squeeze(1)
+    if greedy is not None:
+        tokens = torch.where(greedy.to(device=logits.device, dtype=torch.bool), logits.float().argmax(-1), tokens)
+    return tokens
+
+
+def categorical_sample(logits: torch.Tensor, temperature, uniforms: torch.Tensor,
+                       greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [N]: one token per row drawn from ``softmax(logits.float() / T)`` by inverse CDF.
+
+    Each row's distribution is its integer weights (module docstring; -inf logits weigh 0, so a
+    masked token is never drawn); ``r = floor(u * W)`` with ``u = uniforms[i]`` in [0, 1), and
+    the token is the first whose inclusive int64 prefix sum exceeds r. The weights approximate
+    the softmax to 2**-b of the top probability (b = 62 - ceil(log2 V), 44 for V = 151,936).
+    ``greedy`` (bool [N] or None): rows where it is set take ``logits.float().argmax(-1)``
+    (lowest index on ties) instead, whatever their T and u. CPU tensors run the torch reference
+    (``categorical_sample_reference``), CUDA tensors one fused Triton kernel with the same bits.
+    Invariance: a row's token depends only on its logits, T and u (exact integer sums).
+    """
+    op = "categorical_sample"
+    check_float("logits", logits, op)
+    temp = _check_temperature(op, logits, temperature)
+    n, vocab = logits.shape
+    if not isinstance(uniforms, torch.Tensor) or uniforms.shape != (n,):
+        raise ValueError(f"{op}: uniforms must be an [N={n}] tensor, got "
+                         f"{tuple(uniforms.shape) if isinstance(uniforms, torch.Tensor) else type(uniforms).__name__}")
+    if greedy is not None and (not isinstance(greedy, torch.Tensor) or greedy.shape != (n,)):
+        raise ValueError(f"{op}: greedy must be None or a bool [N={n}] tensor")
+    if backend_for(logits) == "reference":
+        return categorical_sample_reference(logits, temp, uniforms, greedy)
+    return triton_impl("sampling", "categorical_sample")(logits, temp, uniforms, greedy, _weight_bits(vocab))
 
 
 def _signed(c: int) -> int:

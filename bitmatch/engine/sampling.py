@@ -82,40 +82,76 @@ class Sampler:
     temperature, top-k and top-p rows mixed, with no per-row device op and one host sync (the
     results' transfer).
 
+    Three stages, so the engine can capture the middle one in its decode CUDA graph:
+    ``pack`` (host: per-row parameters as two arrays, uploaded), ``device_step`` (tensors in,
+    one float64 [3, N] tensor out: no host sync, no branching on device values, capturable) and
+    ``finish`` (the one ``.tolist()``). ``__call__`` runs the three.
+
     Sampled rows: ``kernels.categorical_sample`` over the masked logits with the uniform
     ``kernels.uniform_noise(seed, index)``. Invariance: a row's token and logprobs depend only on
     its logits, its parameters, its seed and its index (every op is row-wise and exact).
     """
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                 indices: list[int]) -> tuple[list[int], list[float], list[float]]:
-        from bitmatch.engine.model_runner import upload
-        dev = logits.device
-        n = len(params)
-        # per-row parameters: host arrays, two pinned non-blocking uploads (no device sync)
+    @staticmethod
+    def flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
+        """(any_masked, all_greedy, any_greedy): the only host facts ``device_step`` branches on."""
         greedy = [sp.greedy for sp in params]
-        masked_rows = [sp.masked for sp in params]
+        return any(sp.masked for sp in params), all(greedy), any(greedy)
+
+    @staticmethod
+    def pack_host(params: list[SamplingParams], seeds: list[int],
+                  indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host arrays float32 [2, N] (temperature, 1.0 for greedy rows; top_p, 1.0 for unmasked
+        rows) and int64 [4, N] (seed as int64, completion index, top_k, -1 for unmasked rows;
+        greedy 0/1)."""
+        if not len(params) == len(seeds) == len(indices):
+            raise ValueError(f"Sampler: {len(params)} params, {len(seeds)} seeds, {len(indices)} indices")
+        masked = [sp.masked for sp in params]
         f32 = np.array([[1.0 if sp.greedy else sp.temperature for sp in params],
-                        [sp.top_p if m else 1.0 for sp, m in zip(params, masked_rows)]], np.float32)
+                        [sp.top_p if m else 1.0 for sp, m in zip(params, masked)]], np.float32).reshape(2, -1)
         i64 = np.array([[K.sampling.to_int64_seed(s) for s in seeds], list(indices),
-                        [sp.top_k if m else -1 for sp, m in zip(params, masked_rows)], greedy], np.int64)
-        f32, i64 = upload(f32.reshape(-1), dev).view(2, n), upload(i64.reshape(-1), dev).view(4, n)
+                        [sp.top_k if m else -1 for sp, m in zip(params, masked)],
+                        [sp.greedy for sp in params]], np.int64).reshape(4, -1)
+        return f32, i64
+
+    @staticmethod
+    def pack(params: list[SamplingParams], seeds: list[int], indices: list[int],
+             device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pack_host``'s arrays on ``device``: two pinned non-blocking uploads (no device sync)."""
+        from bitmatch.engine.model_runner import upload
+        f32, i64 = Sampler.pack_host(params, seeds, indices)
+        n = f32.shape[1]
+        dev = torch.device(device)
+        return upload(f32.reshape(-1), dev).view(2, n), upload(i64.reshape(-1), dev).view(4, n)
+
+    def device_step(self, logits: torch.Tensor, f32: torch.Tensor, i64: torch.Tensor, any_masked: bool,
+                    all_greedy: bool, any_greedy: bool) -> torch.Tensor:
+        """float64 [3, N]: tokens, ``logprobs``, ``sampled_logprobs`` (module docstring) for
+        ``pack``'s rows. No host sync; branches only on the three flags (``flags``), so one
+        CUDA graph per (N, flags) replays it. Invariance: as the class."""
         temps = f32[0]
-        masked = logits
-        if any(masked_rows):
-            masked = K.apply_top_k_top_p(logits, temps, i64[2], f32[1])
-        if all(greedy):
+        masked = K.apply_top_k_top_p(logits, temps, i64[2], f32[1]) if any_masked else logits
+        if all_greedy:
             tokens = logits.float().argmax(-1)
         else:
             u = K.uniform_noise(i64[0], i64[1])
-            tokens = K.categorical_sample(masked, temps, u)
-            if any(greedy):
-                tokens = torch.where(i64[3].bool(), logits.float().argmax(-1), tokens)
+            # greedy rows are never masked (pack), so their argmax over ``masked`` is over logits
+            tokens = K.categorical_sample(masked, temps, u, i64[3].bool() if any_greedy else None)
         # the reported logprobs: the trainer's function on the same logits (its autograd Function
         # directly: the inputs are valid by construction, and the public entry's value checks
         # would cost three host syncs per call)
         lps = _token_logprobs(logits, tokens, temps)
-        sampled = _token_logprobs(masked, tokens, temps) if masked is not logits else lps
-        # float64 holds the token ids and the fp32 values exactly: one transfer, one sync
-        out = torch.stack([tokens.to(torch.float64), lps.to(torch.float64), sampled.to(torch.float64)]).tolist()
-        return [int(t) for t in out[0]], out[1], out[2]
+        sampled = _token_logprobs(masked, tokens, temps) if any_masked else lps
+        # float64 holds the token ids and the fp32 values exactly: one tensor, one transfer
+        return torch.stack([tokens.to(torch.float64), lps.to(torch.float64), sampled.to(torch.float64)])
+
+    @staticmethod
+    def finish(out: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+        """``device_step``'s tensor as host lists (tokens, logprobs, sampled_logprobs): the one sync."""
+        rows = out.tolist()
+        return [int(t) for t in rows[0]], rows[1], rows[2]
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 indices: list[int]) -> tuple[list[int], list[float], list[float]]:
+        f32, i64 = self.pack(params, seeds, indices, logits.device)
+        return self.finish(self.device_step(logits, f32, i64, *self.flags(params)))

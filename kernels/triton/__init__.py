@@ -9,6 +9,7 @@ call the function of the same name here:
 - activation.silu_and_mul(x2d)                           -> [M, I]
 - attention.attention_prefill(...), attention.attention_paged(...)
 - logprobs.token_logprobs(logits2d, token_ids, temperature), logprobs.full_logprobs(...)
+- sampling.categorical_sample(logits2d, temperature, uniforms, greedy, bits) -> int64 [N]
 
 Canonical orders (what fixes the bits; anything else is free to tune):
 - linear: dot over K = ordered fp32 sum of SPLIT fixed K chunks (SPLIT fixed per weight shape,
