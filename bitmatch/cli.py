@@ -3,6 +3,7 @@ uses: ``--family``), ``locate`` (the first op whose bits differ between two path
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import time
 
@@ -44,52 +45,9 @@ def _cases(device: str):
     ]
     if device == "cpu":  # thread count is a CPU axis; CUDA launch parallelism is covered by the batch axis
         rows_.insert(1, ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2))
-    out = [(op, axes, fn, False) for op, axes, fn in rows_]
-    return out + _controls(device, g, w, seqs)
-
-
-def _controls(device, g, w, seqs):
-    """Control rows: the same harness on stock ops, sized so that they mismatch on this device.
-
-    fp32 F.linear (one row takes another BLAS path than many); on CUDA also bf16 cuBLAS at small
-    vs large M. SDPA across schedules: on CPU with boolean masks; on CUDA as an engine calls it
-    (is_causal flash prefill, unmasked one-token decode) at contexts up to 700 tokens, where
-    flash-decoding splits the keys. Temperature: vLLM divides by a per-row temperature tensor,
-    HF/TRL write ``logits / T`` with a float, which CUDA runs as ``logits * (1/T)``; on CUDA at
-    realistic scale (logits ~ N(0, 5) over a 151,936 vocabulary, T = 0.7).
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from bitmatch import testing as T
-
-    cuda = device != "cpu"
-    wf, rf = w.float(), torch.randn(32, 512, generator=g).to(device)
-    out = [("control: F.linear fp32", "batch",
-            lambda: T.assert_batch_invariant(lambda x: F.linear(x, wf), rf, cases=20) or 20, True)]
-    if cuda:
-        # 4096 x 4096 bf16: cuBLAS's rows at M <= 33 differ from the same rows at M = 4096
-        wb = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().to(device)
-        rb = torch.randn(32, 4096, generator=g).bfloat16().to(device)
-        out.append(("control: F.linear bf16", "batch (M 1 vs up to 4096)", lambda: T.assert_batch_invariant(
-            lambda x: F.linear(x, wb), rb, max_batch=4096, cases=20) or 20, True))
-        rnd = lambda *s: torch.randn(*s, generator=g).bfloat16().to(device)  # noqa: E731
-        sdpa_seqs = [(rnd(n, 8, 128), rnd(n, 2, 128), rnd(n, 2, 128)) for n in (1, 200, 700)]
-        pre = lambda *a: T.stock_sdpa_prefill(*a, engine_style=True)  # noqa: E731
-        dec = lambda *a: T.stock_sdpa_paged(*a, engine_style=True)  # noqa: E731
-        sdpa = lambda: T.assert_schedule_invariant(  # noqa: E731
-            sdpa_seqs, 128 ** -0.5, prefill_fn=pre, paged_fn=dec, cases=8, seed=1) or 8
-        lg = (torch.randn(16, 151936, generator=g) * 5).to(device)
-    else:
-        sdpa = lambda: T.assert_schedule_invariant(  # noqa: E731
-            seqs, 0.125, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8
-        lg = (torch.randn(32, 5000, generator=g) * 4).bfloat16().float()
-    out += [
-        ("control: SDPA", "schedule", sdpa, True),
-        ("control: x/T vs x*(1/T)", "engine", lambda: T.assert_batch_invariant(
-            _stock_logprob_rows, lg, max_batch=64, cases=40, seed=9) or 40, True),
-    ]
-    return out
+    from bitmatch.controls import stock_controls
+    return [(op, axes, fn, False) for op, axes, fn in rows_] + [(c.name, c.axes, c.run, True)
+                                                               for c in stock_controls(device)]
 
 
 def _lin(x, w):
@@ -97,22 +55,12 @@ def _lin(x, w):
     return K.linear(x, w)
 
 
-def _stock_logprob_rows(x, temperature=0.7):
-    """Full log_softmax rows (what an engine's sampled and top-k logprobs are read from). Alone:
-    vLLM's formula (x / a per-row temperature tensor, true division); in a batch: the trainer's
-    x * (1/T) (what HF/TRL's ``logits / T`` with a float runs as on CUDA). About 5% of the
-    entries differ, so every row of a realistic vocabulary shows it."""
-    import torch
-    if x.shape[0] == 1:
-        z = x / torch.full((1, 1), temperature, dtype=x.dtype, device=x.device)
-    else:
-        z = x * (1 / temperature)
-    return torch.log_softmax(z, -1)
-
-
 def check(argv=None) -> int:
-    """Run every op's invariance self-test on this machine's backends and print a table;
-    controls run the same harness on stock ops and must find mismatches."""
+    """Run every op's invariance self-test on this machine's backends and print a table; the stock
+    controls (``bitmatch.controls``) run the same comparisons on stock ops and must find mismatches.
+    Exit 1 if an op mismatched or a control found none (the harness did not show it can fail)."""
+    import json
+
     import torch
 
     from bitmatch.testing import BitMismatch
@@ -122,8 +70,9 @@ def check(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="print each mismatch found")
     ap.add_argument("--family", help="check every op this registered family uses, at its tiny-config shapes "
                     "(op list derived by running its forward), the whole model along the schedule axes, "
-                    "and controls at the same shapes")
+                    "the stock controls and the family's HF forward as a control")
     ap.add_argument("--cases", type=int, default=6, help="harness cases per op with --family (default 6)")
+    ap.add_argument("--json", metavar="PATH", help="also write every row and the verdict to PATH as JSON")
     a = ap.parse_args(argv)
     from bitmatch.family_check import _family_cases, tiny_model_for
     if a.family is not None:
@@ -139,33 +88,53 @@ def check(argv=None) -> int:
         return 2
     devices = ["cpu", "cuda"] if a.device == "all" and torch.cuda.is_available() else \
         (["cpu"] if a.device == "all" else [a.device])
-    w = 40 if a.family else 24
+    w = 40 if a.family else 34
     print(f"{'op':<{w}} {'backend':<16} {'axes checked':<52} {'cases':>5} {'mismatches':>10} {'time':>7}")
-    failed, weak = 0, 0
+    failed, weak, table = [], [], []
     for device in devices:
         backend = "triton (cuda)" if device == "cuda" else "reference (cpu)"
         rows = _family_cases(a.family, device, a.cases) if a.family else _cases(device)
         for op, axes, fn, control in rows:
-            t0 = time.time()
+            t0, first = time.time(), None
             try:
                 cases, bad = fn(), 0
             except BitMismatch as e:
-                cases, bad = 1, 1
+                cases, bad, first = 1, 1, str(e)
                 if a.verbose or not control:
                     print(f"  MISMATCH: {e}", file=sys.stderr)
-            if control:
-                weak += not bad
-            else:
-                failed += bad
+            if control and not bad:
+                weak.append(f"{op} ({device})")
+            elif bad and not control:
+                failed.append(f"{op} ({device})")
             found = f"{bad} (want >0)" if control else str(bad)
             label = f"stock ({device})" if control else backend
-            print(f"{op:<{w}} {label:<16} {axes:<52} {cases:>5} {found:>10} {time.time() - t0:>6.1f}s")
-    verdict = "all ops bitmatched" if not failed else f"{failed} op(s) MISMATCHED"
+            dt = time.time() - t0
+            print(f"{op:<{w}} {label:<16} {axes:<52} {cases:>5} {found:>10} {dt:>6.1f}s", flush=True)
+            table.append({"op": op, "device": device, "backend": label, "axes": axes, "control": control,
+                          "cases": cases, "mismatch_found": bool(bad), "first_mismatch": first,
+                          "seconds": round(dt, 2)})
+    verdict = "all ops bitmatched" if not failed else f"{len(failed)} op(s) MISMATCHED: {', '.join(failed)}"
     if a.family:
         verdict += f" (family {a.family})"
-    ctl = "every control found a mismatch" if not weak else f"{weak} control(s) found NO mismatch"
+    ctl = "every control found a mismatch" if not weak else \
+        f"{len(weak)} control(s) found NO mismatch (the harness did not show it can fail): {', '.join(weak)}"
     print(f"\nbackends: {', '.join(devices)}; {verdict}; {ctl}")
-    return 1 if failed else 0
+    rc = 1 if failed or weak else 0
+    if a.json:
+        from importlib import metadata
+        try:
+            triton = metadata.version("triton")
+        except metadata.PackageNotFoundError:
+            triton = None
+        machine = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                   "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
+                   "cuda": torch.version.cuda, "triton": triton}
+        with open(a.json, "w") as f:
+            json.dump({"command": "bitmatch check " + " ".join(argv if argv is not None else sys.argv[2:]),
+                       "versions": version_string(), "machine": machine, "devices": devices,
+                       "family": a.family, "rows": table, "ops_mismatched": failed,
+                       "controls_without_mismatch": weak, "exit_code": rc}, f, indent=1)
+    return rc
 
 
 # ----------------------------------------------------------------------------- locate

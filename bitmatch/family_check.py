@@ -1,10 +1,10 @@
 """``bitmatch check --family NAME``: the invariance harness on every kernel op a family calls, at
 the family's own (tiny-config) shapes, with controls at the same shapes that must find mismatches.
 The op list is not declared anywhere: it is captured by running the family once (a trainer forward
-and an engine step), so a new family is covered the day it registers."""
+and an engine step), so a new family is covered the day it registers. The controls are the device's
+stock controls (``bitmatch.controls``, the same rows as the plain check) and the family's own HF
+forward, batch vs alone."""
 from __future__ import annotations
-
-from bitmatch.cli import _stock_logprob_rows
 
 
 def tiny_model_for(family: str, dtype=None, seed: int = 0):
@@ -145,12 +145,12 @@ def _row_harness(op, args, kwargs, n):
 
 def _family_cases(family: str, device: str, n: int = 6):
     """(op, axes, fn, is_control) rows for every kernel op ``family`` calls at its tiny shapes, the
-    whole model along the schedule axes, and controls at the same shapes (stock ops)."""
+    whole model along the schedule axes, the device's stock controls and the family's HF forward."""
     import torch
-    import torch.nn.functional as F
 
     from bitmatch import testing as T
     from bitmatch import verify
+    from bitmatch.controls import stock_controls
     from bitmatch.testing_models import random_prompts
 
     import bitmatch
@@ -161,9 +161,8 @@ def _family_cases(family: str, device: str, n: int = 6):
     groups: dict = {}
     for op, a, k in calls:
         groups.setdefault(_signature(op, a, k), (op, a, k))
-    out, first, seen_seq = [], {}, set()
+    out, seen_seq = [], set()
     for op, a, k in groups.values():
-        first.setdefault(op, (a, k))
         shapes = [tuple(t.shape) for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor)][:2]
         label = f"{op} " + "x".join(str(list(sh)).replace(" ", "") for sh in shapes)
         if op == "attention_prefill":
@@ -187,18 +186,7 @@ def _family_cases(family: str, device: str, n: int = 6):
                 out.append((label, "batch, padding", h, False))
     out.append((f"model ({family})", "schedule: decode, chunk splits, batch composition",
                 lambda: _raise_if_diverged(verify.locate_pair("schedule", model, [s[:7] for s in seqs])), False))
-    x, w = first["linear"][0][:2]
-    out.append(("control: F.linear fp32", "batch", lambda: T.assert_batch_invariant(
-        lambda r: F.linear(r, w.float()), x.float(), cases=20) or 20, True))
-    if "attention_prefill" in first:
-        q, kk, v, cu, scale = first["attention_prefill"][0][:5]
-        cu_ = cu.tolist()
-        sq = [(q[s:e], kk[s:e], v[s:e]) for s, e in zip(cu_[:-1], cu_[1:])]
-        out.append(("control: SDPA", "schedule", lambda: T.assert_schedule_invariant(
-            sq, scale, prefill_fn=T.stock_sdpa_prefill, paged_fn=T.stock_sdpa_paged, cases=8, seed=1) or 8, True))
-    lg = first["token_logprobs"][0][0]
-    out.append(("control: x/T vs x*(1/T)", "engine", lambda: T.assert_batch_invariant(
-        _stock_logprob_rows, lg.float(), max_batch=64, cases=20, seed=9) or 20, True))
+    out += [(c.name, c.axes, c.run, True) for c in stock_controls(device)]
     out.append(("control: HF forward", "batch", lambda: _hf_batch_control(model, seqs), True))
     return out
 

@@ -19,18 +19,72 @@ def test_unknown_command(capsys):
 
 
 def test_temperature_control_formulas_differ_at_realistic_scale():
-    """The control's two stock formulas (vLLM: x / T tensor; trainer: x * (1/T)) give other
-    logprob bits in every row at logits ~ N(0, 5) over Qwen's 151,936 vocabulary, T = 0.7."""
+    """The control's two stock formulas (vLLM: x / t, a per-row tensor; TRL's fused head:
+    x * (1/t)) are the same math but give other logprob bits in every row at logits ~ N(0, 4)
+    over Qwen's 151,936 vocabulary."""
     import torch
 
-    from bitmatch.cli import _stock_logprob_rows
+    from bitmatch.controls import engine_logprobs, trainer_logprobs
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 151936, generator=g) * 5
-    alone = torch.cat([_stock_logprob_rows(x[i:i + 1]) for i in range(4)])
-    batch = _stock_logprob_rows(x)
-    assert torch.allclose(alone, batch, rtol=0, atol=1e-4)      # the same math
-    differ = (alone.view(torch.int32) != batch.view(torch.int32)).float().mean(-1)
+    x = (torch.randn(4, 151936, generator=g) * 4).bfloat16().float()
+    t = torch.tensor([0.6, 0.7, 0.85, 0.95])
+    eng, tr = engine_logprobs(x, t), trainer_logprobs(x, t)
+    assert torch.allclose(eng, tr, rtol=0, atol=1e-4)      # the same math
+    differ = (eng.view(torch.int32) != tr.view(torch.int32)).float().mean(-1)
     assert bool((differ > 0.01).all()), differ
+
+
+def _control_rows(out):
+    return [ln.split("  ")[0] for ln in out.splitlines() if ln.startswith("control:")]
+
+
+def test_check_runs_the_stock_controls_of_bitmatch_controls(capsys):
+    """`bitmatch check` and `check --family` run exactly ``bitmatch.controls.stock_controls(device)``
+    (one definition; the family adds its own HF forward), and the CUDA list has every stock
+    kernel the contract replaces on the GPU (built lazily: listing them allocates nothing)."""
+    from bitmatch.cli import _cases
+    from bitmatch.controls import stock_controls
+    from bitmatch.family_check import _family_cases
+    names = [c.name for c in stock_controls("cpu")]
+    assert [r[0] for r in _cases("cpu") if r[3]] == names
+    assert [r[0] for r in _family_cases("dense", "cpu", 1) if r[3]] == names + ["control: HF forward"]
+    cuda = [c.name for c in stock_controls("cuda")]
+    assert {"control: F.linear bf16 4096x4096", "control: F.linear bf16 4096x12288",
+            "control: SDPA decode L=2048", "control: x/T vs x*(1/T)"} <= set(cuda)
+
+
+def test_a_control_that_finds_no_mismatch_fails_the_check(monkeypatch, capsys, tmp_path):
+    """A control swapped for an invariant op (bitmatch's own linear) finds no mismatch: the check
+    exits 1 and names it, in the table, the verdict and the JSON."""
+    import json
+
+    import torch
+
+    import bitmatch.controls as C
+    import bitmatch.kernels as K
+    from bitmatch import cli
+    from bitmatch.testing import assert_batch_invariant
+
+    real = C.stock_controls
+
+    def invariant_linear():
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(8, 96, generator=g).bfloat16()
+        assert_batch_invariant(lambda r: K.linear(r, w), x, max_batch=64, cases=4)
+        return 4
+    monkeypatch.setattr(C, "stock_controls", lambda d: real(d)[:1] + [C.Control("control: fake", "batch", invariant_linear)])
+    full = cli._cases
+    monkeypatch.setattr(cli, "_cases", lambda d: [r for r in full(d) if r[3] or r[0] == "rms_norm"])
+    path = tmp_path / "check.json"
+    assert cli.check(["--device", "cpu", "--json", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "control: fake" in out and "0 (want >0)" in out
+    assert "1 control(s) found NO mismatch" in out and out.rstrip().endswith("control: fake (cpu)"), out
+    report = json.loads(path.read_text())
+    assert report["exit_code"] == 1 and report["controls_without_mismatch"] == ["control: fake (cpu)"]
+    assert report["ops_mismatched"] == [] and {r["op"] for r in report["rows"]} == {
+        "rms_norm", "control: F.linear fp32", "control: fake"}
+    assert [r["mismatch_found"] for r in report["rows"] if r["control"]] == [True, False]
 
 
 def test_engine_style_sdpa_same_values():
