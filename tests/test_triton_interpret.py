@@ -459,3 +459,29 @@ def test_attention_paged_strided_cache_views():
     assert torch.equal(strided, att.attention_paged(args[0], kc, vc, *args[3:]))
     with pytest.raises(ValueError, match="share strides"):
         att.attention_decode(qd, ks, vc, bt, sl, 0.3)
+
+
+def test_attention_decode_context_bound_same_bits(small_partition):
+    """The engine's decode graphs are captured per context bucket (bitmatch/engine/graphs.py):
+    the host bound ``max_seq_len`` (how many KV partitions the launch covers) may exceed every
+    row's context by several partitions and must not change one bit (partitions past a row's
+    context are empty and skipped by the merge)."""
+    att = K.attention
+    L, page, Hkv, D = 300, 16, 2, 32
+    q, k, v, _ = _seqs([L], Hq=4, Hkv=Hkv, D=D, seed=70)
+    kc, vc, bt_row = _paged_cache(k, v, page, 64, seed=11)
+    width = 640 // page          # the block table covers the largest bound below
+    bt_row = torch.cat([bt_row, bt_row[:1].repeat(width - bt_row.shape[0])])
+    ts = [0, 127, 128, 200, 299]
+    qd = torch.stack([q[t] for t in ts]).contiguous()
+    bt = bt_row[None].repeat(len(ts), 1).contiguous()
+    sl = torch.tensor([t + 1 for t in ts], dtype=torch.int32)
+    qsl = torch.arange(len(ts) + 1, dtype=torch.int32)
+    # split mode: one program per KV partition and a merge (what a decode launch on the GPU runs)
+    outs = [att.attention_paged(qd, kc, vc, bt, qsl, sl, 0.3, max_query_len=1, max_seq_len=n,
+                                force_mode=mode) for n in (300, 384, 512, 640) for mode in ("split", "fused")]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    # control: a bound below the longest context drops partitions, and the comparison sees it
+    short = att.attention_paged(qd, kc, vc, bt, qsl, sl, 0.3, max_query_len=1, max_seq_len=128,
+                                force_mode="split")
+    assert not torch.equal(outs[0], short)

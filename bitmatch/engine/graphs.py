@@ -2,9 +2,11 @@
 
 Each bucket's graph runs ``forward_hidden`` on persistent input buffers (token ids, positions,
 slot mapping, state slots: one int64 [4, max_bucket] buffer; seq_lens and the block table: int32),
-captured with the host bounds ``max_query_len = 1`` and ``max_seq_len = max_seq_len_to_capture``
-(so its attention launch covers every context up to that bound; the partitions past a row's
-context are empty and skipped by the merge: the same bits). A step copies its padded inputs into
+captured with the host bounds ``max_query_len = 1`` and ``max_seq_len`` = a context bucket (512,
+1024, 2048, ... up to ``max_seq_len_to_capture``): its attention launch covers every context up to
+that bound (the partitions past a row's context are empty and skipped by the merge: the same
+bits), and a step replays the graph of the smallest context bucket holding its longest context, so
+the launch does not pay for partitions far past the real contexts. A step copies its padded inputs into
 the buffers (two pinned uploads, three device copies) and replays. Padded rows decode token 0 in
 the runner's scratch block, so they touch no real sequence; the kernels are batch-invariant, so a
 real row's bits do not depend on the bucket (tests/test_engine_graphs.py).
@@ -32,6 +34,16 @@ def graph_safe(model) -> bool:
     return bool(fn(unwrap_causal_lm(model))) if callable(fn) else False
 
 
+def context_buckets(cap_len: int, block_size: int) -> list[int]:
+    """The context bounds decode graphs are captured for: 512 x 2**k below ``cap_len``, then
+    ``cap_len`` itself (every bound a whole number of blocks)."""
+    out, c = [], 512
+    while c < cap_len:
+        out.append(-(-c // block_size) * block_size)
+        c *= 2
+    return sorted(set(out) | {cap_len})
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_seq_len_to_capture: int):
         from bitmatch.models import family_of, unwrap_causal_lm
@@ -39,13 +51,15 @@ class DecodeGraphs:
         self.runner = runner
         self.width = max(1, -(-int(max_seq_len_to_capture) // bs))
         self.cap_len = self.width * bs
+        self.ctx_buckets = context_buckets(self.cap_len, bs)
         self.lm = unwrap_causal_lm(runner.model)
         self.family = family_of(runner.model)
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}   # (batch bucket, context bucket) -> (graph, out)
         self.key = None
         self.pool = None
         self.num_captures = 0
         self.num_replays = 0
+        self.last_key = None
         self._buffers = None
 
     def _alloc(self):
@@ -59,16 +73,16 @@ class DecodeGraphs:
     def _param_key(self):
         return tuple(p.data_ptr() for p in self.runner.model.parameters())
 
-    def _ctx(self, b):
+    def _ctx(self, b, cap):
         from bitmatch.context import ForwardContext
         i64, sl, bt, qsl = self._buffers
         return ForwardContext(positions=i64[1, :b], slot_mapping=i64[2, :b], state_slots=i64[3, :b],
                               query_start_loc=qsl[:b + 1], seq_lens=sl[:b], block_table=bt[:b],
-                              caches=self.runner.caches, max_query_len=1, max_seq_len=self.cap_len)
+                              caches=self.runner.caches, max_query_len=1, max_seq_len=cap)
 
-    def _capture(self, b):
+    def _capture(self, b, cap):
         from bitmatch.models import forward_hidden
-        model, ctx, ids = self.runner.model, self._ctx(b), self._buffers[0][0, :b]
+        model, ctx, ids = self.runner.model, self._ctx(b, cap), self._buffers[0][0, :b]
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
         # it computes this very step (the same bits the replay writes again)
         s = torch.cuda.Stream(device=self.runner.device)
@@ -107,9 +121,11 @@ class DecodeGraphs:
         i64[:, :b].copy_(a.view(4, b))
         sl[:b].copy_(c[:b])
         bt[:b, :w].copy_(c[b:].view(b, w))
-        entry = self.graphs.get(b)
+        cap = next(c for c in self.ctx_buckets if c >= inp.max_seq_len)
+        entry = self.graphs.get((b, cap))
         if entry is None:
-            entry = self.graphs[b] = self._capture(b)
+            entry = self.graphs[(b, cap)] = self._capture(b, cap)
         entry[0].replay()
         self.num_replays += 1
+        self.last_key = (b, cap)
         return entry[1]
