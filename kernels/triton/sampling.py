@@ -167,12 +167,13 @@ def _categorical_kernel(x_ptr, stride, t_ptr, u_ptr, g_ptr, out_ptr, w_ptr, V,
 
 
 def categorical_sample(logits, temperature, uniforms, greedy=None, bits=44, *, block=BLOCK_V,
-                       return_weights=False, _variant=0):
+                       return_weights=False, _variant=0, _fp_fusion=False):
     """int64 [N] tokens: ``categorical_sample_reference``'s, bit for bit (module docstring).
 
     logits [N, V] (bf16/fp32, unit column stride), temperature fp32 [N], uniforms float64 [N],
     greedy bool/int [N] or None, bits = the weight scale's exponent b. ``return_weights`` also
     returns the int64 [N, V] weights (test hook; greedy rows' entries are left unwritten).
+    ``_variant`` / ``_fp_fusion``: the controls' wrong kernels (module docstring), tests only.
     """
     N, V = logits.shape
     dev = logits.device
@@ -186,7 +187,7 @@ def categorical_sample(logits, temperature, uniforms, greedy=None, bits=44, *, b
         u = uniforms.to(device=dev, dtype=torch.float64).contiguous()
         g = greedy.to(device=dev, dtype=torch.int8).contiguous() if greedy is not None else out
         nb = triton.next_power_of_2(triton.cdiv(V, block))
-        kw = {} if interp else dict(num_warps=8, enable_fp_fusion=False)
+        kw = {} if interp else dict(num_warps=8, enable_fp_fusion=_fp_fusion)
         _categorical_kernel[(N,)](logits, logits.stride(0), t, u, g, out, w, V,
                                   SCALE=float(2 ** bits), BLOCK=block, NB=nb,
                                   HAS_GREEDY=greedy is not None, STORE_W=return_weights,
