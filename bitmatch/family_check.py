@@ -73,7 +73,8 @@ def _capture_kernel_calls(model, seqs):
     for n, fn in saved.items():
         setattr(K, n, wrap(n, fn))
     try:
-        ids, mask = pad_batch(seqs, "right")
+        dev = next(model.parameters()).device
+        ids, mask = (t.to(dev) for t in pad_batch(seqs, "right"))
         p = pack(ids, mask)
         with torch.no_grad():
             logits = compute_logits(model, forward_hidden(model, p.input_ids, p.context()))
@@ -208,10 +209,11 @@ def _hf_batch_control(model, seqs) -> int:
     from bitmatch.verify import fp32_reference
 
     hf = fp32_reference(model)
-    ids, mask = pad_batch(seqs, "right")
+    dev = next(hf.parameters()).device
+    ids, mask = (t.to(dev) for t in pad_batch(seqs, "right"))
     with torch.no_grad():
         batch = hf(input_ids=ids, attention_mask=mask).logits
         for i, s in enumerate(seqs):
-            alone = hf(input_ids=torch.tensor([s])).logits[0]
+            alone = hf(input_ids=torch.tensor([s], device=dev)).logits[0]
             assert_bitwise_equal(batch[i, :len(s)], alone, f"HF forward, sequence {i} alone vs in the batch")
     return len(seqs)
