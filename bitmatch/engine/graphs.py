@@ -1,15 +1,20 @@
-"""CUDA graphs for pure-decode steps: one graph per padded batch bucket (vLLM's model).
+"""CUDA graphs for pure-decode steps (vLLM's model): one graph per (padded batch bucket, context
+bucket, sampler flags), each holding the whole step: forward, LM head and the sampler.
 
-Each bucket's graph runs ``forward_hidden`` on persistent input buffers (token ids, positions,
-slot mapping, state slots: one int64 [4, max_bucket] buffer; seq_lens and the block table: int32),
+Each graph runs ``forward_hidden``, ``compute_logits`` and ``Sampler.device_step`` on persistent
+input buffers (token ids, positions, slot mapping, state slots and the sampler's int64 rows: one
+int64 [8, max_bucket] buffer; seq_lens and the block table: int32; temperature and top_p: fp32),
 captured with the host bounds ``max_query_len = 1`` and ``max_seq_len`` = a context bucket (512,
 1024, 2048, ... up to ``max_seq_len_to_capture``): its attention launch covers every context up to
 that bound (the partitions past a row's context are empty and skipped by the merge: the same
 bits), and a step replays the graph of the smallest context bucket holding its longest context, so
-the launch does not pay for partitions far past the real contexts. A step copies its padded inputs into
-the buffers (two pinned uploads, three device copies) and replays. Padded rows decode token 0 in
-the runner's scratch block, so they touch no real sequence; the kernels are batch-invariant, so a
-real row's bits do not depend on the bucket (tests/test_engine_graphs.py).
+the launch does not pay for partitions far past the real contexts. The sampler's three host flags
+(any row masked, all greedy, any greedy) pick the graph too. A step copies its padded inputs into
+the buffers (two pinned uploads, four device copies), replays, and reads back one float64
+[3, bucket] tensor: the step's one host sync. Padded rows decode token 0 in the runner's scratch
+block and sample with harmless parameters, so they touch no real sequence; every kernel and the
+sampler are batch-invariant, so a real row's bits do not depend on the bucket
+(tests/test_engine_graphs.py).
 
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
@@ -34,6 +39,18 @@ def graph_safe(model) -> bool:
     return bool(fn(unwrap_causal_lm(model))) if callable(fn) else False
 
 
+def padded_sampling(sampler, params, seeds, indices, bucket: int):
+    """(flags, float32 [2, bucket], int64 [4, bucket]): the sampler's packed rows of the real
+    requests, then padded rows that sample greedily (all-greedy steps) or at T = 1 unmasked, so
+    the padding never changes the step's flags (their outputs are dropped)."""
+    flags = sampler.flags(params)
+    f32, i64 = sampler.pack_host(params, seeds, indices)
+    pad = bucket - len(params)
+    f32 = np.concatenate([f32, np.ones((2, pad), np.float32)], 1)
+    i64 = np.concatenate([i64, np.array([[0], [0], [-1], [int(flags[1])]], np.int64).repeat(pad, 1)], 1)
+    return flags, f32, i64
+
+
 def context_buckets(cap_len: int, block_size: int) -> list[int]:
     """The context bounds decode graphs are captured for: 512 x 2**k below ``cap_len``, then
     ``cap_len`` itself (every bound a whole number of blocks)."""
@@ -54,7 +71,8 @@ class DecodeGraphs:
         self.ctx_buckets = context_buckets(self.cap_len, bs)
         self.lm = unwrap_causal_lm(runner.model)
         self.family = family_of(runner.model)
-        self.graphs: dict[tuple[int, int], tuple] = {}   # (batch bucket, context bucket) -> (graph, out)
+        # (batch bucket, context bucket, sampler flags) -> (graph, output)
+        self.graphs: dict[tuple, tuple] = {}
         self.key = None
         self.pool = None
         self.num_captures = 0
@@ -64,44 +82,54 @@ class DecodeGraphs:
 
     def _alloc(self):
         dev, n = self.runner.device, self.runner.buckets[-1]
-        i64 = torch.zeros((4, n), dtype=torch.int64, device=dev)     # ids, positions, slots, state slots
+        # ids, positions, slots, state slots; then the sampler's int64 rows (seed, index, top_k, greedy)
+        i64 = torch.zeros((8, n), dtype=torch.int64, device=dev)
         sl = torch.ones(n, dtype=torch.int32, device=dev)
         bt = torch.full((n, self.width), self.runner.scratch_block, dtype=torch.int32, device=dev)
         qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self._buffers = (i64, sl, bt, qsl)
+        f32 = torch.ones((2, n), dtype=torch.float32, device=dev)    # the sampler's temperature, top_p
+        self._buffers = (i64, sl, bt, qsl, f32)
 
     def _param_key(self):
         return tuple(p.data_ptr() for p in self.runner.model.parameters())
 
     def _ctx(self, b, cap):
         from bitmatch.context import ForwardContext
-        i64, sl, bt, qsl = self._buffers
+        i64, sl, bt, qsl, _ = self._buffers
         return ForwardContext(positions=i64[1, :b], slot_mapping=i64[2, :b], state_slots=i64[3, :b],
                               query_start_loc=qsl[:b + 1], seq_lens=sl[:b], block_table=bt[:b],
                               caches=self.runner.caches, max_query_len=1, max_seq_len=cap)
 
-    def _capture(self, b, cap):
-        from bitmatch.models import forward_hidden
-        model, ctx, ids = self.runner.model, self._ctx(b, cap), self._buffers[0][0, :b]
+    def _step(self, b, cap, flags):
+        """The captured work: forward, LM head, sampler; float64 [3, b] (tokens, logprobs,
+        sampled logprobs)."""
+        from bitmatch.models import compute_logits, forward_hidden
+        i64, _, _, _, f32 = self._buffers
+        hidden = forward_hidden(self.runner.model, i64[0, :b], self._ctx(b, cap))
+        logits = compute_logits(self.runner.model, hidden)
+        return self.runner.sampler.device_step(logits, f32[:, :b], i64[4:, :b], *flags)
+
+    def _capture(self, b, cap, flags):
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
         # it computes this very step (the same bits the replay writes again)
         s = torch.cuda.Stream(device=self.runner.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            forward_hidden(model, ids, ctx)
+            self._step(b, cap, flags)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = forward_hidden(model, ids, ctx)
+            out = self._step(b, cap, flags)
         self.num_captures += 1
         return g, out
 
-    def run(self, inp, bucket: int):
-        """Replay the bucket's graph on the padded step inputs ``inp``; the hidden states
-        [bucket, H] (graph-owned: read before the next replay), or None when the step exceeds
-        what the graphs were captured for (the caller runs it eagerly)."""
+    def run(self, inp, bucket: int, params, seeds, indices):
+        """Replay the graph of (bucket, context bucket, sampler flags) on the padded step inputs
+        ``inp`` and the real rows' sampling parameters; the sampler's float64 [3, bucket] output
+        (graph-owned: read before the next replay; padded rows' columns are garbage), or None
+        when the step exceeds what the graphs were captured for (the caller runs it eagerly)."""
         if inp.max_seq_len > self.cap_len or inp.block_table.shape[1] > self.width:
             return None
         if self._buffers is None:
@@ -113,19 +141,24 @@ class DecodeGraphs:
         refresh = getattr(self.family, "refresh_derived_weights", None)
         if refresh is not None:
             refresh(self.lm)
-        i64, sl, bt, qsl = self._buffers
+        flags, sf32, si64 = padded_sampling(self.runner.sampler, params, seeds, indices, bucket)
+        i64, sl, bt, qsl, f32 = self._buffers
         b, w = bucket, inp.block_table.shape[1]
         dev = self.runner.device
-        a = upload(np.concatenate([inp.ids, inp.positions, inp.slots, inp.state_slots]), dev)
-        c = upload(np.concatenate([inp.seq_lens, inp.block_table.reshape(-1)]).astype(np.int32), dev)
-        i64[:, :b].copy_(a.view(4, b))
+        # two uploads: every int64 row, then int32 (seq lens, block table, the fp32 rows' bits)
+        a = upload(np.concatenate([inp.ids, inp.positions, inp.slots, inp.state_slots, si64.reshape(-1)]), dev)
+        c = upload(np.concatenate([inp.seq_lens.astype(np.int32), inp.block_table.reshape(-1).astype(np.int32),
+                                   sf32.reshape(-1).view(np.int32)]), dev)
+        i64[:, :b].copy_(a.view(8, b))
         sl[:b].copy_(c[:b])
-        bt[:b, :w].copy_(c[b:].view(b, w))
+        bt[:b, :w].copy_(c[b:b + b * w].view(b, w))
+        f32[:, :b].copy_(c[b + b * w:].view(torch.float32).view(2, b))
         cap = next(c for c in self.ctx_buckets if c >= inp.max_seq_len)
-        entry = self.graphs.get((b, cap))
+        gkey = (b, cap, flags)
+        entry = self.graphs.get(gkey)
         if entry is None:
-            entry = self.graphs[(b, cap)] = self._capture(b, cap)
+            entry = self.graphs[gkey] = self._capture(b, cap, flags)
         entry[0].replay()
         self.num_replays += 1
-        self.last_key = (b, cap)
+        self.last_key = gkey
         return entry[1]

@@ -173,6 +173,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.buckets = capture_sizes(max_num_seqs or 1)
         self.simulate_buckets = bool(simulate_buckets)
+        self.max_seq_len_to_capture = int(max_seq_len_to_capture)
         self.graphs = None
         self._pending = None
         if self.device.type == "cuda" and not enforce_eager:
@@ -236,28 +237,45 @@ class ModelRunner:
 
         inp = StepInputs(scheduled, self.block_size)
         seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
-        hidden = None
+        params, seeds, indices = [s.params for s in seqs], [s.seed for s in seqs], [s.num_completion_tokens for s in seqs]
+        out = None
         # a hooked prepare (bitmatch.verify's recorder, tests) observes every step: eager then
         hooked = "prepare" in self.__dict__
         bucket = self.bucket_for(inp.B) if inp.pure_decode and not hooked else None
         if bucket is not None and self.graphs is not None:
             self._reset_fresh(scheduled)
-            hidden = self.graphs.run(self.pad(inp, bucket), bucket)  # None: this step is not graphable
+            out = self.graphs.run(self.pad(inp, bucket), bucket, params, seeds, indices)  # None: not graphable
         elif bucket is not None and self.simulate_buckets:
             self._reset_fresh(scheduled)
-            ids, ctx, _ = self.pad(inp, bucket).context(self.device, self.caches)
-            hidden = forward_hidden(self.model, ids, ctx)
-        if hidden is not None:
-            hidden = hidden[:inp.B]
-        else:
-            self._pending = (scheduled, inp)
-            ids, ctx, rows = self.prepare(scheduled)
-            hidden = forward_hidden(self.model, ids, ctx)
-            if not seqs:
-                return [], [], [], []
-            if rows.shape[0] != hidden.shape[0]:
-                hidden = hidden.index_select(0, rows)
+            out = self._simulated_graph_step(inp, bucket, params, seeds, indices)
+        if out is not None:
+            tokens, lps, sampled = self.sampler.finish(out[:, :inp.B])
+            return seqs, tokens, lps, sampled
+        self._pending = (scheduled, inp)
+        ids, ctx, rows = self.prepare(scheduled)
+        hidden = forward_hidden(self.model, ids, ctx)
+        if not seqs:
+            return [], [], [], []
+        if rows.shape[0] != hidden.shape[0]:
+            hidden = hidden.index_select(0, rows)
         logits = compute_logits(self.model, hidden)
-        tokens, lps, sampled = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                            [s.num_completion_tokens for s in seqs])
+        tokens, lps, sampled = self.sampler(logits, params, seeds, indices)
         return seqs, tokens, lps, sampled
+
+    def _simulated_graph_step(self, inp, bucket, params, seeds, indices):
+        """What a graph replay computes, run eagerly (CPU tests): the padded inputs at the context
+        bucket's host bound, the LM head and the sampler on every padded row."""
+        from bitmatch.engine.graphs import context_buckets, padded_sampling
+        from bitmatch.models import compute_logits, forward_hidden
+        p = self.pad(inp, bucket)
+        cap_len = -(-self.max_seq_len_to_capture // self.block_size) * self.block_size
+        p.max_seq_len = next((c for c in context_buckets(cap_len, self.block_size) if c >= inp.max_seq_len),
+                             inp.max_seq_len)
+        extra = p.max_seq_len // self.block_size - p.block_table.shape[1]
+        if extra > 0:  # the graph's block table is full width (scratch entries past each row's blocks)
+            p.block_table = np.concatenate([p.block_table, np.full((bucket, extra), self.scratch_block, np.int64)], 1)
+        ids, ctx, _ = p.context(self.device, self.caches)
+        logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx))
+        flags, f32, i64 = padded_sampling(self.sampler, params, seeds, indices, bucket)
+        f32, i64 = torch.from_numpy(f32).to(self.device), torch.from_numpy(i64).to(self.device)
+        return self.sampler.device_step(logits, f32, i64, *flags)
