@@ -66,9 +66,9 @@ def sdpa_control(device, lens, q_heads, kv_heads, head_dim, engine_style, cases=
     g = torch.Generator().manual_seed(seed)
     seqs = [tuple(_rand(g, device, n, h, head_dim, dtype=torch.bfloat16) for h in (q_heads, kv_heads, kv_heads))
             for n in lens]
-    # an engine runs FlashAttention; cuDNN attention (which torch may choose first on Hopper) builds an
-    # execution plan per new key length: about 40 ms a decode step, 90 s for one 2,048-step decode case
-    # on the H200. Masked chunks (a chunk after the first) run on the efficient or math backend.
+    # an engine runs FlashAttention; torch 2.11 chooses cuDNN attention first on the H200, which builds an
+    # execution plan per new key length: 90 s for one 2,048-step decode case there, 2 s on flash
+    # (benchmarks/results/check_cuda_h200.json). Masked chunks run on the efficient or math backend.
     from torch.nn.attention import SDPBackend, sdpa_kernel
     allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
