@@ -72,7 +72,8 @@ def test_a_control_that_finds_no_mismatch_fails_the_check(monkeypatch, capsys, t
         w, x = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(8, 96, generator=g).bfloat16()
         assert_batch_invariant(lambda r: K.linear(r, w), x, max_batch=64, cases=4)
         return 4
-    monkeypatch.setattr(C, "stock_controls", lambda d: real(d)[:1] + [C.Control("control: fake", "batch", invariant_linear)])
+    fake = C.Control("control: fake", "batch", invariant_linear)
+    monkeypatch.setattr(C, "stock_controls", lambda d: real(d)[:1] + [fake])
     full = cli._cases
     monkeypatch.setattr(cli, "_cases", lambda d: [r for r in full(d) if r[3] or r[0] == "rms_norm"])
     path = tmp_path / "check.json"
