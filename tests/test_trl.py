@@ -6,9 +6,7 @@ The control runs stock TRL with a logprob-reporting HF-generate rollout and must
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
@@ -18,56 +16,23 @@ pytest.importorskip("peft")
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-_EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
+from bitmatch.testing_trl import assert_trained, grpo_trainer, load_example, logged, params_snapshot  # noqa: E402
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("bitmatch_example_trl_grpo", _EX)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ex = _example()
-TEMPERATURE = 0.9   # != 1: the temperature must be divided the same way on both sides
-
-
-def toy_reward(prompts, completions, **kwargs):
-    """The toy task's reward plus a small term for distinct characters: a random policy's samples
-    rarely hit the prompt letter in a few steps, and all-equal rewards give zero advantages (no
-    optimizer step would change a weight, whatever the sampler's seed)."""
-    return [r + 0.01 * len(set(c)) for r, c in zip(ex.repeat_letter_reward(prompts, completions), completions)]
+ex = load_example("trl_grpo")
 
 
 def make_trainer(tmp_path, steps=5, lora=False, rollout_func=None, **over):
     """A tiny GRPO run on the toy task: 2 prompts x 4 generations, 6 completion tokens, T=0.9."""
-    from trl import GRPOTrainer
-
-    kw = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=6, temperature=TEMPERATURE,
+    kw = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
               learning_rate=2e-2 if lora else 3e-3)
     kw.update(over)
-    args = ex.toy_config(str(tmp_path / "out"), steps, **kw)
     peft_config = None
     if lora:
         from peft import LoraConfig
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                  target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
-    return GRPOTrainer(model=ex.tiny_policy(), reward_funcs=toy_reward, args=args,
-                       train_dataset=ex.toy_dataset(64), processing_class=ex.char_tokenizer(),
-                       peft_config=peft_config, rollout_func=rollout_func)
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
-def params_snapshot(model):
-    return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-
-
-def assert_trained(before, model):
-    after = dict(model.named_parameters())
-    assert any(not torch.equal(before[k], after[k].detach()) for k in before), "no optimizer step changed a weight"
+    return grpo_trainer(ex.tiny_policy(), tmp_path / "out", steps, peft_config=peft_config,
+                        rollout_func=rollout_func, **kw)
 
 
 # ----------------------------------------------------------------------------- dense

@@ -28,9 +28,6 @@ def _skip_reason():
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-_EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
-
-
 def _child(spec):
     import torch
 
@@ -42,9 +39,8 @@ def _child(spec):
 
     import bitmatch.adapters.trl as bt
 
-    s = importlib.util.spec_from_file_location("bitmatch_example_trl_grpo", _EX)
-    ex = importlib.util.module_from_spec(s)
-    s.loader.exec_module(ex)
+    from bitmatch.testing_trl import load_example
+    ex = load_example("trl_grpo")
     ckpt = spec["ckpt"]
     model = ex.tiny_policy(dtype=torch.bfloat16)
     model.config.architectures = [type(model).__name__]
