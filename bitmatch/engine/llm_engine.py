@@ -241,6 +241,7 @@ class Engine:
             return []
         if self._idle:  # first step after idle: weights derived from the parameters are rebuilt
             self._idle = False
+            self.model_runner.weights_changed = True
             refresh = getattr(self._family, "refresh_derived_weights", None)
             if refresh is not None:
                 with torch.no_grad():

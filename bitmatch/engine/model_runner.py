@@ -174,6 +174,9 @@ class ModelRunner:
         self.buckets = capture_sizes(max_num_seqs or 1)
         self.simulate_buckets = bool(simulate_buckets)
         self.max_seq_len_to_capture = int(max_seq_len_to_capture)
+        # set when the weights may have changed (the engine: on every idle -> busy transition);
+        # the decode graphs then re-check parameter addresses and derived weights (graphs.py)
+        self.weights_changed = True
         self.graphs = None
         self._pending = None
         if self.device.type == "cuda" and not enforce_eager:
