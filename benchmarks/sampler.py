@@ -122,6 +122,15 @@ def boundary_uniforms(logits, temps, rows):
     return u.reshape(-1), [r for r in rows for _ in range(4)]
 
 
+def _splits_same(logits, temps, u, bits, tok, ref):
+    """Tokens for several chunk counts per row (a speed knob), sampled and greedy rows."""
+    b = logits.shape[0]
+    g = torch.arange(b, device=logits.device) % 3 == 0
+    ref_g = torch.where(g, logits.float().argmax(-1), ref)
+    return all(torch.equal(TS.categorical_sample(logits, temps, u, None, bits, split=sp), tok) and
+               torch.equal(TS.categorical_sample(logits, temps, u, g, bits, split=sp), ref_g) for sp in (1, 3, 64))
+
+
 def check_batch(b, gen, dev, res):
     logits = make_logits(b, gen, dev)
     temps = torch.tensor([[0.6, 0.8, 1.0, 1.3, 0.9][i % 5] for i in range(b)], dtype=torch.float32, device=dev)
@@ -156,6 +165,26 @@ def check_batch(b, gen, dev, res):
     r["greedy_mismatch_vs_torch"] = int((tg != torch.where(g, logits.float().argmax(-1), ref)).sum())
     r["block_sizes_same_tokens"] = all(
         torch.equal(TS.categorical_sample(logits, temps, u, None, bits, block=blk), tok) for blk in (1024, 4096))
+    r["splits_same_tokens"] = _splits_same(logits, temps, u, bits, tok, ref)
+    # top-p's weights over sorted rows (the Triton elementwise kernel) and the whole mask vs CPU
+    vals = torch.sort(z, dim=-1, descending=True, stable=True)[0]
+    r["int_weights_sorted_mismatch_vs_torch_cuda"] = int(
+        (TS.int_weights(vals, vals[:, :1], bits) != S._int_weights(vals, vals[:, :1], bits)).sum())
+    # exp64 itself, float64 bits: Triton vs _exact.exp64 on CUDA; the FMA-contracted build as control
+    e_ref = S._exact.exp64(vals.to(F64) - vals[:, :1].to(F64))
+    r["exp64_bits_mismatch_vs_torch_cuda"] = int((TS.int_weights(vals, vals[:, :1], bits, _raw_exp=True) != e_ref).sum())
+    r["control_fma_exp64_bits_mismatch"] = int(
+        (TS.int_weights(vals, vals[:, :1], bits, _raw_exp=True, _fp_fusion=True) != e_ref).sum())
+    r["exp64_entries"] = e_ref.numel()
+    del vals, e_ref
+    kk = torch.tensor([[50, -1, 0, 1000][i % 4] for i in range(b)], device=dev)
+    pp = torch.tensor([[0.9, 0.95, 0.5, 1.0][i % 4] for i in range(b)], dtype=torch.float32, device=dev)
+    mask = K.top_k_top_p_mask(logits, temps, kk, pp)
+    mrows = list(range(min(b, 4)))
+    r["mask_rows_mismatch_vs_cpu"] = int((K.top_k_top_p_mask(logits[mrows].cpu(), temps[mrows].cpu(), kk[mrows].cpu(),
+                                                            pp[mrows].cpu()) != mask[mrows].cpu()).any(-1).sum())
+    r["mask_kept_mean"] = float(mask.sum(-1).double().mean())
+    del mask
     # controls: FMA contraction on, and x * (1/T)
     _, w_fma = TS.categorical_sample(logits, temps, u, None, bits, return_weights=True, _fp_fusion=True)
     _, w_rcp = TS.categorical_sample(logits, temps, u, None, bits, return_weights=True, _variant=1)
@@ -214,6 +243,11 @@ def time_batch(logits, g, reps, res):
     for blk in (1024, 4096):
         kt[f"triton_block{blk}_ms"] = time_ms(
             lambda: TS.categorical_sample(logits, temps, u, None, S._weight_bits(V), block=blk), reps)
+    kt["triton_split1_ms"] = time_ms(
+        lambda: TS.categorical_sample(logits, temps, u, None, S._weight_bits(V), split=1), reps)
+    kk = torch.full((b,), 50, device=logits.device)
+    pp = torch.full((b,), 0.9, device=logits.device)
+    kt["top_k_top_p_mask_ms"] = time_ms(lambda: K.top_k_top_p_mask(logits, temps, kk, pp), reps)
     kt["speedup"] = kt["torch_ms"] / kt["triton_ms"]
     kt["read_roofline_ms_2pass_at_4.3TBps"] = 2 * b * V * 2 / 4.3e12 * 1e3
     res["time_kernel_T1"] = kt
@@ -267,14 +301,19 @@ def main():
         print(json.dumps(out["results"]))
         return
     print(f"{'B':>4} {'w!=':>4} {'tok!=':>5} {'cpu!=':>5} {'bnd!=':>5} {'fma_w!=':>8} {'rcp_w!=':>8} "
-          f"{'graph':>5} {'old ms':>7} {'new ms':>7} {'step':>6} {'graph':>6} {'krn torch':>9} {'krn trit':>8}")
+          f"{'graph':>5} {'old ms':>7} {'new ms':>7} {'step':>6} {'graph':>6} {'krn torch':>9} {'krn trit':>8} {'split1':>6} "
+          f"{'mixOld':>6} {'mixNew':>6} {'mask':>6} {'iw!=':>4} {'msk!=':>5} {'splits':>6} {'e64!=':>5} {'fmaE!=':>7}")
     for r in out["results"]:
         tp, tm, kt = r["time_plain"], r["time_mixed"], r["time_kernel_T1"]
         print(f"{r['B']:>4} {r['weights_mismatch_vs_torch_cuda']:>4} {r['tokens_mismatch_vs_torch_cuda']:>5} "
               f"{r['tokens_mismatch_vs_cpu']:>5} {r['boundary_tokens_mismatch_vs_torch_cuda']:>5} "
               f"{r['control_fma_weights_mismatch']:>8} {r['control_recip_T_weights_mismatch']:>8} "
               f"{str(r['graph_equal_eager']):>5} {tp['old_call_ms']:7.3f} {tp['new_call_ms']:7.3f} "
-              f"{tp['new_device_step_ms']:6.3f} {tm['graph_replay_ms']:6.3f} {kt['torch_ms']:9.3f} {kt['triton_ms']:8.3f}")
+              f"{tp['new_device_step_ms']:6.3f} {tm['graph_replay_ms']:6.3f} {kt['torch_ms']:9.3f} {kt['triton_ms']:8.3f} "
+              f"{kt['triton_split1_ms']:6.3f} {tm['old_call_ms']:6.2f} {tm['new_call_ms']:6.2f} "
+              f"{kt['top_k_top_p_mask_ms']:6.2f} {r['int_weights_sorted_mismatch_vs_torch_cuda']:>4} "
+              f"{r['mask_rows_mismatch_vs_cpu']:>5} {str(r['splits_same_tokens']):>6} "
+              f"{r['exp64_bits_mismatch_vs_torch_cuda']:>5} {r['control_fma_exp64_bits_mismatch']:>7}")
     print(json.dumps({k: v for k, v in out.items() if k != "results"}))
 
 

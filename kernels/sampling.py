@@ -57,6 +57,14 @@ def _int_weights(z: torch.Tensor, zmax: torch.Tensor, bits: int) -> torch.Tensor
     return torch.round(e * float(2 ** bits)).to(torch.int64)
 
 
+def _weights_on_backend(z: torch.Tensor, zmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """``_int_weights`` on z's backend: the torch ops on CPU, one elementwise Triton kernel on CUDA
+    (same formula op for op, no FMA: the same bits; benchmarks/sampler.py checks them)."""
+    if backend_for(z) == "reference":
+        return _int_weights(z, zmax, bits)
+    return triton_impl("sampling", "int_weights")(z, zmax, bits)
+
+
 def _check_temperature(op: str, logits: torch.Tensor, temperature) -> torch.Tensor:
     """fp32 [N] temperatures. A tensor is taken as given (the caller validated its values: a
     check here would cost a host sync per step); a scalar is checked like token_logprobs'."""
@@ -126,7 +134,7 @@ def top_k_top_p_mask(logits: torch.Tensor, temperature=1.0, top_k=None, top_p=No
     p = _per_row(op, "top_p", top_p, n, torch.float32, dev)
     if p is not None:
         p = p.to(F64).unsqueeze(1)
-        w = torch.where(keep, _int_weights(vals, vals[:, :1], _weight_bits(vocab)), 0)
+        w = torch.where(keep, _weights_on_backend(vals, vals[:, :1], _weight_bits(vocab)), 0)
         total = w.sum(-1, keepdim=True)
         before = torch.cumsum(w, -1) - w  # exclusive prefix sums, exact in int64
         keep_p = (before.to(F64) < p * total.to(F64)) | (p >= 1.0)

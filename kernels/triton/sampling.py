@@ -1,4 +1,4 @@
-"""categorical_sample: the inverse-CDF draw over exact int64 weights, one program per row.
+"""categorical_sample: the inverse-CDF draw over exact int64 weights; int_weights for top-p.
 
 Same tokens, bit for bit, as ``kernels.sampling.categorical_sample_reference`` (torch, any
 device) for the same logits, T and uniforms. Why the bits agree:
@@ -15,9 +15,12 @@ device) for the same logits, T and uniforms. Why the bits agree:
   [0, W - 1]; the token is the count of entries whose inclusive prefix sum is <= r (= the
   first whose prefix exceeds r, torch.searchsorted(right=True)).
 
-Passes over the row: (1) max of z (greedy rows: argmax of the raw logits, lowest index on
-ties, and stop); (2) the weights' per-block sums, kept in registers; (3) the block holding r,
-found from those sums, scanned once more. BLOCK and warps are speed knobs only.
+Three launches, each row cut into S chunks of whole blocks (S chosen so that (row, chunk)
+programs fill the GPU; S = 1 at large batch): (1) per chunk, the max of z and its lowest
+column (greedy rows: of the raw logits); (2) per chunk, the int64 weight sum of each block,
+from the row max (the max over chunks); (3) per row, the block holding r from those sums, then
+the column inside it (one block's weights recomputed); greedy rows take the lowest column among
+the chunks holding the max (torch.argmax's tie rule). BLOCK, S and warps never change a bit.
 VARIANT != 0 selects deliberately wrong formulas for the tests' controls (1: z = x * (1/T);
 2: exp64 with one Horner term fewer); never used by the library.
 """
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 
 BLOCK_V = 2048
 
@@ -119,61 +122,138 @@ def _weights(x_ptr, cols, V, t, m, SCALE: tl.constexpr, VARIANT: tl.constexpr):
 
 
 @triton.jit
-def _categorical_kernel(x_ptr, stride, t_ptr, u_ptr, g_ptr, out_ptr, w_ptr, V,
-                        SCALE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                        HAS_GREEDY: tl.constexpr, STORE_W: tl.constexpr, VARIANT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride
-    offs = tl.arange(0, BLOCK)
+def _row_setup(g_ptr, t_ptr, row, HAS_GREEDY: tl.constexpr):
     greedy = 0
     if HAS_GREEDY:
         greedy = tl.load(g_ptr + row).to(tl.int32)
     t = tl.load(t_ptr + row)
-    t = tl.where(greedy != 0, 1.0, t)  # greedy: argmax of logits.float() itself, whatever T says
-    # pass 1: per-lane max and its first column (strict >: each lane keeps its first maximum)
+    return greedy, tl.where(greedy != 0, 1.0, t)  # greedy: argmax of logits.float(), whatever T
+
+
+@triton.jit
+def _chunk_max_kernel(x_ptr, stride, t_ptr, g_ptr, mx_ptr, ai_ptr, V, S, BPC,
+                      BLOCK: tl.constexpr, HAS_GREEDY: tl.constexpr, VARIANT: tl.constexpr):
+    # stage 1, program (row, chunk): max of z over the chunk's blocks and its lowest column
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    x_row = x_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    greedy, t = _row_setup(g_ptr, t_ptr, row, HAS_GREEDY)
     m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
     i_vec = tl.zeros((BLOCK,), tl.int64)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + offs
+    for b in range(s * BPC, s * BPC + BPC):
+        cols = b * BLOCK + offs
         z = _scaled(x_row, cols, V, t, VARIANT)
-        better = z > m_vec
+        better = z > m_vec  # strict: each lane keeps its first maximum
         m_vec = tl.where(better, z, m_vec)
         i_vec = tl.where(better, cols.to(tl.int64), i_vec)
     m = tl.max(m_vec, axis=0)
-    if greedy != 0:
-        # lowest column among the lanes holding the max (a row of -inf: column 0, as argmax)
-        tl.store(out_ptr + row, tl.min(tl.where(m_vec == m, i_vec, V), axis=0).to(tl.int64))
-    else:
-        # pass 2: exact int64 block sums of the weights, kept in a register vector
-        bidx = tl.arange(0, NB)
-        sums = tl.zeros((NB,), tl.int64)
-        for v0 in range(0, V, BLOCK):
-            cols = v0 + offs
+    tl.store(mx_ptr + row * S + s, m)
+    # a chunk of -inf reports column 0 with max -inf: it wins only if the whole row is -inf,
+    # and then column 0 is torch.argmax's answer too
+    tl.store(ai_ptr + row * S + s, tl.min(tl.where(m_vec == m, i_vec, V), axis=0).to(tl.int64))
+
+
+@triton.jit
+def _row_max(mx_ptr, row, S, SP: tl.constexpr):
+    k = tl.arange(0, SP)
+    return tl.max(tl.load(mx_ptr + row * S + k, mask=k < S, other=float("-inf")), axis=0)
+
+
+@triton.jit
+def _block_sums_kernel(x_ptr, stride, t_ptr, g_ptr, mx_ptr, bs_ptr, w_ptr, V, S, BPC, NBLK,
+                       SCALE: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
+                       HAS_GREEDY: tl.constexpr, STORE_W: tl.constexpr, VARIANT: tl.constexpr):
+    # stage 2, program (row, chunk): the exact int64 weight sum of each block of the chunk
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    greedy, t = _row_setup(g_ptr, t_ptr, row, HAS_GREEDY)
+    if greedy == 0:
+        x_row = x_ptr + row * stride
+        offs = tl.arange(0, BLOCK)
+        m = _row_max(mx_ptr, row, S, SP)
+        for b in range(s * BPC, tl.minimum(s * BPC + BPC, NBLK)):
+            cols = b * BLOCK + offs
             w = _weights(x_row, cols, V, t, m, SCALE, VARIANT)
             if STORE_W:  # test hook: the weights themselves, to compare with the reference's
                 tl.store(w_ptr + row * V + cols, w, mask=cols < V)
-            sums = tl.where(bidx == v0 // BLOCK, tl.sum(w, axis=0), sums)
+            tl.store(bs_ptr + row * NBLK + b, tl.sum(w, axis=0))
+
+
+@triton.jit
+def _pick_kernel(x_ptr, stride, t_ptr, u_ptr, g_ptr, mx_ptr, ai_ptr, bs_ptr, out_ptr, V, S, NBLK,
+                 SCALE: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
+                 HAS_GREEDY: tl.constexpr, VARIANT: tl.constexpr):
+    # stage 3, program per row: the block holding r (from the block sums), then its column
+    row = tl.program_id(0).to(tl.int64)
+    greedy, t = _row_setup(g_ptr, t_ptr, row, HAS_GREEDY)
+    m = _row_max(mx_ptr, row, S, SP)
+    if greedy != 0:
+        k = tl.arange(0, SP)
+        mk = tl.load(mx_ptr + row * S + k, mask=k < S, other=float("-inf"))
+        ak = tl.load(ai_ptr + row * S + k, mask=k < S, other=V)
+        tl.store(out_ptr + row, tl.min(tl.where((mk == m) & (k < S), ak, V), axis=0).to(tl.int64))
+    else:
+        bidx = tl.arange(0, NB)
+        sums = tl.load(bs_ptr + row * NBLK + bidx, mask=bidx < NBLK, other=0)
         total = tl.sum(sums, axis=0)
         u = tl.load(u_ptr + row)
         r = (u * total.to(tl.float64)).to(tl.int64)  # u * W >= 0: truncation is floor
         r = tl.minimum(tl.maximum(r, 0), total - 1)  # u * W may round up to W when W > 2**53
-        # pass 3: the block whose inclusive prefix first exceeds r, then the column inside it
         kb = tl.sum((tl.cumsum(sums, axis=0) <= r).to(tl.int32), axis=0)
         carry = tl.sum(tl.where(bidx < kb, sums, 0), axis=0)
-        cols = kb * BLOCK + offs
-        c = tl.cumsum(_weights(x_row, cols, V, t, m, SCALE, VARIANT), axis=0) + carry
+        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        c = tl.cumsum(_weights(x_ptr + row * stride, cols, V, t, m, SCALE, VARIANT), axis=0) + carry
         cnt = tl.sum(((c <= r) & (cols < V)).to(tl.int32), axis=0)
         tl.store(out_ptr + row, (kb * BLOCK + cnt).to(tl.int64))
 
 
+@triton.jit
+def _int_weights_kernel(z_ptr, zs, m_ptr, ms, w_ptr, V, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                        RAW: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(z_ptr + row * zs + cols, mask=cols < V, other=float("-inf"))
+    e = _exp64(z.to(tl.float64) - tl.load(m_ptr + row * ms).to(tl.float64), 0)
+    if RAW:  # test hook: exp64 itself, float64
+        tl.store(w_ptr + row * V + cols, e, mask=cols < V)
+    else:
+        tl.store(w_ptr + row * V + cols, _rint(e * SCALE).to(tl.int64), mask=cols < V)
+
+
+def int_weights(z, zmax, bits, *, block=1024, _raw_exp=False, _fp_fusion=False):
+    """int64 [N, V] ``round(exp64(z - zmax) * 2**bits)`` for fp32 z [N, V] and zmax [N, 1]:
+    ``kernels.sampling._int_weights``' bits, elementwise (top-p's weights over sorted rows).
+    ``_raw_exp`` returns float64 ``exp64(z - zmax)`` instead and ``_fp_fusion`` compiles with FMA
+    contraction (test hooks: the bits of exp64 itself, and the FMA control)."""
+    N, V = z.shape
+    w = torch.empty((N, V), device=z.device, dtype=torch.float64 if _raw_exp else torch.int64)
+    if N and V:
+        z = z if z.stride(1) == 1 else z.contiguous()
+        interp = interpreting(z)
+        _int_weights_kernel[(N, triton.cdiv(V, block))](
+            z, z.stride(0), zmax, zmax.stride(0), w, V, SCALE=float(2 ** bits), BLOCK=block, RAW=_raw_exp,
+            **({} if interp else dict(num_warps=4, enable_fp_fusion=_fp_fusion)))
+    return w
+
+
+def _chunks(n, nblk, device, split):
+    """(S, blocks per chunk): enough (row, chunk) programs to fill the GPU; a speed knob only
+    (the max is exact and the sums are integers, so the split never changes a bit)."""
+    if split is None:
+        split = max(1, -(-2 * sm_count(device) // n))
+    bpc = -(-nblk // max(1, min(split, nblk)))
+    return -(-nblk // bpc), bpc
+
+
 def categorical_sample(logits, temperature, uniforms, greedy=None, bits=44, *, block=BLOCK_V,
-                       return_weights=False, _variant=0, _fp_fusion=False):
+                       split=None, return_weights=False, _variant=0, _fp_fusion=False):
     """int64 [N] tokens: ``categorical_sample_reference``'s, bit for bit (module docstring).
 
-    logits [N, V] (bf16/fp32, unit column stride), temperature fp32 [N], uniforms float64 [N],
-    greedy bool/int [N] or None, bits = the weight scale's exponent b. ``return_weights`` also
-    returns the int64 [N, V] weights (test hook; greedy rows' entries are left unwritten).
-    ``_variant`` / ``_fp_fusion``: the controls' wrong kernels (module docstring), tests only.
+    logits [N, V] (bf16/fp32), temperature fp32 [N], uniforms float64 [N], greedy bool/int [N]
+    or None, bits = the weight scale's exponent b. ``block`` / ``split`` (chunks per row) are
+    speed knobs. ``return_weights`` also returns the int64 [N, V] weights (test hook; greedy rows'
+    entries stay 0). ``_variant`` / ``_fp_fusion``: the controls' wrong kernels, tests only.
     """
     N, V = logits.shape
     dev = logits.device
@@ -186,10 +266,18 @@ def categorical_sample(logits, temperature, uniforms, greedy=None, bits=44, *, b
         t = temperature.to(device=dev, dtype=torch.float32).contiguous()
         u = uniforms.to(device=dev, dtype=torch.float64).contiguous()
         g = greedy.to(device=dev, dtype=torch.int8).contiguous() if greedy is not None else out
-        nb = triton.next_power_of_2(triton.cdiv(V, block))
+        nblk = triton.cdiv(V, block)
+        S, bpc = _chunks(N, nblk, dev, split)
+        mx = torch.empty((N, S), device=dev, dtype=torch.float32)
+        ai = torch.empty((N, S), device=dev, dtype=torch.int64)
+        bs = torch.empty((N, nblk), device=dev, dtype=torch.int64)
         kw = {} if interp else dict(num_warps=8, enable_fp_fusion=_fp_fusion)
-        _categorical_kernel[(N,)](logits, logits.stride(0), t, u, g, out, w, V,
-                                  SCALE=float(2 ** bits), BLOCK=block, NB=nb,
-                                  HAS_GREEDY=greedy is not None, STORE_W=return_weights,
-                                  VARIANT=_variant, **kw)
+        common = dict(BLOCK=block, HAS_GREEDY=greedy is not None, VARIANT=_variant, **kw)
+        sp = triton.next_power_of_2(S)
+        xs = logits.stride(0)
+        _chunk_max_kernel[(N, S)](logits, xs, t, g, mx, ai, V, S, bpc, **common)
+        _block_sums_kernel[(N, S)](logits, xs, t, g, mx, bs, w, V, S, bpc, nblk, SCALE=float(2 ** bits),
+                                   SP=sp, STORE_W=return_weights, **common)
+        _pick_kernel[(N,)](logits, xs, t, u, g, mx, ai, bs, out, V, S, nblk, SCALE=float(2 ** bits),
+                           SP=sp, NB=triton.next_power_of_2(nblk), **common)
     return (out, w) if return_weights else out
