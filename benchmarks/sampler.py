@@ -248,6 +248,9 @@ def time_batch(logits, g, reps, res):
     kk = torch.full((b,), 50, device=logits.device)
     pp = torch.full((b,), 0.9, device=logits.device)
     kt["top_k_top_p_mask_ms"] = time_ms(lambda: K.top_k_top_p_mask(logits, temps, kk, pp), reps)
+    tok = K.categorical_sample(logits, temps, u)
+    kt["token_logprobs_ms"] = time_ms(lambda: _token_logprobs(logits, tok, temps), reps)  # not the sampler's kernel
+    kt["argmax_ms"] = time_ms(lambda: logits.float().argmax(-1), reps)
     kt["speedup"] = kt["torch_ms"] / kt["triton_ms"]
     kt["read_roofline_ms_2pass_at_4.3TBps"] = 2 * b * V * 2 / 4.3e12 * 1e3
     res["time_kernel_T1"] = kt
