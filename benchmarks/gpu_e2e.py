@@ -109,7 +109,7 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
                 continue
             g = eng.model_runner.graphs
             graph_stats = None if g is None else {"captures": g.num_captures, "replays": g.num_replays,
-                                                  "buckets": sorted(g.graphs)}
+                                                  "graphs": [list(map(str, k)) for k in sorted(g.graphs, key=str)]}
             del eng
             import gc
             gc.collect()
@@ -122,6 +122,28 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
                          "control_mismatches_vs_stock_trainer": sum(_mismatch(a, b) for a, b in zip(got, st)),
                          "control_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, st)),
                          "cuda_graphs": graph_stats}
+    # mixed sampling (greedy, T < 1, top-k, top-p rows in one batch): the graphs capture the sampler
+    # under each set of flags; every row's tokens, logprobs and sampled logprobs equal the eager engine's
+    mixed = [bitmatch.SamplingParams(temperature=[0.0, 0.7, 1.0, 0.9][i % 4], top_k=[-1, -1, 20, -1][i % 4],
+                                     top_p=[1.0, 1.0, 1.0, 0.8][i % 4], max_tokens=new_tokens, seed=2000 + i,
+                                     ignore_eos=True) for i in range(n_prompts)]
+    try:
+        runs = {}
+        for name, kw in (("graphs", {}), ("eager", dict(enforce_eager=True))):
+            eng = bitmatch.Engine(model, kv_cache_bytes=2 << 30, max_num_seqs=64, **kw)
+            with torch.no_grad():
+                outs = eng.generate(prompts, mixed, use_tqdm=False)
+            runs[name] = [(o.outputs[0].token_ids, torch.tensor(o.outputs[0].logprobs).view(torch.int32).tolist(),
+                           torch.tensor(o.outputs[0].sampled_logprobs).view(torch.int32).tolist()) for o in outs]
+            if name == "graphs":
+                g = eng.model_runner.graphs
+                res_keys = None if g is None else [list(map(str, k)) for k in sorted(g.graphs, key=str)]
+            del eng
+        res["mixed_sampling_graphs_vs_eager"] = {
+            "rows": len(runs["graphs"]), "tokens_compared": sum(len(r[0]) for r in runs["graphs"]),
+            "rows_differing": sum(a != b for a, b in zip(runs["graphs"], runs["eager"])), "graphs": res_keys}
+    except Exception:
+        res["mixed_sampling_graphs_vs_eager"] = {"error": traceback.format_exc()[-2000:]}
     # the default KV sizing (vLLM's rule: a profiled step, gpu_memory_utilization) on this model
     import gc
     try:
@@ -145,60 +167,21 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
 
 # ------------------------------------------------------------------ controls
 def cuda_controls():
-    """Controls that must find mismatches on the H200 (the harness can fail there): the stock ops
-    the contract replaces, each compared the way the bitmatch tests compare its invariant op."""
-    import torch.nn.functional as F
-    res = {}
+    """The stock controls of `bitmatch check --device cuda` (bitmatch.controls: one definition,
+    the check and this benchmark run the same ones); each must find a mismatch on the H200. Plus
+    bitmatch's linear on the same small-M comparison the cuBLAS controls make (0 rows must differ)."""
+    from bitmatch.controls import run_controls
+    res = {"check_controls": run_controls(gpu_train.DEV)}
+    res["every_stock_control_mismatches"] = all(v["mismatch_found"] for v in res["check_controls"].values())
     g = torch.Generator(device=gpu_train.DEV).manual_seed(0)
-    # 1. SDPA (flash) one-token decode against K[:t+1] vs prefill row t, long contexts
-    H, D = 32, 128
-    for L in (2048, 8192):
-        q, k, v = (torch.randn(1, H, L, D, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
-        pre = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        rows = list(range(L - 64, L))
-        bad = 0
-        for t in rows:
-            dec = F.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
-            bad += int(not torch.equal(dec[:, :, 0], pre[:, :, t]))
-        res[f"sdpa_decode_vs_prefill_L{L}"] = {"rows": len(rows), "mismatching_rows": bad}
-    # 2. cuBLAS F.linear: rows at small M vs the same rows inside M = 4096
     for N, K_ in ((4096, 4096), (4096, 12288)):
         x = torch.randn(4096, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g)
         w = torch.randn(N, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g) * K_ ** -0.5
-        big = F.linear(x, w)
-        res[f"cublas_small_m_{N}x{K_}"] = {f"M{m}": int((F.linear(x[:m], w) != big[:m]).any(-1).sum())
-                                           for m in (1, 8, 32, 64)}
-        ours = {f"M{m}": int((K.linear(x[:m], w) != K.linear(x, w)[:m]).any(-1).sum()) for m in (1, 8, 32, 64)}
-        res[f"bitmatch_linear_small_m_{N}x{K_}"] = ours
-    # 3. temperature formulas at realistic logit scales: log_softmax(x / T) vs log_softmax(x * (1 / T))
-    for T in (0.6, 0.7, 0.9):
-        x = (torch.randn(256, 151936, device=gpu_train.DEV, generator=g) * 4).to(torch.bfloat16).float()
-        a = torch.log_softmax(x / T, -1)
-        b = torch.log_softmax(x * (1.0 / T), -1)
-        res[f"temperature_div_vs_mul_T{T}"] = {"elements": a.numel(), "mismatching": int((a != b).sum())}
-    res["every_stock_control_mismatches"] = all(
-        (v.get("mismatching_rows", 0) > 0) if k.startswith("sdpa") else
-        (any(n > 0 for n in v.values()) if k.startswith("cublas") else
-         (v["mismatching"] > 0 if k.startswith("temperature") else True))
-        for k, v in res.items() if isinstance(v, dict))
+        big = K.linear(x, w)
+        res[f"bitmatch_linear_small_m_{N}x{K_}"] = {f"M{m}": int((K.linear(x[:m], w) != big[:m]).any(-1).sum())
+                                                    for m in (1, 8, 32, 64)}
     res["bitmatch_linear_rows_differing"] = sum(n for k, v in res.items() if k.startswith("bitmatch_linear")
                                                 for n in v.values())
-    return res
-
-
-def controls():
-    """The control rows of `bitmatch check --device cuda`: each must find a mismatch."""
-    from bitmatch import cli
-    from bitmatch.testing import BitMismatch
-    res = {}
-    for op, axes, fn, _ in [r for r in cli._cases(gpu_train.DEV) if r[3]]:
-        t = time.time()
-        try:
-            res[op] = {"axes": axes, "mismatch_found": False, "cases": fn()}
-        except BitMismatch as e:
-            res[op] = {"axes": axes, "mismatch_found": True, "first_mismatch": str(e)[:600]}
-        res[op]["seconds"] = round(time.time() - t, 1)
-        print("control", op, res[op], flush=True)
     return res
 
 
@@ -380,7 +363,6 @@ def main():
                 rec.put("backward_ops", gpu_train.backward_ops())
             elif name == "controls":
                 rec.put("cuda_controls", cuda_controls())
-                rec.put("controls", controls())
             elif name == "train":
                 tr = {}
                 for size in a.train_models.split(","):
