@@ -9,7 +9,8 @@ device) for the same logits, T and uniforms. Why the bits agree:
   float64 (the same Cody-Waite split, Horner steps, power-of-two scaling and edge cases), and
   the kernel is launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into
   an FMA (an FMA rounds once where the reference rounds twice). ``round`` is half-to-even
-  (torch.round) by the 1.5 * 2**52 trick, exact for |x| < 2**51 (|x| < 2**45 here).
+  (torch.round) by adding and subtracting 1.5 * 2**52 (exp64's n, |n| < 1100) or 2**52 (a
+  weight, 0 <= w <= 2**61: exact below 2**52, and above it every float64 is an integer).
 - The row's total and the prefix sums are int64: exact, so the block walk and the in-block scan
   order cannot matter. ``r = trunc(u * float64(W))`` (u * W >= 0, so trunc = floor), clamped to
   [0, W - 1]; the token is the count of entries whose inclusive prefix sum is <= r (= the
@@ -22,7 +23,7 @@ from the row max (the max over chunks); (3) per row, the block holding r from th
 the column inside it (one block's weights recomputed); greedy rows take the lowest column among
 the chunks holding the max (torch.argmax's tie rule). BLOCK, S and warps never change a bit.
 VARIANT != 0 selects deliberately wrong formulas for the tests' controls (1: z = x * (1/T);
-2: exp64 with one Horner term fewer); never used by the library.
+2: exp64 with two Horner terms fewer, ~1e-14 off); never used by the library.
 """
 import torch
 import triton
@@ -37,6 +38,7 @@ _LN2_HI = tl.constexpr(6.93147180369123816490e-01)
 _LN2_LO = tl.constexpr(1.90821492927058770002e-10)
 _INV_LN2 = tl.constexpr(1.44269504088896338700e00)
 _RND = tl.constexpr(6755399441055744.0)  # 1.5 * 2**52: x + _RND - _RND rounds x half-to-even
+_TWO52 = tl.constexpr(4503599627370496.0)
 _C2 = tl.constexpr(1.0 / 2)
 _C3 = tl.constexpr(1.0 / 6)
 _C4 = tl.constexpr(1.0 / 24)
@@ -53,7 +55,14 @@ _C13 = tl.constexpr(1.0 / 6227020800)
 
 @triton.jit
 def _rint(x):
-    return (x + _RND) - _RND
+    return (x + _RND) - _RND  # |x| < 2**51 (exp64's n)
+
+
+@triton.jit
+def _rint_weight(x):
+    # x >= 0, up to 2**61 (b = 62 - ceil(log2 V)): x + 2**52 rounds x half-to-even below 2**52;
+    # from 2**52 up every float64 is an integer already
+    return tl.where(x < _TWO52, (x + _TWO52) - _TWO52, x)
 
 
 @triton.jit
@@ -68,13 +77,13 @@ def _exp64(x, VARIANT: tl.constexpr):
     n = _rint(tl.minimum(tl.maximum(x, -745.0), 710.0) * _INV_LN2)
     r = (x - n * _LN2_HI) - n * _LN2_LO
     if VARIANT == 2:
-        p = tl.full(r.shape, _C12, tl.float64)
+        p = tl.full(r.shape, _C11, tl.float64)
     else:
         p = tl.full(r.shape, _C13, tl.float64)
         p = p * r
         p = p + _C12
-    p = p * r
-    p = p + _C11
+        p = p * r
+        p = p + _C11
     p = p * r
     p = p + _C10
     p = p * r
@@ -117,7 +126,7 @@ def _scaled(x_ptr, cols, V, t, VARIANT: tl.constexpr):
 def _weights(x_ptr, cols, V, t, m, SCALE: tl.constexpr, VARIANT: tl.constexpr):
     z = _scaled(x_ptr, cols, V, t, VARIANT)
     e = _exp64(z.to(tl.float64) - m.to(tl.float64), VARIANT)
-    w = _rint(e * SCALE).to(tl.int64)
+    w = _rint_weight(e * SCALE).to(tl.int64)
     return tl.where(cols < V, w, 0)
 
 
@@ -218,7 +227,7 @@ def _int_weights_kernel(z_ptr, zs, m_ptr, ms, w_ptr, V, SCALE: tl.constexpr, BLO
     if RAW:  # test hook: exp64 itself, float64
         tl.store(w_ptr + row * V + cols, e, mask=cols < V)
     else:
-        tl.store(w_ptr + row * V + cols, _rint(e * SCALE).to(tl.int64), mask=cols < V)
+        tl.store(w_ptr + row * V + cols, _rint_weight(e * SCALE).to(tl.int64), mask=cols < V)
 
 
 def int_weights(z, zmax, bits, *, block=1024, _raw_exp=False, _fp_fusion=False):
