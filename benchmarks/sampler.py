@@ -8,9 +8,11 @@ Checks, per batch size B at V = 151,936 (bf16 logits, per-row std 3-5, some peak
   tokens Triton == torch-on-CUDA on every row, == the CPU reference on a few rows copied over;
   uniforms u ~ U[0,1), u at 0 and just below 1, and u on both sides of cdf boundaries (where a
   weight off by one unit changes the token); greedy rows == torch argmax; BLOCK 1024/2048/4096
-  give the same tokens (a speed knob).
-- control: the same kernel compiled with FMA contraction on (enable_fp_fusion=True) and the
-  x * (1/T) variant: weight mismatches counted (a check that can fail).
+  and 1/3/64 chunks per row give the same tokens (speed knobs); exp64's float64 bits and top-p's
+  int64 weights over sorted rows (Triton int_weights) == torch on CUDA; top_k_top_p_mask == CPU.
+- control: the same kernels compiled with FMA contraction on (enable_fp_fusion=True: exp64's
+  float64 bits and the int64 weights) and the x * (1/T) variant: mismatches counted (checks
+  that can fail).
 - capture: Sampler.device_step captured in a CUDA graph (mixed greedy / top-k / top-p / T
   rows) and replayed == eager.
 Timings (CUDA events, warm, median of --reps): the old sampler step (torch weights on CUDA,
