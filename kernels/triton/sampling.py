@@ -22,6 +22,8 @@ column (greedy rows: of the raw logits); (2) per chunk, the int64 weight sum of 
 from the row max (the max over chunks); (3) per row, the block holding r from those sums, then
 the column inside it (one block's weights recomputed); greedy rows take the lowest column among
 the chunks holding the max (torch.argmax's tie rule). BLOCK, S and warps never change a bit.
+Outside the contract (as in the reference, whose int64 cast of NaN is undefined): NaN logits
+and rows that are -inf everywhere on sampled rows.
 VARIANT != 0 selects deliberately wrong formulas for the tests' controls (1: z = x * (1/T);
 2: exp64 with two Horner terms fewer, ~1e-14 off); never used by the library.
 """
