@@ -79,7 +79,7 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
                stride_head,
                pos, row_ok, kv_len, j_begin, j_end, qk_scale, window, pos_lo, pos_hi,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               PART: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                INTERP: tl.constexpr, PREC: tl.constexpr, ROWSUM_MMA: tl.constexpr,
                SKIP_MASKS: tl.constexpr):
     """Online softmax over KV blocks [j_begin, j_end) (block aligned) from the empty state.
@@ -89,15 +89,26 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
+    if PAGED:
+        # the partition's slot offsets, one block-table read before the walk: inside the loop a
+        # K/V address that depends on a load made Triton's pipeliner keep one K/V buffer and
+        # issue block i+1 only after block i was consumed (no overlap); computed from registers
+        # (a select over the partition's NB blocks), the loads are pipelined num_stages deep
+        NB: tl.constexpr = PART // BLOCK_N
+        blk = tl.arange(0, NB)
+        jj = j_begin + blk[:, None] * BLOCK_N + offs_n[None, :]
+        pages = tl.load(bt_row_ptr + jj // page_size, mask=jj < kv_len, other=0)
     for j0 in range(j_begin, j_end, BLOCK_N):
         j = j0 + offs_n
         jok = j < kv_len
         if PAGED:
-            page = tl.load(bt_row_ptr + j // page_size, mask=jok, other=0).to(tl.int64)
-            base = page * stride_blk + (j % page_size) * stride_tok
+            i = (j0 - j_begin) // BLOCK_N
+            page = tl.sum(tl.where(blk[:, None] == i, pages, 0), axis=0).to(tl.int64)
+            # strides applied after the select: their divisibility (specialized at launch) is
+            # what lets the K/V loads be 16-byte vectors
+            base = page * stride_blk + (j % page_size) * stride_tok + kvh * stride_head
         else:
-            base = (kv_row0 + j).to(tl.int64) * stride_tok
-        base = base + kvh * stride_head
+            base = (kv_row0 + j).to(tl.int64) * stride_tok + kvh * stride_head
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         s = s * qk_scale
@@ -176,6 +187,13 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
         qstart_ptr, seqlens_ptr, b, tile, PAGED, CAUSAL, HAS_WINDOW, window, TPT, BLOCK_N, PART)
     if t_lo >= nq:
         return
+    if SPLIT:
+        # a partition outside [kv_begin, kv_end) is one _merge_kernel never reads: leave at once
+        # (a decode graph captured for a long context launches many of them)
+        if tl.program_id(2) * PART >= kv_end:
+            return
+        if (tl.program_id(2) + 1) * PART <= kv_begin:
+            return
     r = tl.arange(0, BLOCK_M)
     tok = t_lo + r // GP
     g = r % GP
@@ -198,8 +216,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
         m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
                                stride_tok, stride_head,
                                pos, row_ok, kv_len, jb, je, qk_scale, window, pos_lo, pos_hi,
-                               D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW, INTERP, PREC,
-                               ROWSUM_MMA, SKIP_MASKS)
+                               D, BLOCK_M, BLOCK_N, PART, PAGED, CAUSAL, HAS_WINDOW, INTERP,
+                               PREC, ROWSUM_MMA, SKIP_MASKS)
         widx = ((tile * tl.num_programs(1) + bh) * NP + p).to(tl.int64) * BLOCK_M + r
         tl.store(wsm_ptr + widx, m)
         tl.store(wsl_ptr + widx, l)
@@ -214,7 +232,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
             m, l, acc = _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh,
                                    stride_blk, stride_tok, stride_head, pos, row_ok, kv_len,
                                    jb, je, qk_scale, window,
-                                   pos_lo, pos_hi, D, BLOCK_M, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
+                                   pos_lo, pos_hi, D, BLOCK_M, BLOCK_N, PART, PAGED, CAUSAL, HAS_WINDOW,
                                    INTERP, PREC, ROWSUM_MMA, SKIP_MASKS)
             M, L, A = _merge(M, L, A, m, l, acc)
         out = _finalize(L, A)
@@ -222,6 +240,18 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr,
                  mask=row_ok[:, None])
         if STORE_LSE:
             _store_lse(lse_ptr, q_rows, row_ok, M, L)
+
+
+@triton.jit
+def _load_state(wsa_ptr, wsm_ptr, wsl_ptr, part_row, r, row_ok, ok, D: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """One partition's (m, l, acc) from the split workspace (ok False: nothing is read)."""
+    widx = part_row.to(tl.int64) * BLOCK_M + r
+    m = tl.load(wsm_ptr + widx, mask=ok, other=float("-inf"))
+    l = tl.load(wsl_ptr + widx, mask=ok, other=0.0)
+    a = tl.load(wsa_ptr + widx[:, None] * D + tl.arange(0, D)[None, :],
+                mask=row_ok[:, None] & ok, other=0.0)
+    return m, l, a
 
 
 @triton.jit
@@ -246,13 +276,17 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
     M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     L = tl.zeros((BLOCK_M,), tl.float32)
     A = tl.zeros((BLOCK_M, D), tl.float32)
-    for p in range(kv_begin // PART, tl.cdiv(kv_end, PART)):
-        widx = ((tile * tl.num_programs(1) + bh) * NP + p).to(tl.int64) * BLOCK_M + r
-        m = tl.load(wsm_ptr + widx)
-        l = tl.load(wsl_ptr + widx)
-        a = tl.load(wsa_ptr + widx[:, None] * D + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
+    p_end = tl.cdiv(kv_end, PART)
+    row0 = (tile * tl.num_programs(1) + bh) * NP
+    for p in range(kv_begin // PART, p_end, 2):
+        # two partitions' states are loaded before either is merged (their L2 round trips
+        # overlap); the merges stay one at a time, in partition order
+        m, l, a = _load_state(wsa_ptr, wsm_ptr, wsl_ptr, row0 + p, r, row_ok, True, D, BLOCK_M)
+        m2, l2, a2 = _load_state(wsa_ptr, wsm_ptr, wsl_ptr, row0 + p + 1, r, row_ok,
+                                 p + 1 < p_end, D, BLOCK_M)
         M, L, A = _merge(M, L, A, m, l, a)
+        if p + 1 < p_end:
+            M, L, A = _merge(M, L, A, m2, l2, a2)
     out = _finalize(L, A)
     q_rows = (q0 + tok).to(tl.int64) * Hq + kvh * G + g
     tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -274,7 +308,7 @@ PREFILL_BLOCK_M = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
 DECODE_WARPS = 4
-DECODE_STAGES = 2
+DECODE_STAGES = 3
 DECODE_SPLIT_MAX_PROGRAMS = None
 # Launch knob: skip the mask select on KV blocks that every valid row of the tile sees whole
 # (same bits by construction; interpreter tests check it). It wins back the prefill time the
@@ -297,7 +331,7 @@ def _kv_strides(k, v, paged):
 
 
 def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window, max_nq,
-         max_kv, paged, force_mode=None, block_m=None, return_lse=False):
+         max_kv, paged, force_mode=None, block_m=None, return_lse=False, launch=None):
     T, Hq, D = q.shape
     Hkv = k.shape[-2]
     G = Hq // Hkv
@@ -347,6 +381,8 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
     kw = {} if interp else dict(num_warps=DECODE_WARPS if small else PREFILL_WARPS,
                                 num_stages=DECODE_STAGES if small else PREFILL_STAGES,
                                 enable_fp_fusion=False)
+    if launch and not interp:
+        kw.update(launch)
     common = dict(D=D, GP=GP, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, PART=KV_PARTITION, PAGED=paged,
                   CAUSAL=causal, HAS_WINDOW=has_window)
     win = int(window) if has_window else 0
@@ -420,8 +456,9 @@ def attention_prefill_autograd(q, k, v, cu_seqlens, scale, causal=True, sliding_
 
 def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                     sliding_window=None, *, max_query_len=None, max_seq_len=None,
-                    force_mode=None, block_m=None):
-    """Paged causal attention: q [T, Hq, D]; caches [num_blocks, page_size, Hkv, D]."""
+                    force_mode=None, block_m=None, launch=None):
+    """Paged causal attention: q [T, Hq, D]; caches [num_blocks, page_size, Hkv, D].
+    force_mode / block_m / launch ({num_warps, num_stages}): launch shape, never the bits."""
     qsl = query_start_loc.to(device=q.device, dtype=torch.int32).contiguous()
     sl = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
     bt = block_table.to(device=q.device, dtype=torch.int32).contiguous()
@@ -430,7 +467,7 @@ def attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         max_query_len, max_seq_len = int(stats[0]), int(stats[1])
     page_size = k_cache.shape[1]
     return _run(q, k_cache, v_cache, qsl, sl, bt, page_size, scale, True, sliding_window,
-                max_query_len, max_seq_len, True, force_mode, block_m)
+                max_query_len, max_seq_len, True, force_mode, block_m, launch=launch)
 
 
 _QSL = {}
