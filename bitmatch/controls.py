@@ -3,7 +3,7 @@ definition per device of the stock computations the contract replaces, each run 
 comparison the invariant ops pass. Every control must find a mismatch on its device; one that
 finds none means the harness did not show, on this machine, that it can fail, and the check fails.
 
-The sizes are where the stock kernels are known to change bits (measured, see DESIGN.md section 4),
+The sizes are where the stock kernels are known to change bits (measured, see docs/design.md section 4),
 not tuned until a row fails:
 
 * CPU: fp32 ``F.linear`` takes another BLAS path for one row than for many; torch SDPA with
