@@ -16,6 +16,9 @@ bits do not depend on how many rows its expert got), exact exp/log from ``_exact
 scores, an elementwise fp32 loop over ranks for the combine.
 Triton (CUDA): kernels/triton/moe.py: one routing program per token, a grouped GEMM over
 tokens sorted by expert with the same K order as kernels/triton/linear.py, a rank-order combine.
+Backward (gradients are held to float64 within tolerance, not to bits): Triton grouped GEMMs over
+the same sorted rows (kernels/triton/moe_bwd.py); on CPU, experts_backward_reference (fp32 torch,
+one matmul per routed expert into its slice of each gradient).
 """
 from __future__ import annotations
 
@@ -174,31 +177,58 @@ def experts_reference(x, ids, weights, w_in, w_out, activation, limit):
     return combine_reference(y.view(T, k, H), weights)
 
 
-def _experts_plain(x, weights, w_in, w_out, ids, activation, limit):
-    """Differentiable stock version for the backward (correct, not invariant): per-expert
-    matmuls in the operands' dtype, routing weights in fp32."""
+def activation_backward(h, da, activation, limit, dtype):
+    """(a, dL/dh) in fp32 from fp32 h and dL/da, with the forward's rounding points to ``dtype``
+    (the same steps as kernels/triton/moe_bwd.py _act_bwd_kernel)."""
+    def rnd(t):
+        return t.to(dtype).float()
+    if activation == "relu2":
+        r = torch.relu(rnd(h))
+        return rnd(r * r), 2.0 * da * r
+    gate, up = rnd(h).chunk(2, dim=-1)
+    if limit is not None:  # torch.clamp's gradient passes on the closed range
+        g_in, u_in = gate <= limit, (up >= -limit) & (up <= limit)
+        gate, up = (rnd(t) for t in _clamp_swiglu(gate, up, limit))
+    sg = torch.sigmoid(gate)
+    sl = rnd(gate * sg)
+    dg, du = da * up * sg * (1.0 + gate * (1.0 - sg)), da * sl
+    if limit is not None:
+        dg, du = torch.where(g_in, dg, 0.0), torch.where(u_in, du, 0.0)
+    return rnd(sl * up), torch.cat([dg, du], dim=-1)
+
+
+def experts_backward_reference(g, x, ids, weights, w_in, w_out, activation, limit):
+    """Gradients (dx, d weights, d w_in, d w_out) of moe_experts in fp32 torch (the CPU backward):
+    rows sorted by expert, one matmul per routed expert into its slice of each gradient. With
+    G = g_t W_out[e]: d weights[t, r] = <G, a> (= <g_t, y[t, r]>), dA = w[t, r] G,
+    dW_out[e] = g^T (w a), dW_in[e] = dH^T x, dx = the sum over ranks of dH W_in[e].
+
+    Invariance: none promised (gradients are held to float64 within tolerance, not to bits).
+    """
     T, H = x.shape
     k = ids.shape[1]
+    dt = x.dtype
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
-    ys = []
-    for e, xe in enumerate(torch.split(x[order // k], counts)):
-        if xe.shape[0] == 0:
+    order = torch.sort(flat, stable=True).indices
+    tok = order // k
+    xs, gs = x[tok].float(), g[tok].float()
+    ws = weights.reshape(-1)[order].float().unsqueeze(1)
+    d_in, d_out = torch.zeros_like(w_in), torch.zeros_like(w_out)  # experts with no rows: zero
+    dxs = torch.empty(flat.numel(), H, dtype=torch.float32, device=x.device)
+    dws = torch.empty(flat.numel(), dtype=torch.float32, device=x.device)
+    bounds = torch.cumsum(torch.bincount(flat, minlength=w_in.shape[0]), 0).tolist()
+    for e, (lo, hi) in enumerate(zip([0] + bounds[:-1], bounds)):
+        if lo == hi:
             continue
-        h = xe @ w_in[e].t()
-        if activation == "relu2":
-            a = torch.square(torch.relu(h))
-        else:
-            gate, up = h.chunk(2, dim=-1)
-            if limit is not None:
-                gate, up = _clamp_swiglu(gate, up, limit)
-            a = torch.nn.functional.silu(gate) * up
-        ys.append(a @ w_out[e].t())
-    y = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)
-    if ys:
-        y = y.index_copy(0, order, torch.cat(ys))
-    return (weights.float().reshape(-1, 1) * y.float()).view(T, k, H).sum(1)
+        win, wout = w_in[e].float(), w_out[e].float()
+        G = gs[lo:hi] @ wout
+        a, dh = activation_backward(xs[lo:hi] @ win.t(), G * ws[lo:hi], activation, limit, dt)
+        dws[lo:hi] = (G * a).sum(1)
+        d_out[e] = gs[lo:hi].t() @ (a * ws[lo:hi])
+        d_in[e] = dh.t() @ xs[lo:hi]
+        dxs[lo:hi] = dh @ win
+    dx = torch.empty_like(dxs).index_copy_(0, order, dxs).view(T, k, H).sum(1).to(dt)
+    return dx, torch.empty_like(dws).index_copy_(0, order, dws).view(T, k), d_in, d_out
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -206,7 +236,9 @@ class ExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, weights, w_in, w_out, ids, activation, limit):
         ctx.save_for_backward(x, weights, w_in, w_out, ids)
         ctx.cfg = (activation, limit)
-        if backend_for(x) == "reference":
+        # the backward thread does not see use_backend: keep the forward's choice
+        ctx.backend = backend_for(x)
+        if ctx.backend == "reference":
             return experts_reference(x, ids, weights, w_in, w_out, activation, limit)
         return triton_impl("moe", "moe_experts")(x, ids, weights, w_in, w_out, activation, limit)
 
@@ -214,9 +246,13 @@ class ExpertsFunction(torch.autograd.Function):
     def backward(ctx, g):
         x, weights, w_in, w_out, ids = ctx.saved_tensors
         activation, limit = ctx.cfg
-        grads = recompute_grads(lambda a, b, c, d: _experts_plain(a, b, c, d, ids, activation, limit),
-                                (x, weights, w_in, w_out), ctx.needs_input_grad[:4], (g,))
-        return (*grads, None, None, None)
+        needs = tuple(ctx.needs_input_grad[:4])
+        if ctx.backend == "reference":
+            grads = experts_backward_reference(g.to(x.dtype), x, ids, weights, w_in, w_out, activation, limit)
+        else:
+            grads = triton_impl("moe_bwd", "moe_experts_backward")(
+                g.to(x.dtype).contiguous(), x, ids, weights, w_in, w_out, activation, limit, needs)
+        return (*(gr if n else None for gr, n in zip(grads, needs)), None, None, None)
 
 
 def _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit):

@@ -85,7 +85,7 @@ def moe_route(logits, bias, top_k, scoring, renormalize, scaling):
 
 # ---------------------------------------------------------------- grouped expert GEMMs
 @triton.jit
-def _tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+def expert_tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     """The expert and sorted-row range of this program's row tile (e = E: no tile)."""
     pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -105,7 +105,7 @@ def _gemm_in_kernel(x_ptr, w_ptr, tok_ptr, a_ptr, tile_end_ptr, counts_ptr, row_
                     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr,
                     PREC: tl.constexpr):
-    e, e_c, m0, m_end = _tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM, BLOCK_E)
+    e, e_c, m0, m_end = expert_tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM, BLOCK_E)
     if e >= E:
         return
     rows = m0 + tl.arange(0, BM)
@@ -144,7 +144,7 @@ def _gemm_out_kernel(a_ptr, w_ptr, order_ptr, y_ptr, tile_end_ptr, counts_ptr, r
                      H, I, E, K_CHUNK, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
                      INTERP: tl.constexpr, PREC: tl.constexpr):
-    e, e_c, m0, m_end = _tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM, BLOCK_E)
+    e, e_c, m0, m_end = expert_tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM, BLOCK_E)
     if e >= E:
         return
     rows = m0 + tl.arange(0, BM)
@@ -198,6 +198,21 @@ def _k_chunk(N, K, BK):
     return split, k_chunk, (K % BK == 0) and (k_chunk % BK == 0)
 
 
+def expert_layout(ids, E, BM):
+    """The (token, rank) rows sorted by expert, on the device, no host sync: order (sorted row ->
+    flat t*k + r), tok (sorted row -> token), counts and row_start per expert, tile_end (cumulative
+    BM-row tiles per expert, read by expert_tile) and grid_m, an upper bound of the tile count."""
+    S = ids.numel()
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    # integer scatter-add: exact, and unlike bincount it never asks the host for max(ids)
+    counts = torch.zeros(E, device=ids.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
+    row_start = torch.cumsum(counts, 0) - counts
+    tok = torch.div(order, ids.shape[1], rounding_mode="floor")
+    return order, tok, counts, row_start, tile_end, triton.cdiv(S, BM) + min(E, S)
+
+
 def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
     """x [T, H], ids int64 [T, k], weights fp32 [T, k], w_in [E, N_in, H], w_out [E, H, I]
     (all contiguous) -> [T, H] in x.dtype. ``config`` overrides the table (benchmarks)."""
@@ -212,14 +227,7 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
     BM, BN1, BN2, BK, warps, stages = config or config_for(S, E)
     interp = interpreting(x)
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices          # sorted row -> flat (t, r) position
-    # integer scatter-add: exact, and unlike bincount it never asks the host for max(ids)
-    counts = torch.zeros(E, device=x.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
-    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
-    row_start = torch.cumsum(counts, 0) - counts
-    tok = torch.div(order, k, rounding_mode="floor")
-    grid_m = triton.cdiv(S, BM) + min(E, S)                 # >= the real tile count
+    order, tok, counts, row_start, tile_end, grid_m = expert_layout(ids, E, BM)
     block_e = triton.next_power_of_2(E)
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
     a = torch.empty((S, I), device=x.device, dtype=x.dtype)
