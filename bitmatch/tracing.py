@@ -12,21 +12,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+import xxhash
+
+from .sync.hash import fingerprints_of
 
 PAIRS = ("engine", "hf", "schedule", "backend")
 
 
 def op_fingerprint(t) -> str:
-    """The fingerprint of an op's output: ``bitmatch.sync``'s hash (xxh3-128 of the exact bytes)
-    over the dtype, shape and bytes of a tensor or of each tensor of a tuple."""
-    from bitmatch.sync.fingerprint import new_hasher, update_hasher
-
-    h = new_hasher()
-    for x in (t if isinstance(t, (tuple, list)) else (t,)):
-        x = x.detach()
-        h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-        update_hasher(h, x.contiguous())
-    return h.hexdigest()
+    """The fingerprint of an op's output: ``bitmatch.sync``'s hash (bmh1 of the exact bytes, on
+    the tensor's device) with the dtype and shape of a tensor or of each tensor of a tuple."""
+    xs = [x.detach() for x in (t if isinstance(t, (tuple, list)) else (t,))]
+    fps = fingerprints_of(xs)
+    return xxhash.xxh3_128("".join(f"{x.dtype}{tuple(x.shape)}:{fp};" for x, fp in zip(xs, fps)).encode()).hexdigest()
 
 
 _INT_VIEW = {torch.bfloat16: (torch.int16, 4), torch.float16: (torch.int16, 4), torch.float32: (torch.int32, 8),

@@ -2,8 +2,9 @@
 
 Protocol, in a few lines:
 1. The trainer publishes a numbered version: every parameter goes through the one cast
-   (``bitmatch.precision.compute_cast``) into the rollout dtype, and travels with the xxh3-128
-   fingerprint of its exact bytes.
+   (``bitmatch.precision.compute_cast``) into the rollout dtype, and travels with the bmh1
+   fingerprint of its exact bytes (``hash.py``: computed on the tensor's own device, a Triton
+   kernel on the GPU; it catches accidents, the TCP transport's MAC catches tampering).
 2. The receiver stages the whole version, recomputes every fingerprint on what it holds, and
    only then switches (atomically, under the lock generation holds). Any failure (a flipped bit,
    a dead sender, a wrong shape) leaves the previous version live, names the tensor with expected
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .fingerprint import Manifest, TensorSpec, fingerprint
+from .fingerprint import HASH_NAME, Manifest, TensorSpec, fingerprint, fingerprints_of
 from .names import Layout, architecture_of, build_layout, layout_rules
 from .receiver import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, Receiver, SyncError, Update,
                        WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
@@ -30,7 +31,7 @@ from .transport_vllm import VllmColocateSender
 
 __all__ = [
     "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
-    "stamp_weight_version", "require_ready", "weight_state", "Manifest", "TensorSpec", "Receiver",
+    "stamp_weight_version", "require_ready", "HASH_NAME", "weight_state", "Manifest", "TensorSpec", "Receiver",
     "Update", "WeightState", "InProcessSender", "TcpSender", "TcpReceiverServer", "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
@@ -95,9 +96,12 @@ def verify(target, manifest: Manifest, *, layout: str = "hf", arch: str | None =
         if tuple(v.shape) != tuple(spec.shape) or v.dtype != spec.dtype:
             raise ValueError(f"verify: tensor {name!r} is {tuple(v.shape)} {v.dtype}, manifest says "
                              f"{tuple(spec.shape)} {spec.dtype}")
-        got = fingerprint(v)
-        if got != spec.fingerprint:
-            raise FingerprintMismatchError(name, spec.fingerprint, got, f" (version {manifest.version})")
+    names = list(manifest.tensors)
+    # every fingerprint on the tensors' own device, one host sync for the whole model
+    for name, got in zip(names, fingerprints_of(views[n] for n in names)):
+        if got != manifest.tensors[name].fingerprint:
+            raise FingerprintMismatchError(name, manifest.tensors[name].fingerprint, got,
+                                           f" (version {manifest.version})")
 
 
 def _version_of(r):

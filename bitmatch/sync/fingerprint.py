@@ -1,10 +1,11 @@
 """Fingerprints of the exact bytes of a weight in the rollout dtype, and the manifest of a version.
 
-xxh3-128 over the raw bytes (row-major, contiguous): two tensors share a fingerprint exactly
-when their bytes are equal (up to hash collisions at 2^-128), so a fingerprint match proves the
-rollout holds the trainer's bits, not just close values. Because the hash is streamed over
-bytes, the fingerprint of a row block of a merged engine tensor (vLLM's qkv_proj) equals the
-fingerprint of the HF tensor it came from.
+The fingerprint is bmh1 (``hash.py``): a positional hash of the raw bytes (row-major,
+contiguous), computed on the tensor's own device (a Triton kernel at memory speed on the GPU,
+numpy on the CPU, same digest). Equal bytes give equal fingerprints; a flipped, lost or stale
+byte changes it (accidents, not attacks: the transport's MAC covers those). Because the hash
+is positional over the tensor's own byte stream, the fingerprint of a row block of a merged
+engine tensor (vLLM's qkv_proj) equals the fingerprint of the HF tensor it came from.
 """
 from __future__ import annotations
 
@@ -14,35 +15,18 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-_HASH_CHUNK = 64 << 20  # bytes hashed per step for device tensors: bounds the host copy
+from .errors import SyncError
+from .hash import HASH_NAME, StreamHasher, byte_view, fingerprint, fingerprints_of
+
+__all__ = ["HASH_NAME", "StreamHasher", "byte_view", "fingerprint", "fingerprints_of", "dtype_name",
+           "dtype_from_name", "TensorSpec", "Manifest", "check_hash_name"]
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 tensor sharing its memory."""
-    if not t.is_contiguous():
-        raise ValueError("byte_view: tensor must be contiguous")
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def new_hasher():
-    return xxhash.xxh3_128()
-
-
-def update_hasher(h, t: torch.Tensor) -> None:
-    """Feed the bytes of ``t`` (any device) into the streaming hash ``h``."""
-    b = byte_view(t.contiguous())
-    if b.device.type == "cpu":
-        h.update(memoryview(b.numpy()))
-        return
-    for a in range(0, b.numel(), _HASH_CHUNK):
-        h.update(memoryview(b[a:a + _HASH_CHUNK].cpu().numpy()))
-
-
-def fingerprint(t: torch.Tensor) -> str:
-    """xxh3-128 hex digest of the exact bytes of ``t`` (its own dtype, row-major order)."""
-    h = new_hasher()
-    update_hasher(h, t)
-    return h.hexdigest()
+def check_hash_name(name, where: str) -> None:
+    """Refuse fingerprints made by another hash (an older or newer bitmatch on the other end)."""
+    if name != HASH_NAME:
+        raise SyncError(f"{where}: the peer fingerprints weights with hash {name!r}, this end with "
+                        f"{HASH_NAME!r}; run the same bitmatch version on both ends")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,27 +63,30 @@ class TensorSpec:
 
 @dataclass
 class Manifest:
-    """One weight version: its number and, per HF parameter name, shape, dtype and fingerprint."""
+    """One weight version: its number and, per HF parameter name, shape, dtype and fingerprint
+    (by the hash ``hash``, bmh1)."""
     version: int
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
     # the sender's canonical-order stamp (bitmatch.kernels.order); checked when the update begins,
     # kept as metadata (not part of the digest, which covers the tensors)
     order: dict | None = None
+    hash: str = HASH_NAME
 
     def digest(self) -> str:
         """Fingerprint of the whole version (names, shapes, dtypes, per-tensor fingerprints)."""
         body = json.dumps({k: self.tensors[k].to_json() for k in sorted(self.tensors)}, sort_keys=True)
-        return xxhash.xxh3_128(f"{self.version}\n{body}".encode()).hexdigest()
+        return xxhash.xxh3_128(f"{self.hash}\n{self.version}\n{body}".encode()).hexdigest()
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.tensors.values())
 
     def to_json(self) -> dict:
-        return {"version": self.version, "tensors": {k: v.to_json() for k, v in self.tensors.items()},
-                "order": self.order}
+        return {"version": self.version, "hash": self.hash,
+                "tensors": {k: v.to_json() for k, v in self.tensors.items()}, "order": self.order}
 
     @staticmethod
     def from_json(d: dict) -> "Manifest":
+        check_hash_name(d.get("hash"), f"manifest of version {d.get('version')}")
         return Manifest(int(d["version"]), {k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
                         d.get("order"))

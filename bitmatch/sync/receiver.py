@@ -15,35 +15,10 @@ import threading
 
 import torch
 
-from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint
+from .errors import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, SyncError,  # noqa: F401
+                     WeightsNotReadyError, WeightVersionError)
+from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint, fingerprints_of
 from .names import architecture_of, build_layout
-
-
-class SyncError(RuntimeError):
-    """A weight update failed; the previous version stays in place."""
-
-
-class FingerprintMismatchError(SyncError):
-    def __init__(self, name: str, expected: str, got: str, where: str = ""):
-        self.name, self.expected, self.got = name, expected, got
-        super().__init__(f"fingerprint mismatch for tensor {name!r}{where}: expected {expected}, got {got}")
-
-
-class WeightsNotReadyError(SyncError):
-    """Generation refused: no verified weight version of the expected number is loaded."""
-
-
-class CanonicalOrderError(SyncError):
-    """The sender's kernels run another canonical order (or backend) than the receiver's: the same
-    weights would give other bits (bitmatch.kernels.order)."""
-
-
-class WeightVersionError(SyncError):
-    """A rollout was sampled with another weight version than the trainer expects."""
-
-
-class AuthenticationError(SyncError):
-    """The peer did not present the shared token."""
 
 
 class WeightState:
@@ -167,8 +142,9 @@ class Receiver:
             if layout != "hf":
                 raise ValueError("initial_version needs layout='hf' (a vLLM layout needs the HF specs first)")
             self.state.version = int(initial_version)
+            live = self.slots.live
             self.state.manifest = Manifest(int(initial_version), {
-                k: TensorSpec(tuple(v.shape), v.dtype, fingerprint(v)) for k, v in self.slots.live.items()})
+                k: TensorSpec(tuple(v.shape), v.dtype, fp) for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
 
     @property
     def version(self) -> int | None:
@@ -313,8 +289,8 @@ class Update:
             for key in copied:
                 sl.live[key].copy_(self.bank[key])
             if self.rx.verify_after_commit:
-                for name in (k for k in self.specs if k not in self.shared):
-                    got = fingerprint(sl.view(sl.live, name))
+                names = [k for k in self.specs if k not in self.shared]
+                for name, got in zip(names, fingerprints_of(sl.view(sl.live, k) for k in names)):
                     if got != self.done[name]:
                         st.version, self.closed = None, True  # live bytes are neither version: unusable
                         self.rx._end(self, f"live tensor {name!r} differs from its verified staging copy "

@@ -5,12 +5,13 @@ casting the whole tensor: the sender never materializes more than one chunk of t
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from ..precision import compute_cast
-from .fingerprint import TensorSpec, new_hasher, update_hasher
+from .fingerprint import StreamHasher, TensorSpec
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -44,7 +45,8 @@ def wire_specs(weights, dtype: torch.dtype) -> dict[str, TensorSpec]:
 def cast_chunks(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int) -> Iterator[torch.Tensor]:
     """The cast tensor's bytes as flat chunks of at most ``chunk_bytes`` (on t's device)."""
     flat = t.reshape(-1)
-    step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
+    elsize = torch.empty((), dtype=dtype).element_size()
+    step = max(4, chunk_bytes // elsize // 4 * 4)  # whole 4-byte words: the hash's unit
     if flat.numel() == 0:
         return
     for a in range(0, flat.numel(), step):
@@ -53,9 +55,9 @@ def cast_chunks(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int) -> Iterat
 
 def cast_fingerprint(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """Fingerprint of compute_cast(t, dtype) without materializing the whole cast tensor."""
-    h = new_hasher()
+    h = StreamHasher()
     for c in cast_chunks(t, dtype, chunk_bytes):
-        update_hasher(h, c)
+        h.update(c)
     return h.hexdigest()
 
 
@@ -63,14 +65,19 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
     """Yield (bucket uint8 CPU tensor view, segments, finished) with segments a list of
     (name, byte_offset, nbytes) and finished {name: fingerprint} of tensors whose last byte is in
     this bucket. One bucket buffer is reused: the consumer must send it before the next step.
-    Large CPU tensors already in ``dtype`` are yielded as views of their own memory."""
+    Each piece is hashed where it was cast (on the sender's device), before the host copy, so
+    the receiver's check also covers the copy and the wire. Tensors are split across buckets on
+    whole 4-byte words only (the hash's unit). Large CPU tensors already in ``dtype`` are yielded
+    as views of their own memory."""
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
+    bucket_bytes -= bucket_bytes % 4
     buf = torch.empty(bucket_bytes, dtype=torch.uint8)
     pos, segs, finished = 0, [], {}
     for name, t in weights:
-        h = new_hasher()
+        h = StreamHasher()
         elsize = torch.empty((), dtype=dtype).element_size()
+        align = 4 // math.gcd(4, elsize)  # elements per whole number of words
         flat = t.reshape(-1)
         nbytes, off = flat.numel() * elsize, 0
         if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and nbytes >= bucket_bytes // 4:
@@ -82,21 +89,22 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
             src = compute_cast(flat, dtype).view(torch.uint8)
             for a in range(0, nbytes, bucket_bytes):
                 piece = src[a:a + bucket_bytes]
-                h.update(memoryview(piece.numpy()))
+                h.update(piece)
                 done = {name: h.hexdigest()} if a + bucket_bytes >= nbytes else {}
                 yield piece, [(name, a, piece.numel())], done
             continue
         while off < nbytes:
             n_el = min((bucket_bytes - pos) // elsize, (nbytes - off) // elsize)
+            if off + n_el * elsize < nbytes:
+                n_el -= n_el % align  # not the tensor's end: stop on a word boundary
             if n_el == 0:  # bucket full
                 yield buf[:pos], segs, finished
                 pos, segs, finished = 0, [], {}
                 continue
             e0 = off // elsize
             chunk = compute_cast(flat[e0:e0 + n_el], dtype).contiguous().view(torch.uint8)
-            dst = buf[pos:pos + chunk.numel()]
-            dst.copy_(chunk)
-            h.update(memoryview(dst.numpy()))  # hash the bytes exactly as they will be sent
+            h.update(chunk)
+            buf[pos:pos + chunk.numel()].copy_(chunk)
             segs.append((name, off, chunk.numel()))
             pos += chunk.numel()
             off += chunk.numel()

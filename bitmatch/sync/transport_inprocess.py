@@ -2,7 +2,9 @@
 
 When the engine shares the trainer's tensors (compute dtype already, same storage) nothing is
 copied: the receiver only fingerprints its own tensors against the announced ones. Otherwise
-each tensor is cast and copied into the receiver's staging, then verified and switched.
+each tensor is moved to the rollout's device, cast there, fingerprinted there and copied into the
+receiver's staging (on that device), then verified and switched by one device copy: on a shared
+GPU no byte leaves the device.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ class InProcessSender:
         rx = self.receiver
         with rx.begin(version, specs, order=sender_order(weights)) as upd:
             for name, t in weights:
-                cast = compute_cast(t, dtype)
+                live = rx.slots.view(rx.slots.live, name)
+                # the cast runs on the rollout's device: no host round trip when both share a GPU
+                cast = compute_cast(t.to(live.device, non_blocking=True), dtype)
                 fp = fingerprint(cast)
                 specs[name] = TensorSpec(specs[name].shape, dtype, fp)
-                live = rx.slots.view(rx.slots.live, name)
                 if cast.data_ptr() == live.data_ptr() and cast.shape == live.shape:
                     upd.share(name, cast, fp)
                 else:

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from .fingerprint import Manifest, TensorSpec
+from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import AuthenticationError, FingerprintMismatchError, Receiver, SyncError
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
 
@@ -168,8 +168,9 @@ class TcpReceiverServer:
 
     def _update(self, conn, h: dict) -> None:
         rx = self.receiver
-        specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
         try:
+            check_hash_name(h.get("hash"), f"weight update to version {h.get('version')}")
+            specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
             upd = rx.begin(int(h["version"]), specs, order=h.get("order"))
         except Exception as e:
             _send_frame(conn, _error_reply(e))
@@ -239,7 +240,8 @@ class TcpSender:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
         with self._connect() as sock:
-            _send_frame(sock, {"type": "begin", "version": int(version), "order": sender_order(weights),
+            _send_frame(sock, {"type": "begin", "version": int(version), "hash": HASH_NAME,
+                               "order": sender_order(weights),
                                "tensors": {k: v.to_json() for k, v in specs.items()}})
             _raise_reply(_recv_header(sock))
             fps, man = {}, None
