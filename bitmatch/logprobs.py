@@ -1,6 +1,9 @@
 """Trainer-side logprobs: the same forward, logits and log_softmax as the engine's."""
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -8,6 +11,39 @@ from bitmatch.models import compute_logits, forward_hidden, pack, unwrap_causal_
 from bitmatch.models import compute_dtype_of as default_compute_dtype
 
 DEFAULT_LOGIT_ELEMENTS = 1 << 25  # fp32 logits elements per chunk (128 MiB)
+# The kernels divide fp32 logits by T stored in fp32: below the smallest normal fp32 (2**-126) T's
+# reciprocal overflows, so logits / T is +-inf (log_softmax NaN, the sampler's weights garbage);
+# above the largest fp32 T is inf and -inf / T (a masked logit) is NaN.
+F32_MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+F32_MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
+
+
+def check_temperature(op: str, value, *, greedy_ok: bool = False, name: str = "temperature") -> float:
+    """``value`` as a float after the checks every entry shares (``SamplingParams``,
+    ``token_logprobs``): a real number, not a bool, 0 only where greedy decoding is meant
+    (``greedy_ok``), otherwise a temperature whose fp32 value and reciprocal are finite and normal.
+    The error names ``op``, the argument and the valid range."""
+    greedy = "0 (greedy) or " if greedy_ok else ""
+    valid = f"{greedy}a float in [{F32_MIN_TEMPERATURE:.8g}, {F32_MAX_TEMPERATURE:.8g}]"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{op}: {name} must be {valid}, got {value!r} ({type(value).__name__})")
+    try:
+        t = float(value)
+    except OverflowError:
+        t = float("inf")
+    if greedy_ok and t == 0.0:
+        return 0.0
+    if not t > 0:  # negative, NaN, or 0 where greedy is not meant
+        raise ValueError(f"{op}: {name} must be {'>= 0' if greedy_ok else '> 0'}, got {value!r} (valid: {valid})")
+    t32 = float(np.float32(t)) if t <= F32_MAX_TEMPERATURE else float("inf")
+    if t32 < F32_MIN_TEMPERATURE:
+        raise ValueError(f"{op}: {name} must be {valid}, got {value!r}: below the smallest normal float32 its "
+                         "reciprocal overflows in float32, so logits / T is not finite (NaN logprobs, "
+                         "out-of-vocabulary draws); use a larger temperature")
+    if t32 > F32_MAX_TEMPERATURE:
+        raise ValueError(f"{op}: {name} must be {valid}, got {value!r}: it is not finite in float32 (the kernels "
+                         "store T in float32)")
+    return t
 
 
 def _chunk_logprobs(lm, dtype, temperature, top_k, top_p, hidden, targets, entropy=False):
@@ -33,15 +69,14 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
         if temperature.numel() != 1:
             raise ValueError(f"{op}: temperature must be a float (one temperature for the batch), got a tensor "
                              f"of shape {tuple(temperature.shape)}")
+        if temperature.dtype == torch.bool:
+            raise ValueError(f"{op}: temperature must be a float, got a bool tensor")
         temperature = float(temperature)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"{op}: temperature must be a float > 0, got {temperature!r}")
-    temperature = float(temperature)
-    if temperature == 0.0:
+    if not isinstance(temperature, (bool, np.bool_)) and isinstance(temperature, numbers.Real) \
+            and temperature == 0:
         raise ValueError(f"{op}: temperature=0 is greedy decoding, which has no distribution to score: greedy "
                          "rows are scored at T = 1 (as vLLM and bitmatch.Engine report them); pass temperature=1.0")
-    if not temperature > 0:
-        raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
+    temperature = check_temperature(op, temperature)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
         raise ValueError(f"{op}: top_k must be an int >= 1 (or None / -1 / 0 for no top-k), got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
@@ -131,7 +166,19 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     at = (p.rows[tgt], p.cols[tgt] - 1)
     if not return_entropy:
         lp = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        _refuse_nan(lp, temperature)
         return out.index_put(at, lp.to(torch.float32))
     lp = torch.cat([x[0] for x in pieces])
+    _refuse_nan(lp, temperature)
     ent = torch.cat([x[1] for x in pieces])
     return out.index_put(at, lp.to(torch.float32)), torch.zeros_like(out).index_put(at, ent.to(torch.float32))
+
+
+def _refuse_nan(lp: torch.Tensor, temperature: float) -> None:
+    # NaN comes only from a non-finite scaled logit (+inf / T overflow, or NaN in the logits): the
+    # engine refuses the same rows, so a NaN never reaches a loss or a comparison as a number
+    bad = int(torch.isnan(lp.detach()).sum())
+    if bad:
+        raise ValueError(f"token_logprobs: {bad} of {lp.numel()} logprobs are NaN: the logits divided by "
+                         f"temperature={temperature!r} are not finite in float32; raise the temperature, or, if "
+                         "the model's logits are NaN at temperature=1.0 too, check its weights")

@@ -76,8 +76,9 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
 
     Accepts tensors [B, T] (or [T]) or lists of per-sequence lists (ragged allowed; then the
     sequences must have equal lengths pairwise). ``mask`` (same shape, nonzero = compare)
-    selects tokens; default: all. Values are compared as fp32 bit patterns (a NaN equals a
-    NaN of the same bits).
+    selects tokens; default: all. Values are compared as fp32 bit patterns, and a NaN on either
+    side is a mismatch (even against a NaN of the same bits: a NaN logprob is a failed
+    computation, never a match); its |diff| counts as inf.
     """
     ra, tr = _rows(rollout_logprobs, "rollout_logprobs"), _rows(trainer_logprobs, "trainer_logprobs")
     if len(ra) != len(tr):
@@ -102,21 +103,22 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
         if idx.numel() == 0:
             continue
         av, bv = a[idx], b[idx]
-        neq = av.view(torch.int32) != bv.view(torch.int32)
-        d = (bv.double() - av.double())
+        nan = torch.isnan(av) | torch.isnan(bv)
+        neq = (av.view(torch.int32) != bv.view(torch.int32)) | nan
+        d = torch.where(nan, float("inf"), bv.double() - av.double())
         ad = d.abs()
         total += idx.numel()
         mism += int(neq.sum())
         if neq.any():
             ad_f = torch.where(neq, ad, torch.zeros_like(ad))
-            max_d = max(max_d, float(torch.nan_to_num(ad_f, nan=float("inf")).max()))
+            max_d = max(max_d, float(torch.nan_to_num(ad_f, nan=float("inf"), posinf=float("inf")).max()))
             if first is None:
                 j = int(neq.nonzero()[0])
                 first = (s, int(idx[j]))
                 fr, ft = float(av[j]), float(bv[j])
         dd = torch.where(neq, d, torch.zeros_like(d))
         sum_d += float(dd.abs().sum())
-        sum_k3 += float((torch.expm1(dd) - dd).sum())
+        sum_k3 += float(torch.where(nan, float("inf"), torch.expm1(dd) - dd).sum())
         diffs.extend(torch.where(neq, ad, torch.zeros_like(ad)).tolist())
     n = max(total, 1)
     return CompareResult(

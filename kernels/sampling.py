@@ -165,7 +165,10 @@ def categorical_sample_reference(logits: torch.Tensor, temp: torch.Tensor, unifo
     total = cdf[:, -1:]
     r = torch.floor(uniforms.to(device=logits.device, dtype=F64).unsqueeze(1) * total.to(F64)).to(torch.int64)
     r = torch.minimum(r.clamp_min(0), total - 1)  # u * W may round up to W when W > 2**53
-    tokens = torch.searchsorted(cdf, r, right=True).squeeze(1)
+    # the contract's guard: a row outside it (NaN or +inf in logits / T: garbage weights) may
+    # search past the last entry; its token is clamped into the vocabulary (as the kernel's), and
+    # its logprob, NaN, is what the engine refuses
+    tokens = torch.searchsorted(cdf, r, right=True).squeeze(1).clamp_max(vocab - 1)
     if greedy is not None:
         tokens = torch.where(greedy.to(device=logits.device, dtype=torch.bool), logits.float().argmax(-1), tokens)
     return tokens
@@ -182,6 +185,8 @@ def categorical_sample(logits: torch.Tensor, temperature, uniforms: torch.Tensor
     ``greedy`` (bool [N] or None): rows where it is set take ``logits.float().argmax(-1)``
     (lowest index on ties) instead, whatever their T and u. CPU tensors run the torch reference
     (``categorical_sample_reference``), CUDA tensors one fused Triton kernel with the same bits.
+    Contract: every token is in [0, V), whatever the inputs; a row whose logits / T hold NaN or
+    +inf (outside the contract: the engine refuses its NaN logprobs) gets an unspecified one.
     Invariance: a row's token depends only on its logits, T and u (exact integer sums).
     """
     op = "categorical_sample"

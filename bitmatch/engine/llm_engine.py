@@ -257,6 +257,7 @@ class Engine:
                     f"{seq.request_id} was running (its tokens would mix two versions); publish between "
                     "generate() calls, not during one. All running requests were aborted")
         seqs, tokens, lps, sampled = self.model_runner.run(scheduled)
+        self._refuse_nan(seqs, lps)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.block_manager.mark_computed(seq)
@@ -275,6 +276,21 @@ class Engine:
         if self.scheduler.is_finished():
             self._idle = True
         return finished
+
+    def _refuse_nan(self, seqs: list[Sequence], lps: list[float]) -> None:
+        """A NaN logprob means logits / T was not finite in float32 (a temperature too small for these
+        logits, or NaN logits): the token was drawn from garbage weights, so nothing of it is kept."""
+        bad = [seq for seq, lp in zip(seqs, lps) if lp != lp]
+        if not bad:
+            return
+        seq = bad[0]
+        self.abort_all()
+        t = seq.params.temperature
+        cause = (f"the model's logits are NaN (greedy rows are scored at T = 1): check its weights" if t == 0.0 else
+                 f"its logits divided by temperature={t!r} are not finite in float32: raise the temperature (or, "
+                 "if the logits are NaN at temperature=1.0 too, check the model's weights)")
+        raise ValueError(f"Engine: request {seq.request_id} (and {len(bad) - 1} more in this step) sampled a token "
+                         f"with a NaN logprob: {cause}. All running requests were aborted")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

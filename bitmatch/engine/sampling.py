@@ -23,13 +23,15 @@ import numpy as np
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.logprobs import check_temperature
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling options (a subset of ``vllm.SamplingParams``, same names).
 
-    temperature 0 means greedy (argmax, lowest index on ties); top_k -1 (or 0) and
+    temperature 0 means greedy (argmax, lowest index on ties), otherwise a float32-normal T in
+    [2**-126, 3.4e38] (``bitmatch.logprobs.check_temperature``: 1 / T finite in float32); top_k -1 (or 0) and
     top_p 1.0 disable those masks (``kernels.top_k_top_p_mask``: vLLM's rules, canonical order);
     ``seed`` keys the request's noise, so its tokens depend on nothing but its logits, seed and
     token index; with seed None the engine derives one from its own seed and the request's index.
@@ -45,9 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"SamplingParams: temperature must be a float >= 0, got {self.temperature!r}")
-        self.temperature = float(self.temperature)
+        self.temperature = check_temperature("SamplingParams", self.temperature, greedy_ok=True)
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)

@@ -23,7 +23,8 @@ from the row max (the max over chunks); (3) per row, the block holding r from th
 the column inside it (one block's weights recomputed); greedy rows take the lowest column among
 the chunks holding the max (torch.argmax's tie rule). BLOCK, S and warps never change a bit.
 Outside the contract (as in the reference, whose int64 cast of NaN is undefined): NaN logits
-and rows that are -inf everywhere on sampled rows.
+and rows that are -inf everywhere on sampled rows; their token is unspecified but always in
+[0, V) (clamped, as the reference clamps), so nothing downstream indexes past the vocabulary.
 VARIANT != 0 selects deliberately wrong formulas for the tests' controls (1: z = x * (1/T);
 2: exp64 with two Horner terms fewer, ~1e-14 off); never used by the library.
 """
@@ -203,7 +204,9 @@ def _pick_kernel(x_ptr, stride, t_ptr, u_ptr, g_ptr, mx_ptr, ai_ptr, bs_ptr, out
         k = tl.arange(0, SP)
         mk = tl.load(mx_ptr + row * S + k, mask=k < S, other=float("-inf"))
         ak = tl.load(ai_ptr + row * S + k, mask=k < S, other=V)
-        tl.store(out_ptr + row, tl.min(tl.where((mk == m) & (k < S), ak, V), axis=0).to(tl.int64))
+        # NaN max: no chunk equals it and the min is V; clamped into the vocabulary (contract)
+        tok = tl.min(tl.where((mk == m) & (k < S), ak, V), axis=0)
+        tl.store(out_ptr + row, tl.minimum(tok, V - 1).to(tl.int64))
     else:
         bidx = tl.arange(0, NB)
         sums = tl.load(bs_ptr + row * NBLK + bidx, mask=bidx < NBLK, other=0)
@@ -216,7 +219,9 @@ def _pick_kernel(x_ptr, stride, t_ptr, u_ptr, g_ptr, mx_ptr, ai_ptr, bs_ptr, out
         cols = kb * BLOCK + tl.arange(0, BLOCK)
         c = tl.cumsum(_weights(x_ptr + row * stride, cols, V, t, m, SCALE, VARIANT), axis=0) + carry
         cnt = tl.sum(((c <= r) & (cols < V)).to(tl.int32), axis=0)
-        tl.store(out_ptr + row, (kb * BLOCK + cnt).to(tl.int64))
+        # valid weights give r < W, so the token is < V; garbage weights (NaN / +inf in z) may walk
+        # past the last block: clamped into the vocabulary as the reference's searchsorted is
+        tl.store(out_ptr + row, tl.minimum(kb * BLOCK + cnt, V - 1).to(tl.int64))
 
 
 @triton.jit
