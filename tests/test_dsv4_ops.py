@@ -5,8 +5,6 @@ alone vs with others, a token alone vs in a batch) with a control where a stock 
 ties in the indexer to the lowest index, gradients vs float64, and the Triton-backend versions under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -330,7 +328,7 @@ def test_bad_inputs_are_named():
         K.hc_pre(torch.zeros(2, 3, 16), mod.fn, mod.base, mod.scale, iters=0, eps=1e-6, norm_eps=1e-6)
 
 
-interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+interpret = pytest.mark.interpreter
 
 
 @interpret

@@ -5,8 +5,6 @@ random block tables and page sizes). Control: a prefill kernel with another KV b
 Triton kernel's with a different KV block size) does not match the paged path."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -64,7 +62,7 @@ def _paged_copy(k, v, lens, page, nblocks, seed):
     return kc, vc, bt
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run with TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("page", [16, 64])
 def test_triton_prefill_equals_paged(page):
     from bitmatch.kernels.triton import attention as TA

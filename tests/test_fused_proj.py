@@ -5,8 +5,6 @@ family's fused copies follow in-place weight updates. Control: fusing without th
 (the whole weight under one split) changes the bits of the segment whose split differs."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -39,8 +37,7 @@ def test_segments_validated():
         K.linear(torch.randn(2, 8), torch.randn(10, 8), segments=(4, 4))
 
 
-triton_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="Triton interpreter test: run with TRITON_INTERPRET=1")
+triton_only = pytest.mark.interpreter
 
 
 @triton_only

@@ -5,18 +5,13 @@ neighbours in shuffled slots), gradients vs HF's autograd, input errors; and the
 own chunked scan vs its recurrent step, and HF's prefill split in two, differ."""
 from __future__ import annotations
 
-import os
 import random
-import sys
 
-if not ("triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"):
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede triton's import (see test_triton_interpret)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import bitmatch.kernels as K  # noqa: E402
-from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal  # noqa: E402
+import bitmatch.kernels as K
+from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 
@@ -215,12 +210,11 @@ def test_input_errors_are_named():
         K.gated_rms_norm(torch.randn(2, 6), torch.randn(2, 6), torch.randn(6), 4, 1e-5)
 
 
+@pytest.mark.interpreter
 def test_triton_scan_interpreter_schedule_invariance_and_parity():
     """The Triton scan under TRITON_INTERPRET=1 (shapes >= 16 for tl.dot): parity with the reference,
     and its own bits equal across full prefill, token-by-token decode and chunked splits (buffer and
     boundary state in the cache), two sequences packed vs alone."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     h, p, g, n, q = 2, 16, 1, 16, 16
     gen = torch.Generator().manual_seed(11)
     T = 21
@@ -249,11 +243,10 @@ def test_triton_scan_interpreter_schedule_invariance_and_parity():
         assert_bitwise_equal(both[4:], full, "triton packed")
 
 
+@pytest.mark.interpreter
 def test_triton_conv1d_and_gated_norm_interpreter():
     """Triton conv1d (state rows before the call) and gated norm under TRITON_INTERPRET=1: parity with
     the reference, conv splits/decode bit for bit with the state, gated norm rows alone == in a batch."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     gen = torch.Generator().manual_seed(12)
     T, Cd, Kc = 13, 40, 4
     x = torch.randn(T, Cd, generator=gen).to(torch.bfloat16)

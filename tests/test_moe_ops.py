@@ -3,20 +3,14 @@ with zero tokens or crowded by neighbours, top-k 1/2/8, swiglu and relu2, bf16 a
 tie rule, parity with HF's Qwen3-MoE / DeepSeek-V4 / Nemotron-H modules, gradients vs float64,
 a control that fails on HF's stock experts, and the Triton kernels under the interpreter.
 """
-import os
-import sys
 from types import SimpleNamespace
 
-_TRITON_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not _TRITON_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede triton's import (see test_triton_interpret)
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import bitmatch.kernels as K  # noqa: E402
-from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal  # noqa: E402
+import bitmatch.kernels as K
+from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
 
 BF = torch.bfloat16
 E, H, I = 16, 64, 32
@@ -286,8 +280,7 @@ def test_bad_inputs():
 
 
 # ---------------------------------------------------------------- Triton (interpreter)
-triton_only = pytest.mark.skipif(_TRITON_LATE, reason="triton was imported before TRITON_INTERPRET=1; "
-                                 "run this file alone")
+triton_only = pytest.mark.interpreter
 
 
 def _tm():

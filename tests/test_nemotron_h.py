@@ -164,13 +164,10 @@ def test_vllm_plugin_refuses_nemotron_h_naming_why():
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_triton_backend_interpreter_parity_and_engine_diff_zero():
     """The whole model on the Triton backend (TRITON_INTERPRET=1, chunk 16): parity with HF fp32, and
     engine (chunked prefill, decode across a chunk boundary) == trainer bit for bit."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 before triton's import (run tests/test_mamba_ops.py's module first)")
     import bitmatch.kernels as K
 
     hf = NH.tiny_model(torch.float32, seed=0, chunk_size=16)

@@ -9,25 +9,18 @@ sides of a cdf boundary (where one weight unit moves the token); chunk counts an
 fail the same checks. The GPU's bits (FMA contraction off, checked against torch on CUDA and the
 CPU) are benchmarks/sampler.py's: benchmarks/results/sampler_h200.json.
 """
-import os
-import sys
+import numpy as np
+import pytest
+import torch
 
-if not ("triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"):
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede triton's import (see test_triton_interpret)
+import bitmatch.kernels as K
+from bitmatch.engine.model_runner import upload
+from bitmatch.engine.sampling import Sampler, SamplingParams, _token_logprobs
+from bitmatch.kernels import _exact
+from bitmatch.kernels import sampling as S
+from bitmatch.kernels._backend import use_backend
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import bitmatch.kernels as K  # noqa: E402
-from bitmatch.engine.model_runner import upload  # noqa: E402
-from bitmatch.engine.sampling import Sampler, SamplingParams, _token_logprobs  # noqa: E402
-from bitmatch.kernels import _exact  # noqa: E402
-from bitmatch.kernels import sampling as S  # noqa: E402
-from bitmatch.kernels._backend import use_backend  # noqa: E402
-
-interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                               reason="triton was imported before TRITON_INTERPRET=1 could be set")
+interpret = pytest.mark.interpreter
 F64 = torch.float64
 
 

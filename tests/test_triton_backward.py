@@ -7,23 +7,15 @@ CPU gradient tests (rtol 1e-4 / atol 1e-5), bf16 within bf16 tolerance (relative
 interpreter's fp32 -> bf16 cast truncates). A mutation check shows each comparison can fail.
 The same kernels' GPU gradients and timings are in benchmarks/gpu_e2e.py's `backward` section.
 """
-import os
-import sys
+import pytest
+import torch
+import torch.nn.functional as F
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    import pytest
-
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file "
-                "alone (pytest tests/test_triton_backward.py)", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import bitmatch.kernels as K
+from bitmatch.kernels._backend import use_backend
 
 pytest.importorskip("triton")
-import bitmatch.kernels as K  # noqa: E402
-from bitmatch.kernels._backend import use_backend  # noqa: E402
+pytestmark = pytest.mark.interpreter
 
 BF, F32 = torch.bfloat16, torch.float32
 

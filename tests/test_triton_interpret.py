@@ -7,48 +7,18 @@ split-K fused vs split, prefill vs chunked prefill vs paged decode at page sizes
 shuffled block tables, query tile sizes and fused vs split KV partitions, all bit-identical.
 The same checks on CUDA bits run in benchmarks/gpu_ops.py.
 """
-import os
-import sys
+import importlib
+import math
+import types
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    import pytest
-
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file "
-                "alone (pytest tests/test_triton_interpret.py)", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import importlib.util  # noqa: E402
-import math  # noqa: E402
-import types  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.interpreter
 
-
-def _load():
-    """bitmatch.kernels.triton modules; built from the checkout if the package is missing."""
-    try:
-        import bitmatch.kernels.triton as pkg  # noqa: F401
-        name = "bitmatch.kernels.triton"
-    except Exception:
-        name = "_bitmatch_kernels_triton_checkout"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(
-                name, os.path.join(_ROOT, "kernels", "triton", "__init__.py"),
-                submodule_search_locations=[os.path.join(_ROOT, "kernels", "triton")])
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-    return types.SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in
-                                    ("linear", "norm", "rotary", "activation", "attention",
-                                     "logprobs")})
-
-
-K = _load()
+K = types.SimpleNamespace(**{m: importlib.import_module(f"bitmatch.kernels.triton.{m}") for m in
+                             ("linear", "norm", "rotary", "activation", "attention", "logprobs")})
 BF = torch.bfloat16
 
 
@@ -251,6 +221,7 @@ def _seqs(lens, Hq=4, Hkv=2, D=32, seed=20):
     return q, k, v, cu
 
 
+@pytest.mark.slow  # 15-60 s in the interpreter
 @pytest.mark.parametrize("window", [None, 70])
 def test_attention_prefill_values_and_batch(small_partition, window):
     att = K.attention
@@ -294,6 +265,7 @@ def _paged_cache(k, v, page, nblocks, seed):
     return kc, vc, perm.to(torch.int32)
 
 
+@pytest.mark.slow  # 15-60 s in the interpreter
 @pytest.mark.parametrize("window", [None, 100])
 def test_attention_prefill_chunked_decode_bits(small_partition, window):
     """Prefill vs chunked prefill (any split) vs one-token decode, page sizes 8/16/32."""
@@ -397,6 +369,7 @@ def test_attention_backward_bf16_and_forward_bits():
         assert _rel_err(got, ref) < 0.02
 
 
+@pytest.mark.slow  # 11 s in the interpreter
 def test_attention_skip_full_block_masks_same_bits(small_partition):
     """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the
     bits: causal prefill (varlen, G = 3 padded head rows, fused and split tiles), a window wider
