@@ -50,6 +50,7 @@ from bitmatch.adapters import lora
 from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker,
                                          differing_weights, locate_sentence, weights_fingerprint,
                                          weights_sentence)
+from bitmatch.models.lora import plain_name
 
 logger = logging.getLogger("bitmatch.trl")
 
@@ -246,6 +247,7 @@ class TrlAdapter:
         with torch.device("meta"):
             view = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=self.compute_dtype)
         view = view.to_empty(device=dev).eval()
+        _tie_like(view, lm)
         view.requires_grad_(False)
         self.rollout_model = view
         self.receiver = bsync.receive(view)
@@ -345,6 +347,23 @@ class TrlAdapter:
                 "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
                 "weights_fingerprint": weights_fingerprint(self.rollout_weights_source(), self.compute_dtype),
                 "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None}
+
+
+def _tie_like(view, lm):
+    """Share in the rollout copy ``view`` every parameter the trainer's ``lm`` shares under several
+    names (tied embeddings: Qwen3-0.6B/1.7B, Llama-3.2-1B), as the trainer does. ``to_empty``
+    gives each name its own tensor, and the publish, which sends a tied tensor once (under its
+    first name), would then leave ``lm_head.weight`` unfilled; tied, the copy has one parameter
+    where the trainer has one, so the update covers it exactly once and the LM head reads the
+    embedding's bits, as the trainer's."""
+    first: dict[int, str] = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        src = first.setdefault(id(p), name)
+        if src == name:
+            continue
+        src, name = plain_name(src), plain_name(name)
+        module, _, attr = name.rpartition(".")
+        setattr(view.get_submodule(module), attr, view.get_parameter(src))
 
 
 # ----------------------------------------------------------------------------- rebound methods
