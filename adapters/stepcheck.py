@@ -3,8 +3,9 @@
 One ``StepChecker`` per run compares the two logprob tensors of a generation step as fp32 bit patterns
 (``bitmatch.verify.compare``), keeps a ``StepCheck`` per step in ``history``, hands the
 ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` metrics to the framework's
-logger, and on any difference applies the policy (``raise`` / ``warn`` / ``log``) with one message
-format: step, first divergent sequence and token, both values in hex, the first divergent layer
+logger with ``bitmatch/compared_tokens`` and ``bitmatch/compared_seqs`` (so "0 mismatches" never
+stands for "nothing checked"), and on any difference, or a step where nothing was compared, applies
+the policy (``raise`` / ``warn`` / ``log``) with one message format: step, first divergent sequence and token, both values in hex, the first divergent layer
 (``bitmatch.verify.locate``, through ``locate_sentence``) and the path of a small repro bundle.
 The adapters supply only their glue: where the tensors live, how to gather across ranks, how to
 locate (which two models), and what goes into the bundle's config.
@@ -22,15 +23,20 @@ import torch
 logger = logging.getLogger("bitmatch.stepcheck")
 
 ON_MISMATCH = ("raise", "warn", "log")
-METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3")
+METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3", "bitmatch/compared_tokens",
+               "bitmatch/compared_seqs")
 
-__all__ = ["BitmatchMismatchError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH", "METRIC_KEYS",
+__all__ = ["BitmatchMismatchError", "NothingComparedError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH", "METRIC_KEYS",
            "check_policy", "locate_sentence", "differing_weights", "weights_sentence", "weights_fingerprint",
            "versions"]
 
 
 class BitmatchMismatchError(AssertionError):
     """A rollout logprob differs from the trainer's for the same token (the run is off-policy)."""
+
+
+class NothingComparedError(BitmatchMismatchError):
+    """A generation step compared no token on any process: nothing proves it on-policy."""
 
 
 def check_policy(on_mismatch: str, where: str = "attach") -> str:
@@ -42,21 +48,23 @@ def check_policy(on_mismatch: str, where: str = "attach") -> str:
 class StepCheck:
     """The comparison of one generation step (what ``StepChecker.history`` keeps)."""
 
-    __slots__ = ("step", "mode", "total", "mismatches", "diff_max", "kl_k3", "bundle", "message")
+    __slots__ = ("step", "mode", "total", "seqs", "mismatches", "diff_max", "kl_k3", "bundle", "message")
 
-    def __init__(self, step, mode, total, mismatches, diff_max, kl_k3, bundle=None, message=None):
-        self.step, self.mode, self.total, self.mismatches = step, mode, total, mismatches
+    def __init__(self, step, mode, total, mismatches, diff_max, kl_k3, bundle=None, message=None, seqs=0):
+        self.step, self.mode, self.total, self.seqs, self.mismatches = step, mode, total, seqs, mismatches
         self.diff_max, self.kl_k3, self.bundle, self.message = diff_max, kl_k3, bundle, message
 
     @property
     def bitmatched(self) -> bool:
-        return self.mismatches == 0
+        """Compared at least one token, and every compared token's bits are equal."""
+        return self.mismatches == 0 and self.total > 0
 
     def metrics(self) -> dict[str, float]:
-        return dict(zip(METRIC_KEYS, (self.diff_max, float(self.mismatches), self.kl_k3)))
+        return dict(zip(METRIC_KEYS, (self.diff_max, float(self.mismatches), self.kl_k3, float(self.total),
+                                      float(self.seqs))))
 
     def __repr__(self):
-        return (f"StepCheck(step={self.step}, mode={self.mode!r}, tokens={self.total}, "
+        return (f"StepCheck(step={self.step}, mode={self.mode!r}, tokens={self.total}, seqs={self.seqs}, "
                 f"mismatches={self.mismatches}, diff_max={self.diff_max:.3g}, kl_k3={self.kl_k3:.3g})")
 
 
@@ -85,21 +93,32 @@ class StepChecker:
     def check(self, *, step: int, mode: str, rollout, trainer, mask, reduce=None, diagnose=None,
               log_metrics=None) -> StepCheck:
         """rollout / trainer: [B, T] logprobs of the same tokens; mask: which to compare.
-        reduce(stats [1, 4] float64 = max|diff|, mismatches, k3*n, n) -> [R, 4] gathers other ranks;
-        diagnose(CompareResult) -> Divergence for this rank's first divergent token;
-        log_metrics(dict) records the bitmatch/* metrics (called before the policy may raise)."""
+        reduce(stats [1, 5] float64 = max|diff|, mismatches, k3*n, n, sequences) -> [R, 5] gathers other
+        ranks; diagnose(CompareResult) -> Divergence for this rank's first divergent token;
+        log_metrics(dict) records the bitmatch/* metrics (called before the policy may raise).
+        A step that compares no token on any rank is a failure too (``NothingComparedError`` under
+        "raise"): a zero mismatch count must mean "checked and equal"."""
         from bitmatch.verify import compare
         res = compare(rollout.float(), trainer.float(), mask)
-        stats = torch.tensor([[res.max_abs_diff, res.mismatches, res.k3_kl * res.total, res.total]],
-                             dtype=torch.float64)
-        g = (reduce(stats) if reduce is not None else stats).reshape(-1, 4).double().cpu()
+        stats = torch.tensor([[res.max_abs_diff, res.mismatches, res.k3_kl * res.total, res.total,
+                               _compared_seqs(rollout, mask)]], dtype=torch.float64)
+        g = (reduce(stats) if reduce is not None else stats).reshape(-1, 5).double().cpu()
         total = int(g[:, 3].sum())
         check = StepCheck(step=step, mode=mode, total=total, mismatches=int(g[:, 1].sum()),
-                          diff_max=float(g[:, 0].max()), kl_k3=float(g[:, 2].sum()) / max(total, 1))
+                          diff_max=float(g[:, 0].max()), kl_k3=float(g[:, 2].sum()) / max(total, 1),
+                          seqs=int(g[:, 4].sum()))
         self.history.append(check)
         if log_metrics is not None:
             log_metrics(check.metrics())
-        if res.mismatches:
+        if total == 0:
+            ranks = f" on any of {g.shape[0]} processes" if g.shape[0] > 1 else ""
+            check.message = (
+                f"bitmatch: step {check.step} ({check.mode}) compared no token{ranks}: the mask selects none of "
+                f"the {tuple(rollout.shape)} rollout logprobs (every completion empty or masked out, e.g. by a "
+                "tool mask), so nothing proves this step on-policy; a zero mismatch count here would mean "
+                "'nothing checked', not 'equal'.")
+            self.apply_policy(check, NothingComparedError)
+        elif res.mismatches:
             d = diagnose(res) if diagnose is not None else Divergence(-1, "First divergent layer: not located.")
             check.bundle = self._save_bundle(check, res, d)
             s, j = res.first_divergence
@@ -116,9 +135,9 @@ class StepChecker:
             self.apply_policy(check)
         return check
 
-    def apply_policy(self, check: StepCheck):
+    def apply_policy(self, check: StepCheck, error: type[BitmatchMismatchError] = BitmatchMismatchError):
         if self.on_mismatch == "raise":
-            raise BitmatchMismatchError(check.message)
+            raise error(check.message)
         if self.on_mismatch == "warn":
             warnings.warn(check.message, stacklevel=3)
         else:
@@ -126,9 +145,11 @@ class StepChecker:
 
     def summary(self) -> str:
         h = self.history
-        bad = sum(1 for c in h if not c.bitmatched)
-        return (f"bitmatch: {len(h)} generation steps checked, {sum(c.total for c in h)} tokens, "
-                f"{bad} step(s) with mismatches")
+        bad = sum(1 for c in h if c.mismatches)
+        empty = sum(1 for c in h if c.total == 0)
+        return (f"bitmatch: {len(h)} generation steps checked, {sum(c.total for c in h)} tokens in "
+                f"{sum(c.seqs for c in h)} sequences, {bad} step(s) with mismatches"
+                + (f", {empty} step(s) with nothing compared" if empty else ""))
 
     def _save_bundle(self, check, res, d: Divergence):
         if self._bundles >= self.max_bundles:
@@ -153,6 +174,14 @@ class StepChecker:
         torch.save({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.tensors.items()},
                    os.path.join(path, "tokens.pt"))
         return path
+
+
+def _compared_seqs(rollout, mask) -> int:
+    """Sequences with at least one compared token (rows of a [B, T] tensor; one for a [T] one)."""
+    rows = rollout.reshape(-1, rollout.shape[-1]) if rollout.dim() else rollout.reshape(1, 1)
+    if mask is None:
+        return int(rows.shape[0]) if rows.shape[-1] else 0
+    return int((mask.reshape(rows.shape) != 0).any(dim=-1).sum())
 
 
 # ----------------------------------------------------------------------------- diagnosis helpers

@@ -28,8 +28,8 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
   (``bitmatch.adapters.vllm``, enabled with ``BITMATCH=1``); attach refuses to run without it;
 - after every generation step (``_generate_and_score_completions``) it compares the rollout's
   logprobs with the trainer's logprobs of the same tokens (bit patterns, ``bitmatch.verify.compare``),
-  logs ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` into
-  ``trainer._metrics[mode]`` (they reach wandb / tensorboard with TRL's own), and on any difference
+  logs ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` and what they are
+  over, ``bitmatch/compared_tokens``, ``bitmatch/compared_seqs``, into ``trainer._metrics[mode]`` (they reach wandb / tensorboard with TRL's own), and on any difference
   applies ``on_mismatch``: ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the
   step, the first divergent sequence and token, both values as hex bits, the first divergent
   layer (``bitmatch.verify.locate``) and the path of a small repro bundle.

@@ -50,6 +50,9 @@ def test_grpo_five_steps_diff_zero(tmp_path, rollout_weights):
     assert logged(trainer, "bitmatch/diff_max") == [0.0] * 5
     assert logged(trainer, "bitmatch/mismatch_tokens") == [0.0] * 5
     assert logged(trainer, "bitmatch/kl_k3") == [0.0] * 5
+    # what the zeros are over: every step's tokens and its 8 completions (2 prompts x 4 generations)
+    assert logged(trainer, "bitmatch/compared_tokens") == [float(h.total) for h in hist]
+    assert logged(trainer, "bitmatch/compared_seqs") == [8.0] * 5
     assert_trained(before, trainer.model)
     if rollout_weights == "copy":   # a fingerprint-verified publish per optimizer step
         assert trainer._bitmatch.receiver.version == 4

@@ -92,6 +92,9 @@ def test_grpo_steps_diff_zero(bitmatch_worker):
         assert worker.rollout.receiver.version == step          # bitmatch.sync version = global_steps
     checks = bv.check.checker().history
     assert [c.step for c in checks] == [1, 2, 3] and all(c.total > 0 and c.mismatches == 0 for c in checks)
+    # the zeros are over tokens and sequences that were compared, and verl's metric dict says how many
+    assert [(h["bitmatch/compared_tokens"], h["bitmatch/compared_seqs"]) for h in hist] == \
+        [(float(c.total), float(c.seqs)) for c in checks] and all(c.seqs > 0 for c in checks), hist
     assert any(h["actor/pg_loss"][0] != 0.0 for h in hist)     # a real policy-gradient signal
     after = _actor_fingerprints(worker)
     assert any(before[k] != after[k] for k in before), "no optimizer step changed an actor weight"

@@ -4,8 +4,9 @@ verl's trainer (``RayPPOTrainer.fit``, decoupled mode: old logprobs recomputed b
 imports ``verl.utils.debug.metrics.calculate_debug_metrics`` and calls it on the step's batch
 whenever the rollout returned ``rollout_log_probs``, and merges what it returns into the step's
 metric dict. ``install`` wraps that function: verl's ``training/rollout_probs_diff_*`` plus
-``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3``, from the shared
-``bitmatch.adapters.stepcheck.StepChecker`` (bit patterns of the same response tokens, policy
+``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3``, ``bitmatch/compared_tokens``,
+``bitmatch/compared_seqs``, from the shared ``bitmatch.adapters.stepcheck.StepChecker`` (bit
+patterns of the same response tokens, a step with no response token compared is a failure; policy
 raise / warn / log, the TRL adapter's message: step, sequence, token, both values in hex, first
 divergent layer, repro bundle). ``check_batch`` is the same check for loops that drive the
 workers themselves.
