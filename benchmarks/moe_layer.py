@@ -13,6 +13,16 @@ as the control, HF eager), tile-config variants give the same bits, and each che
 equals the composition of the public ops (linear, silu_and_mul, linear per rank, fp32 rank-order
 combine in torch), i.e. the grouped GEMM keeps linear's K order. Writes DIR/moe_layer.json
 after every token count.
+
+--backward (tokens from --bwd-tokens): the layer's forward + backward (dL/dx and the router,
+gate_up and down gradients) against HF's block with experts_implementation "grouped_mm" and the
+torch._grouped_mm layer, the experts alone fwd+bwd, the Triton backward kernels alone, peak
+memory of one fwd+bwd, and on the device: the forward's bits with autograd on vs off, the
+backward run to run, and each gradient's relative error ||g - g_ref|| / ||g_ref|| against an
+fp32 autograd of the plain math on the same routing (HF grouped_mm's beside it). --old-bwd also
+times the per-expert autograd loop the backward used before (a few calls, no do_bench).
+--device cpu --smoke: tiny shapes, a check that the script runs (reference backend; with
+TRITON_INTERPRET=1 the Triton backward kernels run in the interpreter too).
 """
 import argparse
 import json
@@ -85,11 +95,18 @@ def torch_grouped_mm_layer(blk, top_k):
     return run
 
 
-def bench(fn, rep, device):
-    if device != "cuda":  # CPU smoke runs of this script only: wall clock of one call
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
+def bench(fn, rep, device, calls=0):
+    if device != "cuda" or calls:  # CPU smoke runs, or very slow sides: median wall clock of calls
+        times = []
+        for _ in range(max(calls, 1)):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return sorted(times)[len(times) // 2]
     import triton
     return triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
 
@@ -138,6 +155,146 @@ def route_checks(K, cfg):
     return out
 
 
+def plain_experts(x, w, w_in, w_out, ids):
+    """The experts' plain math (swiglu) on per-expert weight leaves, for fp32 gradient references
+    and (bf16, whole-tensor leaves) the per-expert autograd loop the backward used to run."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ys = []
+    for e, xe in enumerate(torch.split(x[order // k], torch.bincount(flat, minlength=len(w_in)).tolist())):
+        if xe.shape[0]:
+            g, u = (xe @ w_in[e].t()).chunk(2, -1)
+            ys.append((F.silu(g) * u) @ w_out[e].t())
+    y = x.new_empty(flat.numel(), x.shape[1]).index_copy(0, order, torch.cat(ys))
+    return (w.float().reshape(-1, 1) * y.float()).view(-1, k, x.shape[1]).sum(1)
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def backward_rows(K, TMB, cfg, conf, blk, ours, gmm, hf_block, T):
+    """fwd+bwd timings, peak memory and gradient checks at T tokens (see the module docstring)."""
+    dev = cfg.device
+    r = {}
+    g = torch.Generator(device=dev).manual_seed(cfg.seed + 7 * T)
+    x = torch.randn(T, cfg.hidden, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    gout = torch.randn(T, cfg.hidden, device=dev, generator=g).to(torch.bfloat16)
+    gw, w_in, w_out = blk.gate.weight, blk.experts.gate_up_proj, blk.experts.down_proj
+    params = [x, gw, w_in, w_out]
+
+    def step(fn):
+        def run():
+            for t in params:  # fresh gradients: no accumulation add in the timed step
+                t.grad = None
+            fn(x).backward(gout)
+        return run
+
+    def grads():
+        out = [t.grad.clone() for t in params]
+        for t in params:
+            t.grad = None
+        return out
+    with torch.no_grad():
+        out_nograd = ours(x)
+        w, ids = K.moe_route(K.linear(x, gw), cfg.top_k, renormalize=True)
+    out = ours(x)
+    r["forward_rows_differ_autograd_on_vs_off"] = rows_differ(out, out_nograd)
+    out.backward(gout)
+    first = grads()
+    ours(x).backward(gout)
+    r["bwd_run_to_run_identical"] = all(torch.equal(a, b) for a, b in zip(first, grads()))
+    # gradient accuracy of the experts op on fixed routing: ours and HF grouped_mm vs fp32 autograd
+    wl = w.detach().clone().requires_grad_()
+    K.moe_experts(x, ids, wl, w_in, w_out).backward(gout)
+    ours_g = [x.grad, wl.grad, w_in.grad, w_out.grad]
+    for t in params:
+        t.grad = None
+    ref_leaves = [x.detach().float().requires_grad_(), w.detach().float().requires_grad_()]
+    wi = [t.detach().float().requires_grad_() for t in w_in]
+    wo = [t.detach().float().requires_grad_() for t in w_out]
+    ref = torch.autograd.grad(plain_experts(*ref_leaves, wi, wo, ids), ref_leaves + wi + wo, gout.float())
+    ref = [ref[0], ref[1], torch.stack(ref[2:2 + len(wi)]), torch.stack(ref[2 + len(wi):])]
+    names = ("x", "routing_weights", "gate_up_proj", "down_proj")
+    r["grad_rel_err_vs_fp32"] = {"ours": {n: rel_err(a, b) for n, a, b in zip(names, ours_g, ref)}}
+    wb = w.detach().to(torch.bfloat16).requires_grad_()
+    try:
+        conf._experts_implementation = "grouped_mm"
+        blk.experts(x, ids, wb).backward(gout)
+        hf_g = [x.grad, wb.grad, w_in.grad, w_out.grad]
+        r["grad_rel_err_vs_fp32"]["hf_grouped_mm"] = {n: rel_err(a, b) for n, a, b in zip(names, hf_g, ref)}
+    except Exception:
+        r["errors_hf_grouped_mm_grads"] = traceback.format_exc()[-1500:]
+    finally:
+        conf._experts_implementation = "eager"
+        for t in params:
+            t.grad = None
+    del ref, ref_leaves, wi, wo, ours_g
+    ms, mem = {}, {}
+    sides = {"ours_layer_fwd_bwd": step(ours),
+             "ours_experts_fwd_bwd": step(lambda xx: K.moe_experts(xx, ids, wl, w_in, w_out))}
+    if gmm is not None:
+        sides["torch_grouped_mm_layer_fwd_bwd"] = step(gmm)
+    if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        sides["ours_experts_bwd_kernels"] = lambda: TMB.moe_experts_backward(
+            gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None)
+    for name, fn in sides.items():
+        ms[name] = bench(fn, cfg.rep, dev)
+        mem[name] = peak_mem(fn, dev)
+    try:
+        conf._experts_implementation = "grouped_mm"
+        for name, fn in (("hf_grouped_mm_layer_fwd_bwd", step(hf_block)),
+                         ("hf_grouped_mm_experts_fwd_bwd", step(lambda xx: blk.experts(xx, ids, wb)))):
+            ms[name] = bench(fn, cfg.rep, dev)
+            mem[name] = peak_mem(fn, dev)
+    except Exception:
+        r["errors_hf_grouped_mm"] = traceback.format_exc()[-1500:]
+    finally:
+        conf._experts_implementation = "eager"
+    if cfg.old_bwd:  # the former backward: per-expert autograd through whole-tensor leaves
+        wlo = w.detach().requires_grad_()
+        ms["old_plain_loop_experts_fwd_bwd"] = bench(lambda: torch.autograd.grad(
+            plain_experts(x, wlo, w_in, w_out, ids), [x, wlo, w_in, w_out], gout), cfg.rep, dev, calls=3)
+    for t in params:
+        t.grad = None
+    if cfg.bwd_variants and "ours_experts_bwd_kernels" in sides:
+        r["bwd_variants"] = bwd_variants(TMB, cfg, gout, x.detach(), ids, w, w_in.detach(), w_out.detach())
+    r["ms"], r["peak_mem_mb"] = ms, mem
+    base = {"layer": ms["ours_layer_fwd_bwd"], "experts": ms["ours_experts_fwd_bwd"]}
+    r["ratio_stock_over_ours"] = {k: v / base["layer" if "_layer" in k else "experts"]
+                                  for k, v in ms.items() if not k.startswith("ours")}
+    return r
+
+
+BWD_VARIANTS = [((128, 64, 64, 8, 3), (128, 128, 64, 8, 3)), ((64, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
+                ((64, 64, 64, 4, 4), (128, 256, 64, 8, 3)), ((32, 64, 64, 4, 3), (64, 128, 64, 4, 3))]
+
+
+def bwd_variants(TMB, cfg, *args):
+    """Backward launch configs: kernel time and each gradient's max relative difference from the
+    table's config (tiles are free in the backward; this run picks the table's entries)."""
+    base = TMB.moe_experts_backward(*args, "swiglu", None)
+    out = {"table": list(TMB.bwd_config_for(args[2].numel(), cfg.experts))}
+    for c in BWD_VARIANTS:
+        got = TMB.moe_experts_backward(*args, "swiglu", None, config=c)
+        out[str(c)] = {"ms": bench(lambda: TMB.moe_experts_backward(*args, "swiglu", None, config=c), cfg.rep, cfg.device),
+                       "max_rel_diff_vs_table": max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                                                    for a, b in zip(got, base))}
+    return out
+
+
+def peak_mem(fn, device):
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -152,9 +309,18 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="also time and bit-check tile-config variants")
     ap.add_argument("--commit", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (reference backend)")
+    ap.add_argument("--backward", action="store_true", help="fwd+bwd rows at --bwd-tokens (see the docstring)")
+    ap.add_argument("--bwd-tokens", default="2048,4096")
+    ap.add_argument("--old-bwd", action="store_true", help="also time the former per-expert autograd backward")
+    ap.add_argument("--bwd-variants", action="store_true", help="time backward launch configs (BWD_VARIANTS)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (with --device cpu: does the script run)")
     cfg = ap.parse_args(argv)
+    if cfg.smoke:
+        cfg.hidden, cfg.experts, cfg.top_k, cfg.inter, cfg.rep = 64, 16, 2, 32, 1
+        cfg.tokens, cfg.bwd_tokens, cfg.check_tokens = "5,16", "16,33", 3
     import bitmatch.kernels as K
     import bitmatch.kernels.triton.moe as TM
+    import bitmatch.kernels.triton.moe_bwd as TMB
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "moe_layer.json")
     res = {"command": "python benchmarks/moe_layer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -179,7 +345,7 @@ def main(argv=None):
     except Exception:
         res["errors"]["route_checks"] = traceback.format_exc()[-3000:]
     flush()
-    for T in [int(t) for t in cfg.tokens.split(",")]:
+    for T in [int(t) for t in cfg.tokens.split(",") if t]:
         r = {}
         res["runs"][str(T)] = r
         try:
@@ -233,6 +399,14 @@ def main(argv=None):
         except Exception:
             res["errors"][str(T)] = traceback.format_exc()[-3000:]
         print(T, json.dumps(r), flush=True)
+        flush()
+    res["backward"] = {}
+    for T in [int(t) for t in cfg.bwd_tokens.split(",") if t] if cfg.backward else []:
+        try:
+            res["backward"][str(T)] = r = backward_rows(K, TMB, cfg, conf, blk, ours, gmm, hf_block, T)
+            print("bwd", T, json.dumps(r), flush=True)
+        except Exception:
+            res["errors"][f"bwd/{T}"] = traceback.format_exc()[-3000:]
         flush()
     res["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     flush()
