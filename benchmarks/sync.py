@@ -1,6 +1,13 @@
-"""Weight-sync throughput: loopback TCP publish and fingerprinting vs a raw torch copy, one run.
+"""Weight-sync throughput: publish, verify and fingerprinting vs a plain copy, side by side.
 
     python benchmarks/sync.py [--gib 1] [--bucket-mib 64] [--repeats 3] [--out benchmarks/results/sync.json]
+    python benchmarks/sync.py --device cuda --shapes 1.7b,8b [--repeats 3] --out DIR/sync_h200.json
+
+CPU mode (below). CUDA mode: a Qwen3 1.7B / 8B shaped set of fp32 master weights (the trainer)
+and a bf16 copy (the rollout) on one GPU; rows: a plain device copy (fp32 -> bf16 into the live
+tensors), the bmh1 kernel's GB/s, GPU digests == CPU digests, in-process ``publish`` and
+``verify``, a flipped bit caught, and a publish from another process over the shared-bucket
+(CUDA IPC) transport.
 
 The "model" is many bf16 tensors (plus an fp32 master variant, which adds the cast). The TCP
 receiver runs in a separate process (as a rollout server would), double-buffered; a publish is
@@ -91,6 +98,15 @@ def serve_main(gib, port_file):
     srv.close()
 
 
+def serve_cuda(size, port_file):
+    rollout = {n: torch.zeros(s, device="cuda", dtype=torch.bfloat16) for n, s in qwen3_shapes(size)}
+    srv = sync.serve(sync.receive(rollout), TOKEN)
+    with open(port_file, "w") as f:
+        f.write(str(srv.address[1]))
+    sys.stdin.read()
+    srv.close()
+
+
 def machine():
     cpu = "unknown"
     try:
@@ -101,8 +117,153 @@ def machine():
             "torch_threads": torch.get_num_threads()}
 
 
+QWEN3 = {  # hidden, layers, intermediate, q heads, kv heads, tied embeddings
+    "1.7b": (2048, 28, 6144, 16, 8, True),
+    "8b": (4096, 36, 12288, 32, 8, False),
+}
+VOCAB, HEAD_DIM = 151936, 128
+
+
+def qwen3_shapes(size: str):
+    h, n_layers, inter, nq, nkv, tied = QWEN3[size]
+    out = [("model.embed_tokens.weight", (VOCAB, h))]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (nq * HEAD_DIM, h)), (p + "self_attn.k_proj.weight", (nkv * HEAD_DIM, h)),
+                (p + "self_attn.v_proj.weight", (nkv * HEAD_DIM, h)), (p + "self_attn.o_proj.weight", (h, nq * HEAD_DIM)),
+                (p + "self_attn.q_norm.weight", (HEAD_DIM,)), (p + "self_attn.k_norm.weight", (HEAD_DIM,)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if not tied:
+        out.append(("lm_head.weight", (VOCAB, h)))
+    return out
+
+
+def cuda_timed(fn, repeats):
+    """Best wall time of fn() with the device drained before and after (host syncs included)."""
+    ts = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def gpu_size(size: str, a) -> dict:
+    from bitmatch.sync import hash as H
+
+    dev = "cuda"
+    shapes = qwen3_shapes(size)
+    g = torch.Generator(device=dev).manual_seed(0)
+    master = {n: torch.randn(s, device=dev, generator=g) * 0.02 for n, s in shapes}
+    rollout = {n: torch.zeros(s, device=dev, dtype=torch.bfloat16) for n, s in shapes}
+    n_params = sum(v.numel() for v in master.values())
+    gb = 2 * n_params / 1e9
+    res = {"shape": size, "params": n_params, "tensors": len(shapes), "rollout_GB": gb}
+
+    def copy():
+        for k, v in master.items():
+            rollout[k].copy_(v)
+    copy()
+    res["device_copy_s"] = cuda_timed(copy, a.repeats)
+    res["fingerprint_s"] = cuda_timed(lambda: H.fingerprints_of(rollout.values()), a.repeats)
+    res["fingerprint_GBps"] = gb / res["fingerprint_s"]
+    # the GPU kernel and the CPU reference agree (a row block that starts off a word boundary too)
+    names = [shapes[0][0], shapes[1][0], shapes[5][0]]
+    sample = [rollout[n] for n in names] + [rollout[names[1]][3:7, :-1].contiguous(), rollout[names[1]][5:9]]
+    res["gpu_digest_equals_cpu"] = H.fingerprints_of(sample) == H.fingerprints_of([t.cpu() for t in sample])
+
+    rx = sync.receive(rollout)
+    version = [0]
+
+    def pub():
+        version[0] += 1
+        return sync.publish(master, version[0], to=rx)
+    man = pub()  # warm-up: compiles the kernel, allocates the staging once
+    res["publish_inprocess_s"] = cuda_timed(pub, a.repeats)
+    man = rx.state.manifest
+    res["verify_s"] = cuda_timed(lambda: sync.verify(rx, man), a.repeats)
+    res["ratio_publish_vs_copy"] = res["publish_inprocess_s"] / res["device_copy_s"]
+    res["ratio_verify_vs_copy"] = res["verify_s"] / res["device_copy_s"]
+    # an accident after publish: one flipped bit in the live weights is named by verify
+    w = rollout[names[1]].view(torch.int16)
+    w[17, 5] ^= 1
+    try:
+        sync.verify(rx, man)
+        res["flipped_bit_caught"] = False
+    except sync.FingerprintMismatchError as e:
+        res["flipped_bit_caught"] = e.name == names[1]
+    w[17, 5] ^= 1
+    del rx
+    if a.ipc:
+        res.update(ipc_publish(size, master, a))
+    del master, rollout
+    torch.cuda.empty_cache()
+    return res
+
+
+def ipc_publish(size, master, a) -> dict:
+    """Publish from this process into a receiver process on the same GPU: the control channel is
+    the authenticated TCP one, the bytes go through a shared CUDA bucket (IPC handle)."""
+    port_file = f"/tmp/bitmatch_sync_ipc_{os.getpid()}.port"
+    p = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--device", "cuda", "--shapes", size],
+                         stdin=subprocess.PIPE, text=True)
+    out = {}
+    try:
+        while not os.path.exists(port_file) or not open(port_file).read():
+            if p.poll() is not None:
+                raise SystemExit("receiver process died")
+            time.sleep(0.05)
+        time.sleep(0.1)
+        tx = sync.IpcSender("127.0.0.1", int(open(port_file).read()), TOKEN, bucket_bytes=a.bucket_mib << 20)
+        v = [100]
+
+        def pub():
+            v[0] += 1
+            sync.publish(master, v[0], to=tx)
+        pub()
+        out["publish_ipc_s"] = cuda_timed(pub, a.repeats)
+        out["ipc_bucket_bytes"] = a.bucket_mib << 20
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+        os.unlink(port_file)
+    return out
+
+
+def gpu_main(a):
+    import triton
+
+    rows = []
+    for size in a.shapes.split(","):
+        r = gpu_size(size, a)
+        rows.append(r)
+        print(json.dumps(r))
+    out = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": {**machine(), "gpu": torch.cuda.get_device_name(0)},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                     "cuda": torch.version.cuda},
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "notes": "random fp32 master and bf16 rollout tensors at Qwen3 shapes on one GPU; times are best of "
+                 "--repeats wall seconds with the device drained; publish = cast on the device, bmh1 on the "
+                 "device (sender, staged, and live after the switch), one staging copy, one commit copy",
+        "results": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=2)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shapes", default="1.7b,8b", help="cuda mode: Qwen3 shapes to publish")
+    ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="cuda mode: skip the cross-process row")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -110,7 +271,9 @@ def main():
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        return serve_main(a.gib, a.serve)
+        return serve_main(a.gib, a.serve) if a.device == "cpu" else serve_cuda(a.shapes, a.serve)
+    if a.device == "cuda":
+        return gpu_main(a)
 
     bf16 = make_state(a.gib)
     nb = nbytes(bf16)
@@ -119,7 +282,7 @@ def main():
     for k in bf16:
         dst[k].copy_(bf16[k])  # fault pages in before timing
     t_copy = best(lambda: [dst[k].copy_(bf16[k]) for k in bf16], a.repeats)
-    t_fp128 = best(lambda: [sync.fingerprint(v) for v in bf16.values()], a.repeats)
+    t_fp128 = best(lambda: sync.fingerprints_of(bf16.values()), a.repeats)
     t_fp64 = best(lambda: [xxhash.xxh3_64(v.reshape(-1).view(torch.uint8).numpy()).digest()
                            for v in bf16.values()], a.repeats)
     master = {k: v.float() for k, v in bf16.items()}
@@ -156,14 +319,14 @@ def main():
     res = {
         "bytes": nb, "tensors": len(bf16), "bucket_bytes": a.bucket_mib << 20,
         "raw_torch_copy_GBps": gb / t_copy,
-        "fingerprint_xxh3_128_GBps": gb / t_fp128,
+        "fingerprint_bmh1_numpy_GBps": gb / t_fp128,
         "fingerprint_xxh3_64_GBps": gb / t_fp64,
         "cast_fp32_to_bf16_and_fingerprint_GBps_of_bf16": gb / t_castfp,
         "raw_loopback_socket_GBps": raw_sock,
         "tcp_publish_bf16_source_GBps": gb / t_tcp,
         "tcp_publish_fp32_master_GBps_of_bf16": gb / t_tcp_master,
     }
-    res["ratio_fingerprint_vs_copy"] = res["fingerprint_xxh3_128_GBps"] / res["raw_torch_copy_GBps"]
+    res["ratio_fingerprint_vs_copy"] = res["fingerprint_bmh1_numpy_GBps"] / res["raw_torch_copy_GBps"]
     res["ratio_tcp_publish_vs_copy"] = res["tcp_publish_bf16_source_GBps"] / res["raw_torch_copy_GBps"]
     res["ratio_tcp_publish_vs_raw_socket"] = res["tcp_publish_bf16_source_GBps"] / raw_sock
     out = {

@@ -11,8 +11,10 @@ Protocol, in a few lines:
    and got fingerprints, and refuses generation until a full update succeeds.
 3. Rollouts carry the weight version they were sampled with; the trainer checks it
    (``check_weight_version``) and catches the off-by-one-step bug.
-Transports: in-process (shared tensors: fingerprint check only), vLLM colocate (load_weights),
-TCP (loopback, shared-token HMAC auth, bucketed so memory stays bounded).
+Transports: in-process (shared tensors: fingerprint check only; otherwise cast and checked on the
+rollout's device), vLLM colocate (load_weights), TCP (loopback, shared-token HMAC auth, bucketed
+so memory stays bounded), IPC (another process on this node: TCP control channel, bytes through
+a shared CUDA IPC / shared-memory bucket).
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ from .receiver import (AuthenticationError, CanonicalOrderError, FingerprintMism
                        WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
 from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
 from .transport_inprocess import InProcessSender
+from .transport_ipc import IpcSender
 from .transport_tcp import TcpReceiverServer, TcpSender
 from .transport_vllm import VllmColocateSender
 
 __all__ = [
     "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
     "stamp_weight_version", "require_ready", "HASH_NAME", "weight_state", "Manifest", "TensorSpec", "Receiver",
-    "Update", "WeightState", "InProcessSender", "TcpSender", "TcpReceiverServer", "VllmColocateSender",
+    "Update", "WeightState", "InProcessSender", "TcpSender", "IpcSender", "fingerprints_of", "TcpReceiverServer", "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
 ]

@@ -61,18 +61,23 @@ def cast_fingerprint(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int = DEF
     return h.hexdigest()
 
 
-def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
-    """Yield (bucket uint8 CPU tensor view, segments, finished) with segments a list of
+def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tensor | None = None):
+    """Yield (bucket uint8 tensor view, segments, finished) with segments a list of
     (name, byte_offset, nbytes) and finished {name: fingerprint} of tensors whose last byte is in
     this bucket. One bucket buffer is reused: the consumer must send it before the next step.
     Each piece is hashed where it was cast (on the sender's device), before the host copy, so
     the receiver's check also covers the copy and the wire. Tensors are split across buckets on
-    whole 4-byte words only (the hash's unit). Large CPU tensors already in ``dtype`` are yielded
+    whole 4-byte words only (the hash's unit). ``buf``: the bucket to fill (a shared one, any
+    device); by default a CPU bucket, and large CPU tensors already in ``dtype`` are then yielded
     as views of their own memory."""
+    own = buf is None
+    if not own:
+        bucket_bytes = buf.numel()
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
     bucket_bytes -= bucket_bytes % 4
-    buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+    if own:
+        buf = torch.empty(bucket_bytes, dtype=torch.uint8)
     pos, segs, finished = 0, [], {}
     for name, t in weights:
         h = StreamHasher()
@@ -80,7 +85,7 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
         align = 4 // math.gcd(4, elsize)  # elements per whole number of words
         flat = t.reshape(-1)
         nbytes, off = flat.numel() * elsize, 0
-        if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and nbytes >= bucket_bytes // 4:
+        if own and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and nbytes >= bucket_bytes // 4:
             # already in the rollout dtype (compute_cast is the identity): send from the tensor's
             # own memory, no bucket copy; hashed piece by piece right before it is sent
             if segs or finished:
@@ -102,7 +107,7 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int):
                 pos, segs, finished = 0, [], {}
                 continue
             e0 = off // elsize
-            chunk = compute_cast(flat[e0:e0 + n_el], dtype).contiguous().view(torch.uint8)
+            chunk = compute_cast(flat[e0:e0 + n_el].to(buf.device), dtype).contiguous().view(torch.uint8)
             h.update(chunk)
             buf[pos:pos + chunk.numel()].copy_(chunk)
             segs.append((name, off, chunk.numel()))

@@ -22,6 +22,7 @@ import torch
 
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import AuthenticationError, FingerprintMismatchError, Receiver, SyncError
+from .shared_bucket import OpenedBucket
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
 
 _MAGIC = b"BMSYNC1\n"
@@ -176,20 +177,36 @@ class TcpReceiverServer:
             _send_frame(conn, _error_reply(e))
             raise
         _send_frame(conn, {"ok": True})
+        shared = None
         with upd:
             try:
+                if h.get("bucket") is not None:
+                    if conn.getpeername()[0] not in _LOOPBACK and not conn.getpeername()[0].startswith("127."):
+                        raise SyncError("a shared (IPC) bucket is only accepted from this host")
+                    shared = OpenedBucket(h["bucket"])
                 while True:
                     f = _recv_header(conn)
                     if f["type"] == "bucket":
+                        pos = 0
                         for name, off, n in f["segments"]:
                             buf = upd.buffer(name)
-                            if off < 0 or off + n > buf.numel():
-                                raise ValueError(f"tensor {name!r}: bytes [{off}, {off + n}) outside its "
+                            if not (isinstance(off, int) and isinstance(n, int)) or off < 0 or n < 0 \
+                                    or off + n > buf.numel():
+                                raise ValueError(f"tensor {name!r}: bytes [{off}, {off}+{n}) outside its "
                                                  f"{buf.numel()} bytes")
-                            _recv_into(conn, memoryview(buf[off:off + n].numpy()))
+                            if f.get("shared"):
+                                if shared is None or pos + n > shared.nbytes:
+                                    raise SyncError("bucket frame refers to a shared bucket that was not announced "
+                                                    "or is too small")
+                                buf[off:off + n].copy_(shared.tensor[pos:pos + n])
+                                pos += n
+                            else:
+                                _recv_into(conn, memoryview(buf[off:off + n].numpy()))
                             upd.received_bytes += n
                         for name, fp in f["finished"].items():
                             upd.finish(name, fp)
+                        if f.get("shared"):
+                            _send_frame(conn, {"ok": True})  # the sender may refill the bucket
                     elif f["type"] == "commit":
                         man = upd.commit(f.get("digest"))
                         _send_frame(conn, {"ok": True, "version": man.version, "digest": man.digest()})
@@ -207,6 +224,9 @@ class TcpReceiverServer:
                 except OSError:
                     pass
                 raise
+            finally:
+                if shared is not None:
+                    shared.close()
 
 
 class TcpSender:
@@ -236,17 +256,23 @@ class TcpSender:
         _send_frame(sock, {"type": "bucket", "segments": segs, "finished": finished},
                     memoryview(buf.numpy()))
 
+    def _buckets(self, weights, dtype):
+        return iter_buckets(weights, dtype, self.bucket_bytes)
+
+    def _begin_extra(self, weights) -> dict:
+        return {}
+
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
         with self._connect() as sock:
             _send_frame(sock, {"type": "begin", "version": int(version), "hash": HASH_NAME,
                                "order": sender_order(weights),
-                               "tensors": {k: v.to_json() for k, v in specs.items()}})
+                               "tensors": {k: v.to_json() for k, v in specs.items()}, **self._begin_extra(weights)})
             _raise_reply(_recv_header(sock))
             fps, man = {}, None
             try:
-                for buf, segs, finished in iter_buckets(weights, dtype, self.bucket_bytes):
+                for buf, segs, finished in self._buckets(weights, dtype):
                     self._send_bucket(sock, buf, segs, finished)
                     fps.update(finished)
                 man = Manifest(int(version), {k: TensorSpec(s.shape, dtype, fps[k]) for k, s in specs.items()})

@@ -1,0 +1,51 @@
+"""Cross-process transport on one node: the bytes through a shared bucket, the rest over TCP.
+
+The sender casts each weight on its own device into a bucket the receiver's process also maps
+(CUDA IPC memory on a GPU, POSIX shared memory on the CPU: ``shared_bucket.py``), hashes it there,
+and tells the receiver over the authenticated TCP control channel (``transport_tcp.py``: the same
+server, the same frames, no payload bytes) which tensor bytes the bucket holds. The receiver
+copies them into its staging on its own device, acknowledges, and the sender refills the bucket.
+On one GPU no weight byte leaves the device. Everything else (staging, fingerprints, the atomic
+switch, the failure rules) is the receiver's, as for every transport.
+"""
+from __future__ import annotations
+
+import torch
+
+from .shared_bucket import SharedBucket
+from .source import iter_buckets
+from .transport_tcp import TcpSender, _raise_reply, _recv_header, _send_frame
+
+DEFAULT_IPC_BUCKET_BYTES = 256 << 20
+
+
+class IpcSender(TcpSender):
+    """Publish to a TcpReceiverServer (``bitmatch.sync.serve``) in another process on this host
+    through a shared bucket of ``bucket_bytes`` on ``device`` (default: the first weight's device)."""
+
+    def __init__(self, host: str, port: int, token, *, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
+                 device: str | torch.device | None = None, timeout: float = 60.0):
+        super().__init__(host, port, token, bucket_bytes=bucket_bytes, timeout=timeout)
+        self.device = device
+        self._bucket: SharedBucket | None = None
+
+    def _begin_extra(self, weights) -> dict:
+        dev = self.device or (weights[0][1].device if weights else "cpu")
+        self._bucket = SharedBucket(self.bucket_bytes - self.bucket_bytes % 4, dev)
+        return {"bucket": self._bucket.descriptor}
+
+    def _buckets(self, weights, dtype):
+        return iter_buckets(weights, dtype, self.bucket_bytes, buf=self._bucket.tensor)
+
+    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16):
+        try:
+            return super().send(model, version, dtype)
+        finally:
+            if self._bucket is not None:  # the sender owns the bucket: freed (unlinked) after every update
+                self._bucket.close()
+                self._bucket = None
+
+    def _send_bucket(self, sock, buf, segs, finished) -> None:
+        self._bucket.ready()
+        _send_frame(sock, {"type": "bucket", "segments": segs, "finished": finished, "shared": True})
+        _raise_reply(_recv_header(sock))  # copied out: the bucket may be refilled
