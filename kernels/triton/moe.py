@@ -12,6 +12,7 @@ kernels/moe.py).
   fused multiply-add disabled (the CPU reference rounds the product, then adds).
 No host synchronisation: the tile grid is sized by its upper bound cdiv(T*k, BM) + min(E, T*k)
 and programs past the real tile count return at once (so the launch is CUDA-graph capturable).
+The backward (kernels/triton/moe_bwd.py) reuses expert_layout and expert_tile.
 """
 import torch
 import triton
@@ -21,7 +22,7 @@ from . import interpreting
 from .linear import _chunk_acc, split_for
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-_ACT = {"swiglu": 0, "relu2": 1}
+ACT_CODE = {"swiglu": 0, "relu2": 1}
 
 
 # ---------------------------------------------------------------- routing
@@ -234,7 +235,7 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
     split1, kc1, even1 = _k_chunk(n_in, H, BK)              # linear(x_t, w_in[e]) is (N=n_in, K=H)
     _gemm_in_kernel[(grid_m, triton.cdiv(I, BN1))](
         x, w_in, tok, a, tile_end, counts, row_start, T, H, I, E, kc1,
-        float(limit) if limit is not None else 0.0, ACT=_ACT[activation], HAS_LIMIT=limit is not None,
+        float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation], HAS_LIMIT=limit is not None,
         SPLIT=split1, BM=BM, BN=BN1, BK=BK, BLOCK_E=block_e, EVEN_K=even1, INTERP=interp, PREC=prec, **kw)
     y = torch.empty((S, H), device=x.device, dtype=x.dtype)
     split2, kc2, even2 = _k_chunk(H, I, BK)

@@ -24,9 +24,9 @@ import triton.language as tl
 
 from . import interpreting
 from .attention import _dot  # the interpreter's exact-dot switch
-from .moe import _ACT, expert_layout, expert_tile
+from .moe import ACT_CODE, expert_layout, expert_tile
 
-# (max average rows per expert, (BM, BN, BK, warps, stages) for _act_bwd_kernel and _dx_kernel,
+# (max average rows per expert, (BM, BN, BK, warps, stages) for _act_bwd_kernel and _dx_kernel (2 BN),
 # (BN, BK, BM, warps, stages) for _wgrad_kernel): launch knobs, never part of any bits.
 BWD_CONFIG = [
     (16, (16, 64, 64, 4, 3), (64, 64, 32, 4, 3)),
@@ -110,10 +110,10 @@ def _act_bwd_kernel(x_ptr, g_ptr, w_in_ptr, w_out_ptr, wflat_ptr, tok_ptr, order
 
 @triton.jit
 def _wgrad_kernel(p_ptr, q_ptr, tok_ptr, dw_ptr, counts_ptr, row_start_ptr, N, K, tiles_k,
-                  GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  BM: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
-    """dw[e] [N, K] = P_e^T Q_e, P [rows, N] and Q [rows, K] over expert e's sorted rows (GATHER_*:
-    the operand is indexed by token through tok instead of by sorted row)."""
+                  GATHER_P: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+                  INTERP: tl.constexpr, PREC: tl.constexpr):
+    """dw[e] [N, K] = P_e^T Q_e, P [rows, N] and Q [rows, K] over expert e's sorted rows; one of
+    them is indexed by token through tok (GATHER_P: P = g, else Q = x), the other by sorted row."""
     tile = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
     offs_n = (tile // tiles_k) * BN + tl.arange(0, BN)
@@ -127,14 +127,13 @@ def _wgrad_kernel(p_ptr, q_ptr, tok_ptr, dw_ptr, counts_ptr, row_start_ptr, N, K
     for m0 in range(0, cnt, BM):
         rmask = (m0 + offs_m) < cnt
         rows = start + m0 + offs_m
-        pr = rows
-        qr = rows
-        if GATHER_P or GATHER_Q:
-            t = tl.load(tok_ptr + rows, mask=rmask, other=0)
-            if GATHER_P:
-                pr = t
-            if GATHER_Q:
-                qr = t
+        t = tl.load(tok_ptr + rows, mask=rmask, other=0)
+        if GATHER_P:
+            pr = t
+            qr = rows
+        else:
+            pr = rows
+            qr = t
         p = tl.load(p_ptr + pr[None, :].to(tl.int64) * N + offs_n[:, None], mask=rmask[None, :] & nmask[:, None],
                     other=0.0)
         q = tl.load(q_ptr + qr[:, None].to(tl.int64) * K + offs_k[None, :], mask=rmask[:, None] & kmask[None, :],
@@ -198,22 +197,21 @@ def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, nee
     dwp = torch.empty((tiles_i, S), device=dev, dtype=torch.float32)
     _act_bwd_kernel[(grid_m, tiles_i)](
         x, g, w_in, w_out, weights, tok, order, aw, dh, dwp, tile_end, counts, row_start, H, I, E, S,
-        float(limit) if limit is not None else 0.0, ACT=_ACT[activation], HAS_LIMIT=limit is not None,
+        float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation], HAS_LIMIT=limit is not None,
         BM=BM, BN=BN, BK=BK, BLOCK_E=block_e, INTERP=interp, PREC=prec, **kw)
     d_weights = None
     if need_w:  # column-tile partials summed in tile order, then back to (token, rank) order
         d_weights = torch.empty(S, device=dev, dtype=torch.float32).index_copy_(0, order, dwp.sum(0))
         d_weights = d_weights.view(T, k)
 
-    def wgrad(p, q, N, Kd, gather_p, gather_q, like):
+    def wgrad(p, q, N, Kd, gather_p, like):
         out = torch.empty_like(like)
         tiles_k = triton.cdiv(Kd, wBK)
         _wgrad_kernel[(triton.cdiv(N, wBN) * tiles_k, E)](
-            p, q, tok, out, counts, row_start, N, Kd, tiles_k, GATHER_P=gather_p, GATHER_Q=gather_q,
-            BN=wBN, BK=wBK, BM=wBM, INTERP=interp, PREC=prec, **wkw)
+            p, q, tok, out, counts, row_start, N, Kd, tiles_k, GATHER_P=gather_p, BN=wBN, BK=wBK, BM=wBM, INTERP=interp, PREC=prec, **wkw)
         return out
-    d_in = wgrad(dh, x, n_in, H, False, True, w_in) if need_in else None
-    d_out = wgrad(g, aw, H, I, True, False, w_out) if need_out else None
+    d_in = wgrad(dh, x, n_in, H, False, w_in) if need_in else None
+    d_out = wgrad(g, aw, H, I, True, w_out) if need_out else None
     dx = None
     if need_x:
         dxr = torch.empty((S, H), device=dev, dtype=torch.float32)
