@@ -19,7 +19,7 @@ pytestmark = [
 ]
 
 _PROBE = r"""
-import os, sys
+import logging, os, sys
 import bitmatch.adapters.vllm as bv
 from vllm import ModelRegistry
 from vllm.engine.arg_utils import EngineArgs
@@ -32,10 +32,20 @@ def state():
             getattr(EngineArgs.create_engine_config, "_bitmatch", False),
             getattr(InputProcessor._validate_params, "_bitmatch", False))
 
+class Records(logging.Handler):
+    seen = []
+    def emit(self, record):
+        self.seen.append((record.levelname, record.getMessage()))
+
+logging.getLogger("vllm.bitmatch").addHandler(Records())
+logging.getLogger("vllm.bitmatch").setLevel(logging.INFO)
 bv.register(); bv.register()
 print("disabled", state())
+print("logged_disabled", repr(Records.seen))
 bv.enable(); bv.register(); bv.enable()
 print("enabled", state(), os.environ.get("BITMATCH"))
+print("logged_enabled", repr(Records.seen))
+print("expected_line", repr(bv.activation_message()))
 # wrapped once, not once per load
 print("single", not getattr(EngineArgs.create_engine_config.__wrapped__, "_bitmatch", False),
       not getattr(InputProcessor._validate_params.__wrapped__, "_bitmatch", False))
@@ -58,6 +68,22 @@ def test_register_disabled_is_noop_and_enabled_is_idempotent():
     assert disabled[2:] == (False, False)
     assert lines["enabled"] == "('bitmatch.adapters.vllm.model', 'BitmatchSampler', True, True) 1"
     assert lines["single"] == "True True"
+    # one INFO line when the plugin becomes active, none while disabled, none on repeated loads
+    assert eval(lines["logged_disabled"]) == []  # noqa: S307
+    (level, msg), = eval(lines["logged_enabled"])  # noqa: S307
+    assert level == "INFO" and msg == eval(lines["expected_line"]), msg  # noqa: S307
+
+
+def test_activation_line_names_version_backend_and_order_stamp():
+    import bitmatch
+    from bitmatch.adapters.vllm import activation_message
+    from bitmatch.kernels.order import ORDER
+
+    cpu, cuda = activation_message("cpu"), activation_message("cuda")
+    ref, tri = ORDER.stamp("reference")["fingerprint"], ORDER.stamp("triton")["fingerprint"]
+    assert f"bitmatch {bitmatch.__version__} " in cpu and "backend reference (cpu)" in cpu and ref in cpu, cpu
+    assert "backend triton (cuda)" in cuda and tri in cuda, cuda
+    assert ref != tri and tri not in cpu  # control: the line tells the two orders apart
 
 
 def test_request_check_names_every_unsupported_option():

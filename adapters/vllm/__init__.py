@@ -13,17 +13,22 @@ is built (which sets the variable, so the processes vLLM starts inherit it). Whe
   sampling option fails when the request is admitted, each naming what is unsupported
   (``checks.py``). Nothing falls back silently to vLLM's own kernels.
 
-``register()`` is idempotent: vLLM may call it several times per process.
+``register()`` is idempotent: vLLM may call it several times per process. When it activates
+the plugin it logs one line (``activation_message``) through vLLM's logger: bitmatch's version,
+the backend and the canonical-order stamp's fingerprint, so a run's log shows which bits it ran.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 ENV_VAR = "BITMATCH"
 _TRUE = ("1", "true", "yes", "on")
 _registered = False
+# a child of vLLM's "vllm" logger: printed by vLLM's handler, in its format, beside its own lines
+logger = logging.getLogger("vllm.bitmatch")
 
-__all__ = ["register", "enable", "is_enabled", "ENV_VAR", "model_classes"]
+__all__ = ["register", "enable", "is_enabled", "activation_message", "ENV_VAR", "model_classes"]
 
 
 def model_classes() -> dict[str, str]:
@@ -31,6 +36,22 @@ def model_classes() -> dict[str, str]:
     from .checks import vllm_architectures
 
     return {arch: f"bitmatch.adapters.vllm.model:Bitmatch{arch}" for arch in vllm_architectures()}
+
+
+def activation_message(device_type: str | None = None) -> str:
+    """The line ``register`` logs: bitmatch's version, the backend of ``device_type`` (default: vLLM's
+    platform) and the fingerprint of its canonical order (``bitmatch.kernels.order``), which
+    ``bitmatch.sync`` compares between trainer and rollout."""
+    import bitmatch
+    from bitmatch.kernels.order import stamp_for_device
+
+    if device_type is None:
+        from vllm.platforms import current_platform
+        device_type = current_platform.device_type
+    stamp = stamp_for_device(device_type)
+    return (f"bitmatch {bitmatch.__version__} vLLM plugin active: {len(model_classes())} architectures on "
+            f"bitmatch kernels, backend {stamp['backend']} ({device_type}), canonical order v{stamp['version']} "
+            f"stamp {stamp['fingerprint']}")
 
 
 def is_enabled() -> bool:
@@ -61,6 +82,7 @@ def register() -> None:
     _patch_engine_args()
     _patch_request_validation()
     _registered = True
+    logger.info(activation_message())
 
 
 def _patch_sampler() -> None:
