@@ -28,8 +28,7 @@ import time
 import torch
 import xxhash
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bitmatch.sync as sync  # noqa: E402
+import bitmatch.sync as sync  # the installed package (its kernels live at bitmatch.kernels)
 
 TOKEN = "bench-token"
 
