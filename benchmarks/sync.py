@@ -183,8 +183,25 @@ def gpu_size(size: str, a) -> dict:
     def pub():
         version[0] += 1
         return sync.publish(master, version[0], to=rx)
-    man = pub()  # warm-up: compiles the kernel, allocates the staging once
-    res["publish_inprocess_s"] = cuda_timed(pub, a.repeats)
+    def pub_changed():  # every tensor changed (a full fine-tuning step): everything is sent
+        for v in master.values():
+            v.mul_(1.0001)
+        pub()
+    pub_changed()  # warm-up: compiles the kernel, allocates the staging once
+    res["publish_inprocess_s"] = cuda_timed(pub_changed, a.repeats)
+    # only what changed: nothing (a repeated publish), then LoRA-like (q/v projections re-merged)
+    res["publish_unchanged_s"] = cuda_timed(pub, a.repeats)
+    qv = [n for n, _ in shapes if n.endswith(("q_proj.weight", "v_proj.weight"))]
+
+    def pub_lora():
+        for n in qv:
+            master[n].mul_(1.0001)
+        pub()
+    res["publish_qv_changed_s"] = cuda_timed(pub_lora, a.repeats)
+    res["qv_changed_fraction_of_bytes"] = sum(master[n].numel() for n in qv) / n_params
+    res["publish_full_rewrite_s"] = cuda_timed(
+        lambda: sync.publish(master, version[0] + 1, to=sync.InProcessSender(rx, incremental=False))
+        or version.__setitem__(0, version[0] + 1), a.repeats)
     man = rx.state.manifest
     res["verify_s"] = cuda_timed(lambda: sync.verify(rx, man), a.repeats)
     res["ratio_publish_vs_copy"] = res["publish_inprocess_s"] / res["device_copy_s"]
@@ -252,7 +269,10 @@ def gpu_main(a):
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "notes": "random fp32 master and bf16 rollout tensors at Qwen3 shapes on one GPU; times are best of "
                  "--repeats wall seconds with the device drained; publish = cast on the device, bmh1 on the "
-                 "device (sender, staged, and live after the switch), one staging copy, one commit copy",
+                 "device (sender, staged, and live after the switch), one staging copy, one commit copy; "
+                 "publish_inprocess_s changes every tensor first (x 1.0001, timed too), publish_unchanged_s "
+                 "republishes the same weights (nothing copied, live re-checked), publish_qv_changed_s changes "
+                 "the q/v projections only, publish_full_rewrite_s is incremental=False",
         "results": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -219,6 +219,8 @@ class Update:
         self.bank: dict[str, torch.Tensor] = {} if rx.staging == "shadow" else rx.standby
         self.done: dict[str, str] = {}
         self.shared: set[str] = set()
+        self.kept: set[str] = set()  # unchanged since the live version: no bytes, checked at commit
+        self.base = rx.state.manifest if rx.state.failure is None else None
         self.received_bytes = 0
         self.closed = False
         self.order: dict | None = None  # the sender's canonical-order stamp, checked by Receiver.begin
@@ -256,6 +258,22 @@ class Update:
         self.done[name] = expected
         self.shared.add(name)
 
+    def keep(self, name: str, expected: str) -> None:
+        """The sender's tensor is byte for byte the one the live version already holds (same
+        fingerprint): nothing is sent or copied. The live bytes are re-fingerprinted at commit,
+        with the rest of the model in one pass, so a live tensor changed since it was verified is
+        caught, not carried into the new version."""
+        self._known(name)
+        spec, base = self.specs[name], self.base
+        prev = None if base is None else base.tensors.get(name)
+        if prev is None or prev.fingerprint != expected or tuple(prev.shape) != tuple(spec.shape) \
+                or prev.dtype != spec.dtype:
+            self.abort(f"update to version {self.version}: tensor {name!r} was sent as unchanged, but the live "
+                       f"version does not hold it with fingerprint {expected}")
+            raise SyncError(self.rx.last_error)
+        self.done[name] = expected
+        self.kept.add(name)
+
     def _known(self, name: str) -> str:
         if name not in self.specs:
             self.abort(f"update to version {self.version}: tensor {name!r} was not announced")
@@ -285,11 +303,16 @@ class Update:
             raise SyncError(self.rx.last_error)
         sl, st = self.rx.slots, self.rx.state
         with st.lock:
-            copied = {sl.key(k) for k in self.specs if k not in self.shared}
+            if self.kept:  # before anything is written: a stale live tensor aborts with the old version intact
+                kept = sorted(self.kept)
+                for name, got in zip(kept, fingerprints_of(sl.view(sl.live, k) for k in kept)):
+                    self._check(name, self.done[name], got, " (the live tensor changed after it was verified; "
+                                "publish with InProcessSender(receiver, incremental=False) to rewrite every tensor)")
+            copied = {sl.key(k) for k in self.specs if k not in self.shared and k not in self.kept}
             for key in copied:
                 sl.live[key].copy_(self.bank[key])
             if self.rx.verify_after_commit:
-                names = [k for k in self.specs if k not in self.shared]
+                names = [k for k in self.specs if k not in self.shared and k not in self.kept]
                 for name, got in zip(names, fingerprints_of(sl.view(sl.live, k) for k in names)):
                     if got != self.done[name]:
                         st.version, self.closed = None, True  # live bytes are neither version: unusable

@@ -4,7 +4,8 @@ When the engine shares the trainer's tensors (compute dtype already, same storag
 copied: the receiver only fingerprints its own tensors against the announced ones. Otherwise
 each tensor is moved to the rollout's device, cast there, fingerprinted there and copied into the
 receiver's staging (on that device), then verified and switched by one device copy: on a shared
-GPU no byte leaves the device.
+GPU no byte leaves the device. Tensors whose fingerprint equals the live version's are not
+copied at all (only what changed is published: the merged LoRA layers, the trained weights).
 """
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from .source import named_weights, sender_order, wire_specs
 
 
 class InProcessSender:
-    """Publish into a Receiver living in this process."""
+    """Publish into a Receiver living in this process. ``incremental``: a tensor whose cast bytes
+    have the fingerprint the live version already holds is not copied (frozen weights, LoRA's
+    base layers); the receiver re-fingerprints those live tensors at commit."""
 
-    def __init__(self, receiver: Receiver):
+    def __init__(self, receiver: Receiver, incremental: bool = True):
         self.receiver = receiver
+        self.incremental = incremental
 
     def _write(self, name: str, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
         dst.copy_(src_bytes)
@@ -38,6 +42,9 @@ class InProcessSender:
                 specs[name] = TensorSpec(specs[name].shape, dtype, fp)
                 if cast.data_ptr() == live.data_ptr() and cast.shape == live.shape:
                     upd.share(name, cast, fp)
+                elif self.incremental and upd.base is not None and name in upd.base.tensors \
+                        and upd.base.tensors[name].fingerprint == fp:
+                    upd.keep(name, fp)  # unchanged since the live version (a frozen base weight)
                 else:
                     self._write(name, upd.buffer(name), byte_view(cast.contiguous()))
                     upd.finish(name, fp)
