@@ -3,9 +3,61 @@ uses: ``--family``), ``locate`` (the first op whose bits differ between two path
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
+import traceback
+
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def usage_error(prog: str, problem: str) -> int:
+    """Print ONE line naming the problem and its fix (no traceback: a user error) and return 2."""
+    print(f"{prog}: {problem}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (transformers' load errors span paragraphs)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def load_error(what: str, e: BaseException) -> str:
+    """The sentence for an exception raised while loading ``what``: bitmatch's own messages
+    (``bitmatch.hub``: missing folder, bad config.json, no or truncated weights, hub name not
+    cached) already name the fix; anything else from transformers is named as such."""
+    if isinstance(e, (FileNotFoundError, ConnectionError, ValueError)) and str(e).startswith(
+            ("load_model:", "Engine:", "check_supported", "bitmatch")):
+        return one_line(e)
+    return (f"could not load {what!r} ({type(e).__name__}: {one_line(e)}); check that it is an HF causal LM "
+            "checkpoint of a supported family (bitmatch.models.check_supported) and that transformers can read it")
+
+
+def _can_write_in(folder: str) -> bool:
+    """A file can be created in ``folder`` (tried, not guessed: permission bits say yes to root on a
+    read-only file system)."""
+    import tempfile
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def writable_file_problem(flag: str, path: str) -> str | None:
+    """None if ``path`` can be written (its folder exists and is writable), else the sentence
+    naming ``flag`` and the fix: checked before a run, so the run's result is never lost."""
+    path = os.path.abspath(os.path.expanduser(path))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a folder; give a file path (e.g. {os.path.join(path, 'report.json')!r})"
+    if not os.path.isdir(folder):
+        return f"{flag}: the folder {folder!r} does not exist; create it first (mkdir -p) or give another path"
+    if not _can_write_in(folder) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag}: {path!r} is not writable; give a path in a folder you can write to"
+    return None
 
 
 def _cases(device: str):
@@ -74,6 +126,11 @@ def check(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=6, help="harness cases per op with --family (default 6)")
     ap.add_argument("--json", metavar="PATH", help="also write every row and the verdict to PATH as JSON")
     a = ap.parse_args(argv)
+    if a.cases < 1:
+        return usage_error("bitmatch check", f"--cases must be >= 1, got {a.cases}")
+    problem = a.json and writable_file_problem("--json", a.json)
+    if problem:
+        return usage_error("bitmatch check", problem)
     from bitmatch.family_check import _family_cases, tiny_model_for
     if a.family is not None:
         try:
@@ -137,13 +194,53 @@ def check(argv=None) -> int:
     return rc
 
 
+def writable_folder_problem(flag: str, path: str, files=()) -> str | None:
+    """None if the folder ``path`` exists and is writable or can be created (its nearest existing
+    ancestor is a writable folder), and each of ``files`` in it can be written; else the sentence
+    naming ``flag`` and the fix. Creates nothing."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path!r} is a file, not a folder; give a folder path"
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{flag}: {probe!r} is a file, so the folder {path!r} cannot be created; give another path"
+    if not _can_write_in(probe):
+        return f"{flag}: {probe!r} is not writable, so nothing can be written under {path!r}; give a folder you own"
+    for name in files:
+        f = os.path.join(path, name)
+        if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
+            return f"{flag}: {f!r} exists and cannot be overwritten; remove it or give another folder"
+    return None
+
+
 # ----------------------------------------------------------------------------- locate
+
+def _locate_args_problem(a) -> str | None:
+    """The first bad ``bitmatch locate`` option, named by its flag with the valid range (before any
+    model is built, so a typo costs nothing and never surfaces as an engine argument's name)."""
+    from bitmatch.logprobs import check_temperature
+    for flag, v in (("--prompts", a.prompts), ("--min-len", a.min_len), ("--max-len", a.max_len),
+                    ("--max-tokens", a.max_tokens), ("--block-size", a.block_size),
+                    ("--step-tokens", a.step_tokens), ("--rows", a.rows)):
+        if v < 1:
+            return f"{flag} must be >= 1, got {v}"
+    if a.min_len > a.max_len:
+        return f"--min-len {a.min_len} is more than --max-len {a.max_len}: give --min-len <= --max-len"
+    if a.tolerance is not None and not a.tolerance >= 0:
+        return f"--tolerance must be >= 0, got {a.tolerance}"
+    try:
+        check_temperature("locate", a.temperature, name="--temperature")
+    except ValueError as e:
+        return one_line(e).removeprefix("locate: ")
+    return a.json and writable_file_problem("--json", a.json)
+
 
 def locate(argv=None) -> int:
     """Run the same tokens through two paths of one model and name the first op whose output bits
     differ (layer, op, position, both values in hex, each op's fingerprint); exit 1 if one does."""
     import json
-    import os
 
     ap = argparse.ArgumentParser(prog="bitmatch locate", description=locate.__doc__)
     ap.add_argument("checkpoint", nargs="?", help="an HF checkpoint folder (or hub name); or use --family")
@@ -170,9 +267,12 @@ def locate(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the JSON report to PATH")
     ap.add_argument("--rows", type=int, default=40, help="op rows shown per comparison (around the divergence)")
     a = ap.parse_args(argv)
+    prog = "bitmatch locate"
     if (a.checkpoint is None) == (a.family is None):
-        print("bitmatch locate: give a checkpoint path or --family NAME (not both)", file=sys.stderr)
-        return 2
+        return usage_error(prog, "give a checkpoint path or --family NAME (not both)")
+    problem = _locate_args_problem(a)
+    if problem:
+        return usage_error(prog, problem)
     import torch
     if a.pair == "backend" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -182,15 +282,20 @@ def locate(argv=None) -> int:
     dtype = getattr(torch, a.dtype)
     try:
         verify.parse_inject(a.inject)
-        if a.family is not None:
-            model, what = tiny_model_for(a.family, dtype, a.seed)
-            what += f" (random weights, seed {a.seed})"
-        else:
-            from bitmatch.models import load_model
-            model, what = load_model(a.checkpoint, dtype=dtype), a.checkpoint
     except ValueError as e:
-        print(f"bitmatch locate: {e}", file=sys.stderr)
-        return 2
+        return usage_error(prog, one_line(e).removeprefix("locate: "))
+    if a.family is not None:
+        try:
+            model, what = tiny_model_for(a.family, dtype, a.seed)
+        except ValueError as e:
+            return usage_error(prog, f"--family: {one_line(e)}")
+        what += f" (random weights, seed {a.seed})"
+    else:
+        from bitmatch.models import load_model
+        try:
+            model, what = load_model(a.checkpoint, dtype=dtype), a.checkpoint
+        except Exception as e:  # any load failure is the checkpoint's (or the path's): one line, exit 2
+            return usage_error(prog, load_error(a.checkpoint, e))
     import bitmatch
     bitmatch.patch(model, compute_dtype=dtype)   # as a user runs it: the compute dtype set once
     vocab = model.lm_head.weight.shape[0]
@@ -201,8 +306,7 @@ def locate(argv=None) -> int:
                                      block_size=a.block_size,
                                      engine_kw=dict(block_size=a.block_size, max_num_batched_tokens=a.step_tokens))
     except (NotImplementedError, RuntimeError, ValueError) as e:   # e.g. an op with no Triton version
-        print(f"bitmatch locate --pair {a.pair}: {e}", file=sys.stderr)
-        return 2
+        return usage_error(f"{prog} --pair {a.pair}", one_line(e))
     report = {"command": "bitmatch locate " + " ".join(argv if argv is not None else sys.argv[2:]),
               "versions": version_string(), "model": what, "dtype": a.dtype, "pair": a.pair, "inject": a.inject,
               "prompts": prompts, "bitmatched": all(r.bitmatched for r in results),
@@ -228,7 +332,10 @@ USAGE = """usage: bitmatch {check,locate,demo} [options]   (bitmatch COMMAND --h
              name the first op whose output bits differ (docs/porting.md)
   demo       rollouts with the embedded engine vs trainer logprobs: Diff = 0 with
              bitmatch, the nonzero diff without (tiny model built in code)
-  --version  print the versions of bitmatch, torch and transformers"""
+  --version  print the versions of bitmatch, torch and transformers
+
+exit codes: 0 ok; 1 a divergence / mismatch found; 2 a usage or load error (one line naming
+the problem and the fix); 3 an internal error (a bug: the traceback, please report it)"""
 
 
 def version_string() -> str:
@@ -256,15 +363,22 @@ def main(argv=None) -> int:
         print(version_string())
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "check":
-        return check(rest)
-    if cmd == "locate":
-        return locate(rest)
-    if cmd == "demo":
-        from bitmatch.demo import main as demo_main
-        return demo_main(rest) or 0
-    print(f"bitmatch: unknown command {cmd!r} (use check, locate or demo)\n\n{USAGE}", file=sys.stderr)
-    return 2
+    commands = {"check": check, "locate": locate, "demo": _demo}
+    if cmd not in commands:
+        print(f"bitmatch: unknown command {cmd!r} (use check, locate or demo)\n\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return commands[cmd](rest) or EXIT_OK
+    except Exception:  # a bug, not a user error: the traceback, and a code that is not "divergence found"
+        traceback.print_exc()
+        print(f"bitmatch {cmd}: internal error (exit {EXIT_INTERNAL}); please report it with the traceback above",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _demo(argv) -> int:
+    from bitmatch.demo import main as demo_main
+    return demo_main(argv)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from bitmatch.cli import load_error, one_line, usage_error, writable_folder_problem
+
 PROMPTS = [
     "The quick brown fox", "Hello", "In the beginning", "def f(x):", "1 + 1 =", "Once upon a time there was",
     "a", "RL needs on-policy logprobs", "bits", "The trainer and the engine agree", "Q:", "import torch",
@@ -196,14 +198,28 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, 
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
+        wrote = [os.path.join(out_dir, "report.json")]
         if plot:
             try:
                 _plot(os.path.join(out_dir, "diff.png"), on.abs_diffs, off.abs_diffs,
                       "rollout vs trainer logprob, per sampled token")
+                wrote.append(os.path.join(out_dir, "diff.png"))
             except ImportError:
-                say("(matplotlib not installed: no plot)")
-        say(f"wrote {os.path.join(out_dir, 'report.json')}" + (f" and {os.path.join(out_dir, 'diff.png')}" if plot else ""))
+                say("(matplotlib not installed: no diff.png; pip install bitmatch[plot], or pass --no-plot)")
+        say("wrote " + " and ".join(wrote))
     return report
+
+
+def _args_problem(args) -> str | None:
+    from bitmatch.logprobs import check_temperature
+    for flag, v in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
+        if v < 1:
+            return f"{flag} must be >= 1, got {v}"
+    try:
+        check_temperature("demo", args.temperature, name="--temperature")
+    except ValueError as e:
+        return one_line(e).removeprefix("demo: ")
+    return writable_folder_problem("--out", args.out, ["report.json"] + ([] if args.no_plot else ["diff.png"]))
 
 
 def main(argv=None) -> int:
@@ -221,16 +237,17 @@ def main(argv=None) -> int:
                     help="dtype of the --model checkpoint (the tiny model is always bf16)")
     ap.add_argument("--no-plot", action="store_true", help="do not write diff.png (no matplotlib needed)")
     args = ap.parse_args(argv)
-    if args.num_prompts < 1 or args.max_tokens < 1 or not args.temperature > 0:
-        ap.error("--num-prompts and --max-tokens must be >= 1, --temperature > 0")
+    problem = _args_problem(args)
+    if problem:  # one line, exit 2 (as argparse's own errors), before anything is built
+        raise SystemExit(usage_error("bitmatch demo", problem))
     model = tok = None
     if args.model:
         from bitmatch.models import load_model
 
         try:
             model = load_model(args.model, dtype=getattr(torch, args.dtype))
-        except (FileNotFoundError, ConnectionError, ValueError) as e:  # the message names the fix
-            ap.error(f"--model: {e}")
+        except Exception as e:  # any load failure is the checkpoint's: one line naming it and the fix
+            raise SystemExit(usage_error("bitmatch demo", f"--model: {load_error(args.model, e)}")) from None
         try:
             from transformers import AutoTokenizer
 

@@ -2,7 +2,9 @@
 
 ``resolve_checkpoint`` is the one place ``bitmatch.Engine("...")`` and
 ``bitmatch.models.load_model`` turn a string into something ``from_pretrained`` can open:
-- a path that exists is used as it is (``~`` expanded);
+- a path that exists is used as it is (``~`` expanded), once ``check_checkpoint_folder`` found a
+  readable config.json and complete weights in it (a broken folder is named with its fix before
+  transformers reads it);
 - a string that looks like a local path (absolute, ``./``, ``../``, ``~``, a backslash, or more
   than one ``/``) and does not exist is a ``FileNotFoundError`` naming the path, raised before
   any network access (the hub would otherwise answer "Repo id must be in the form ...");
@@ -12,7 +14,9 @@
 """
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 HUB_TIMEOUT_S = 10.0
 _verified: set[tuple[str, str | None]] = set()  # hub names that already answered in this process
@@ -54,6 +58,7 @@ def resolve_checkpoint(path_or_name, *, who: str = "load_model", **kwargs) -> st
     name = os.fspath(path_or_name)
     local = os.path.expanduser(name)
     if os.path.isdir(local):
+        check_checkpoint_folder(local, who=who, **kwargs)
         return local
     if os.path.exists(local):
         raise ValueError(f"{who}: {name!r} is a file; give the checkpoint folder that holds config.json "
@@ -98,3 +103,56 @@ def resolve_checkpoint(path_or_name, *, who: str = "load_model", **kwargs) -> st
                               "cache") from None
     _verified.add((name, revision))
     return name
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def check_checkpoint_folder(folder: str, *, who: str = "load_model", **kwargs) -> None:
+    """Raise a one-sentence error naming the file and the fix if ``folder`` cannot be a checkpoint:
+    no or unparsable config.json, no weights file, or a safetensors file whose header is cut or
+    whose tensors are not all in the file (a truncated download). Reads headers only. Skipped
+    parts: config.json when ``config=`` is given, everything under ``subfolder=``."""
+    if kwargs.get("subfolder"):
+        return
+    fix = "re-download or re-save the checkpoint (save_pretrained)"
+    cfg = os.path.join(folder, "config.json")
+    if kwargs.get("config") is None:
+        if not os.path.isfile(cfg):
+            raise FileNotFoundError(f"{who}: {folder!r} has no config.json, so it is not an HF checkpoint folder; "
+                                    f"give the folder that holds config.json and the weights, or {fix}")
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{who}: {cfg!r} is not valid JSON ({e}); {fix}") from None
+    names = os.listdir(folder)
+    if not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
+        raise FileNotFoundError(f"{who}: {folder!r} has a config.json but no weights (no *.safetensors or "
+                                f"pytorch_model*.bin); {fix}")
+    for n in sorted(names):
+        if n.endswith(".safetensors"):
+            _check_safetensors(os.path.join(folder, n), who, fix)
+
+
+def _check_safetensors(path: str, who: str, fix: str) -> None:
+    """The safetensors layout: 8-byte little-endian header length, a JSON header, then the data,
+    which the tensors' offsets must cover exactly."""
+    size = os.path.getsize(path)
+    bad = None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            bad = f"its header is cut ({size} bytes)"
+        else:
+            try:
+                header = json.loads(f.read(n))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                bad = f"its header is not valid ({type(e).__name__})"
+            else:
+                if 8 + n + end != size:
+                    bad = f"it holds {size} bytes but its tensors need {8 + n + end}"
+    if bad:
+        raise ValueError(f"{who}: weights file {path!r} is truncated or corrupt: {bad}; {fix}")

@@ -3,6 +3,7 @@ fix, or gives the documented behaviour; never NaN counted as a match, never a tr
 user error."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,3 +73,138 @@ def test_compare_counts_nan_as_a_mismatch():
     assert r.mismatches == 1 and r.first_divergence == (0, 0)
     ninf = float("-inf")  # masked tokens on both sides are still a match
     assert compare([[ninf, -1.0]], [[ninf, -1.0]]).bitmatched
+
+
+# -- item 11: the CLI: exit 2 with one line for a user error; messages name the argument given ------
+
+def _one_line_err(capsys) -> str:
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert "Traceback" not in cap.err and "\n" not in err, cap.err
+    return err
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Broken checkpoint folders beside a good one: the cases users hit."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("ckpt")
+    good = root / "good"
+    tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0, num_hidden_layers=1).save_pretrained(good)
+    (root / "badcfg").mkdir()
+    (root / "badcfg" / "config.json").write_text("{not json")
+    shutil.copytree(good, root / "noweights")
+    (root / "noweights" / "model.safetensors").unlink()
+    shutil.copytree(good, root / "trunc")
+    data = (good / "model.safetensors").read_bytes()
+    (root / "trunc" / "model.safetensors").write_bytes(data[:len(data) // 2])
+    shutil.copytree(good, root / "unknown_type")
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["model_type"] = "no_such_model_bm"
+    (root / "unknown_type" / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+@pytest.mark.parametrize("case, text", [
+    ("missing", "load_model: no checkpoint folder at '{root}/missing'"),
+    ("badcfg", "load_model: '{root}/badcfg/config.json' is not valid JSON (Expecting property name"),
+    ("noweights", "load_model: '{root}/noweights' has a config.json but no weights (no *.safetensors or "
+                  "pytorch_model*.bin); re-download or re-save the checkpoint"),
+    ("trunc", "load_model: weights file '{root}/trunc/model.safetensors' is truncated or corrupt: it holds"),
+    ("unknown_type", "could not load '{root}/unknown_type' (ValueError: The checkpoint you are trying to load has "
+                     "model type `no_such_model_bm`"),
+])
+def test_locate_load_errors_exit_2_with_one_line(checkpoints, capsys, case, text):
+    from bitmatch.cli import main
+    assert main(["locate", str(checkpoints / case), "--pair", "engine"]) == 2
+    err = _one_line_err(capsys)
+    assert err.startswith("bitmatch locate: ") and text.format(root=checkpoints) in err, err
+
+
+def test_locate_uncached_hub_name_offline_exits_2(monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from bitmatch.cli import main
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["locate", "no-org-bm/no-model-bm", "--pair", "engine"]) == 2
+    assert "is not a local folder and not in the hub cache, and hub access is off" in _one_line_err(capsys)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--prompts", "0"], "bitmatch locate: --prompts must be >= 1, got 0"),
+    (["--min-len", "10", "--max-len", "5"], "bitmatch locate: --min-len 10 is more than --max-len 5: give "
+                                            "--min-len <= --max-len"),
+    (["--temperature", "1e-46"], "bitmatch locate: --temperature must be a float in [1.1754944e-38, "),
+    (["--json", "/no/such/folder/r.json"], "bitmatch locate: --json: the folder '/no/such/folder' does not exist"),
+    (["--inject", "bogus"], "bitmatch locate: --inject must be weight:LAYER.PARAM"),
+])
+def test_locate_bad_options_name_the_flag(capsys, args, text):
+    from bitmatch.cli import main
+    assert main(["locate", "--family", "qwen3", "--pair", "engine", *args]) == 2
+    assert _one_line_err(capsys).startswith(text)
+
+
+def test_check_json_to_a_missing_folder_fails_before_the_run(monkeypatch, capsys):
+    from bitmatch import cli
+
+    monkeypatch.setattr(cli, "_cases", lambda device: pytest.fail("the check ran before --json was checked"))
+    assert cli.main(["check", "--device", "cpu", "--json", "/no/such/folder/check.json"]) == 2
+    assert _one_line_err(capsys) == ("bitmatch check: --json: the folder '/no/such/folder' does not exist; create it "
+                                     "first (mkdir -p) or give another path")
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--model", "{root}/badcfg"], "bitmatch demo: --model: load_model: '{root}/badcfg/config.json' is not valid JSON"),
+    (["--model", "{root}/noweights"], "bitmatch demo: --model: load_model: '{root}/noweights' has a config.json but "
+                                      "no weights"),
+    (["--out", "{root}/good/config.json"], "bitmatch demo: --out '{root}/good/config.json' is a file, not a folder"),
+    (["--out", "/proc/bitmatch-demo"], "bitmatch demo: --out: '/proc' is not writable, so nothing can be written"),
+    (["--num-prompts", "0"], "bitmatch demo: --num-prompts must be >= 1, got 0"),
+])
+def test_demo_user_errors_exit_2_with_one_line(checkpoints, capsys, args, text):
+    from bitmatch.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *[a.format(root=checkpoints) for a in args]])
+    assert e.value.code == 2
+    assert _one_line_err(capsys).startswith(text.format(root=checkpoints))
+
+
+def test_internal_error_is_not_the_divergence_code(monkeypatch, capsys):
+    from bitmatch import cli
+
+    def boom(device):
+        raise KeyError("a bug")
+    monkeypatch.setattr(cli, "_cases", boom)
+    assert cli.main(["check", "--device", "cpu"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "bitmatch check: internal error (exit 3); please report it" in err
+
+
+@pytest.mark.parametrize("prompts, sp, text", [
+    ([[1.0, 2.0]], None, "Engine.generate: prompts[0][0] must be an int token id, got float 1.0"),
+    ([[5, True]], None, "Engine.generate: prompts[0][1] must be an int token id, got bool True"),
+    ([np.array([1.5, 2.0])], None, "Engine.generate: prompts[0] must hold integer token ids, got ndarray of shape "
+                                   "(2,), dtype float64"),
+    (torch.tensor([[1, 2], [3, 4]]), None, "Engine.generate: prompts must be a list of prompts (token-id lists or "
+                                           "strings) or one prompt, got Tensor of shape (2, 2), dtype torch.int64; "
+                                           "pass a list of token-id lists"),
+    ([[1, 2]], {"temperature": 0.5}, "Engine.generate: sampling_params (one, or a list of one per prompt) must be a "
+                                     "bitmatch.SamplingParams, got dict (pass SamplingParams(**{'temperature': 0.5}))"),
+    ([[1, 2]], ["greedy"], "Engine.generate: sampling_params[0] must be a bitmatch.SamplingParams, got str 'greedy'"),
+])
+def test_engine_input_errors_name_the_argument_given(model, prompts, sp, text):
+    eng = Engine(model, num_gpu_blocks=8)
+    with pytest.raises(ValueError) as e:
+        eng.generate(prompts, sp, use_tqdm=False)
+    assert str(e.value).startswith(text), str(e.value)
+    assert not eng.has_unfinished_requests()
+
+
+def test_engine_takes_numpy_ids_and_one_dimensional_tensors(model):
+    eng = Engine(model, num_gpu_blocks=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = eng.generate([np.array([1, 5, 9]), torch.tensor([1, 5, 9]), [np.int64(1), np.int32(5), 9]], sp,
+                        use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1 and outs[0].prompt_token_ids == [1, 5, 9]

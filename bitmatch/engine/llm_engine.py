@@ -12,8 +12,10 @@ and stamps every ``RequestOutput`` with the version and fingerprint it was sampl
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 
+import numpy as np
 import torch
 import xxhash
 
@@ -30,6 +32,42 @@ def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _kind(x) -> str:
+    """What a value is, for a message: the type, and a tensor's or array's shape and dtype."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return f"{type(x).__name__} of shape {tuple(x.shape)}, dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}" if isinstance(x, (bool, float, int, str, np.generic)) else type(x).__name__
+
+
+def _token_ids(prompt, where: str) -> list[int]:
+    """A prompt as a list of Python ints, or ValueError naming ``where``, the element and the fix.
+    1-D tensors / arrays and numpy integers are taken as token ids; floats and bools never are."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        if prompt.ndim != 1:
+            raise ValueError(f"{where} must be one prompt's token ids (1-D), got {_kind(prompt)}; for a batch pass "
+                             "a list of token-id lists, one per prompt, without padding (e.g. [row[m.bool()].tolist() "
+                             "for row, m in zip(ids, mask)])")
+        if prompt.dtype in (torch.bool, np.bool_) or torch.is_tensor(prompt) and prompt.is_floating_point() or \
+                isinstance(prompt, np.ndarray) and prompt.dtype.kind not in "iu":
+            raise ValueError(f"{where} must hold integer token ids, got {_kind(prompt)}; pass prompt.long() / "
+                             "the tokenizer's ids")
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{where} must be a list of token ids or a string, got {_kind(prompt)}")
+    for j, t in enumerate(prompt):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            hint = " (a batch of prompts? pass it as the list of prompts, not as one prompt)" \
+                if isinstance(t, (list, tuple, torch.Tensor, np.ndarray)) else ""
+            raise ValueError(f"{where}[{j}] must be an int token id, got {_kind(t)}{hint}")
+    return [int(t) for t in prompt]
+
+
+def _check_sampling_params(sp, where: str) -> None:
+    if not isinstance(sp, SamplingParams):
+        fix = f" (pass SamplingParams(**{sp!r}))" if isinstance(sp, dict) else ""
+        raise ValueError(f"{where} must be a bitmatch.SamplingParams, got {_kind(sp)}{fix}")
 
 
 class Engine:
@@ -144,31 +182,31 @@ class Engine:
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (token ids or, with a tokenizer, a string); returns its request id."""
+        return self._add_request(prompt, sampling_params, "Engine.add_request: prompt",
+                                 "Engine.add_request: sampling_params")
+
+    def _add_request(self, prompt, sampling_params, where: str, sp_where: str) -> str:
         params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"Engine: sampling_params must be SamplingParams, got {type(params)}")
+        _check_sampling_params(params, sp_where)
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("Engine: prompts given as strings need a tokenizer (Engine(model, tokenizer)); "
+                raise ValueError(f"{where} is a string, which needs a tokenizer (Engine(model, tokenizer)); "
                                  "pass token-id lists otherwise")
             text, prompt = prompt, list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
-            raise ValueError(f"Engine: prompt must be a list of token ids or a string, got {type(prompt)}")
+        else:
+            prompt = _token_ids(prompt, where)
         if len(prompt) == 0:
-            raise ValueError("Engine: prompt must have at least one token")
+            raise ValueError(f"{where} must have at least one token, got an empty one")
         if self.max_model_len is not None and len(prompt) >= self.max_model_len:
-            raise ValueError(f"Engine: prompt of {len(prompt)} tokens leaves no room under the model's "
+            raise ValueError(f"{where} of {len(prompt)} tokens leaves no room under the model's "
                              f"max_position_embeddings={self.max_model_len} (prompt + completion must fit): "
                              "shorten or truncate the prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"Engine: prompt token ids must be in [0, {self.vocab_size}), got "
+            raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size}), got "
                              f"min {min(prompt)} max {max(prompt)}")
         if not self.enable_chunked_prefill and len(prompt) > self.max_num_batched_tokens:
-            raise ValueError(f"Engine: prompt of {len(prompt)} tokens exceeds max_num_batched_tokens="
+            raise ValueError(f"{where} of {len(prompt)} tokens exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} with enable_chunked_prefill=False")
         # The longest K/V the request can need (the last sampled token is never written).
         need = -(-(len(prompt) + params.max_tokens - 1) // self.block_size)
@@ -295,17 +333,30 @@ class Engine:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (token-id lists or strings); outputs in input order."""
-        if isinstance(prompts, (str, torch.Tensor)) or (isinstance(prompts, list) and prompts
-                                                         and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim != 1:
+            raise ValueError(f"Engine.generate: prompts must be a list of prompts (token-id lists or strings) or one "
+                             f"prompt, got {_kind(prompts)}; pass a list of token-id lists, one per prompt, without "
+                             "padding (e.g. [row[m.bool()].tolist() for row, m in zip(ids, mask)])")
+        if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or (
+                isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (
+                    str, list, tuple, torch.Tensor, np.ndarray))):
+            prompts = [prompts]  # one prompt (its elements are checked as token ids)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"Engine.generate: prompts must be a list of prompts (token-id lists or strings) or "
+                             f"one prompt, got {_kind(prompts)}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"Engine.generate: sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts")
+            for i, sp in enumerate(params):
+                _check_sampling_params(sp, f"Engine.generate: sampling_params[{i}]")
+        else:
+            _check_sampling_params(sampling_params, "Engine.generate: sampling_params (one, or a list of one per "
+                                   "prompt)")
         if self.has_unfinished_requests():
             raise RuntimeError("Engine.generate: requests added with add_request are still running; "
                                "step() them to completion first")
@@ -313,7 +364,8 @@ class Engine:
             pass
         self.reset_prefix_cache()  # the weights may have changed since the last call
         try:
-            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+            ids = [self._add_request(p, sp, f"Engine.generate: prompts[{i}]", f"Engine.generate: sampling_params[{i}]")
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
         except Exception:  # a bad prompt: drop the ones queued before it
             self.scheduler.waiting.clear()
             self._seqs.clear()
