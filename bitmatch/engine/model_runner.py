@@ -147,7 +147,8 @@ class ModelRunner:
     enforce_eager: never use CUDA graphs (vLLM's flag). max_seq_len_to_capture: longest context a
     graph serves (its attention is captured for that bound); longer decode steps run eagerly.
     simulate_buckets: run pure-decode steps eagerly on the padded bucket inputs a graph would get
-    (CPU tests of the padding, where graphs do not exist).
+    (CPU tests of the padding, where graphs do not exist), for a model whose family opts into the
+    graphs (``graph_safe``: the others run eagerly on the GPU too); ``num_simulated_steps`` counts them.
     """
 
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0, *,
@@ -179,10 +180,11 @@ class ModelRunner:
         self.weights_changed = True
         self.graphs = None
         self._pending = None
-        if self.device.type == "cuda" and not enforce_eager:
-            from bitmatch.engine.graphs import DecodeGraphs, graph_safe
-            if graph_safe(model):
-                self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
+        from bitmatch.engine.graphs import DecodeGraphs, graph_safe  # graphs imports this module
+        self.graph_safe = graph_safe(model)
+        self.num_simulated_steps = 0
+        if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
+            self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
 
     def reset_state_slots(self, slots: list[int]) -> None:
         """Zero the per-sequence state of ``slots`` (a sequence (re)starting from token 0)."""
@@ -248,9 +250,10 @@ class ModelRunner:
         if bucket is not None and self.graphs is not None:
             self._reset_fresh(scheduled)
             out = self.graphs.run(self.pad(inp, bucket), bucket, params, seeds, indices)  # None: not graphable
-        elif bucket is not None and self.simulate_buckets:
+        elif bucket is not None and self.simulate_buckets and self.graph_safe:
             self._reset_fresh(scheduled)
             out = self._simulated_graph_step(inp, bucket, params, seeds, indices)
+            self.num_simulated_steps += out is not None
         if out is not None:
             tokens, lps, sampled = self.sampler.finish(out[:, :inp.B])
             return seqs, tokens, lps, sampled
@@ -267,14 +270,17 @@ class ModelRunner:
 
     def _simulated_graph_step(self, inp, bucket, params, seeds, indices):
         """What a graph replay computes, run eagerly (CPU tests): the padded inputs at the context
-        bucket's host bound, the LM head and the sampler on every padded row."""
+        bucket's host bound with the graph's full-width block table, the LM head and the sampler on
+        every padded row; None (an eager step) past the captured length, as ``DecodeGraphs.run``."""
         from bitmatch.engine.graphs import context_buckets, padded_sampling
         from bitmatch.models import compute_logits, forward_hidden
+        width = max(1, -(-self.max_seq_len_to_capture // self.block_size))
+        cap_len = width * self.block_size
+        if inp.max_seq_len > cap_len or inp.block_table.shape[1] > width:
+            return None
         p = self.pad(inp, bucket)
-        cap_len = -(-self.max_seq_len_to_capture // self.block_size) * self.block_size
-        p.max_seq_len = next((c for c in context_buckets(cap_len, self.block_size) if c >= inp.max_seq_len),
-                             inp.max_seq_len)
-        extra = p.max_seq_len // self.block_size - p.block_table.shape[1]
+        p.max_seq_len = next(c for c in context_buckets(cap_len, self.block_size) if c >= inp.max_seq_len)
+        extra = width - p.block_table.shape[1]
         if extra > 0:  # the graph's block table is full width (scratch entries past each row's blocks)
             p.block_table = np.concatenate([p.block_table, np.full((bucket, extra), self.scratch_block, np.int64)], 1)
         ids, ctx, _ = p.context(self.device, self.caches)

@@ -13,6 +13,14 @@ decides) run the MoE block:
 
 so a token's routing, expert outputs and combine depend on nothing but the token's own hidden
 state: the engine and the trainer choose the same experts by construction (no routing replay).
+
+CUDA graphs: on the Triton backend every op of the block is host-sync free with shapes fixed by
+the step's row count (routing: one program per token; the expert sort: ``torch.sort`` and an
+integer scatter-add / cumsum on the device; the grouped GEMMs: a grid sized by its upper bound,
+programs past the real tile count return; the combine: one program per token; the expert-id range
+check: ``torch._assert_async``), so the family opts into the engine's decode graphs
+(``cuda_graph_safe``; tests/test_engine_graphs_moe.py). The CPU reference is not sync-free
+(``unique``, ``nonzero``): the CPU tests simulate the graphs eagerly, as the dense ones do.
 HF keeps the routing weights in the model dtype and sums expert outputs in expert order with
 ``index_add_``: in fp32 that agrees with this order to rounding (parity), not bit for bit.
 """
@@ -22,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitmatch.models import dense
+from bitmatch.models import dense, lora
 from bitmatch.models.registry import register
 from bitmatch.precision import cast_param
 
@@ -82,6 +90,15 @@ class Qwen3MoeFamily(dense.DenseFamily):
             out.append("output_router_logits=True (the router auxiliary loss is not computed on bitmatch kernels; "
                        "set config.output_router_logits=False)")
         return out
+
+    def cuda_graph_safe(self, lm) -> bool:
+        """The engine may capture this family's decode steps in CUDA graphs: the dense forward with
+        this MoE block (sync-free on the Triton backend, see the module docstring) and no LoRA
+        layers (their forward is not declared sync-free); a subclass that overrides the forward
+        or the MLP must opt in again."""
+        cls = type(self)
+        return (cls.forward_hidden is dense.DenseFamily.forward_hidden and cls.mlp is Qwen3MoeFamily.mlp
+                and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def build_spec(self, lm) -> MoeSpec:
         base = super().build_spec(lm)
