@@ -133,7 +133,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
     lm = unwrap_causal_lm(model)
     temperature = _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p)
-    top_k = top_k if top_k is not None and top_k > 0 else None      # -1 / 0: no top-k (vLLM's values)
+    # -1 / 0: no top-k (vLLM's values); k >= V keeps every token (the kernel's rule), and a k beyond
+    # int64 (2**63) must not reach its int64 tensor
+    top_k = top_k if top_k is not None and 0 < top_k < lm.lm_head.weight.shape[0] else None
     top_p = top_p if top_p is not None and top_p < 1.0 else None
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
     dev = lm.lm_head.weight.device

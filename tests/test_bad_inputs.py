@@ -208,3 +208,51 @@ def test_engine_takes_numpy_ids_and_one_dimensional_tensors(model):
     outs = eng.generate([np.array([1, 5, 9]), torch.tensor([1, 5, 9]), [np.int64(1), np.int32(5), 9]], sp,
                         use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1 and outs[0].prompt_token_ids == [1, 5, 9]
+
+
+# -- item 10: top_k beyond int64, seeds beyond 64 bits, bool temperature, fp16 at construction ---------
+
+@pytest.mark.parametrize("k", [2 ** 63, 10 ** 30, 128])
+def test_top_k_at_or_above_the_vocabulary_is_no_top_k(model, k):
+    """Documented (SamplingParams, README): k >= vocabulary size keeps every token, for any int k;
+    2**63 once overflowed int64 in both the engine and token_logprobs."""
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    base = bitmatch.token_logprobs(model, ids, temperature=0.8)
+    assert torch.equal(bitmatch.token_logprobs(model, ids, temperature=0.8, top_k=k), base)
+    eng = Engine(model, num_gpu_blocks=8)
+    got, want = (eng.generate([[1, 5, 6]], SamplingParams(temperature=0.8, top_k=kk, max_tokens=3, seed=4),
+                              use_tqdm=False)[0].outputs[0] for kk in (k, -1))
+    assert got.token_ids == want.token_ids and got.sampled_logprobs == want.sampled_logprobs == got.logprobs
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, -1, 2 ** 70])
+def test_seed_outside_64_bits_is_refused(model, seed):
+    with pytest.raises(ValueError, match=r"SamplingParams: seed must be None or an int in \[0, 2\*\*64\) \(the noise "
+                                         rf"is keyed by 64 bits: a larger or negative seed would alias another\), "
+                                         rf"got {seed}"):
+        SamplingParams(seed=seed)
+    with pytest.raises(ValueError, match=rf"Engine: seed must be an int in \[0, 2\*\*64\), got {seed}"):
+        Engine(model, seed=seed, num_gpu_blocks=8)
+    assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
+
+
+@pytest.mark.parametrize("t", [True, False, np.bool_(True)])
+def test_bool_temperature_is_refused_on_both_sides(model, t):
+    with pytest.raises(ValueError, match=r"SamplingParams: temperature must be 0 \(greedy\) or a float in \[1.17"
+                                         rf"\S+, \S+\], got {t!r} \(bool_?\)"):
+        SamplingParams(temperature=t)
+    with pytest.raises(ValueError, match=r"token_logprobs: temperature must be a float in \[1.17\S+, \S+\], got "
+                                         rf"{t!r} \(bool_?\)"):
+        bitmatch.token_logprobs(model, torch.tensor([[1, 5, 6]]), temperature=t)
+
+
+def test_fp16_model_is_refused_at_engine_construction():
+    m16 = tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float16, seed=0, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"^Engine: the model's parameters are torch.float16, but bitmatch computes "
+                                         r"in bf16 or fp32: load it with dtype=torch.bfloat16 .*bitmatch.patch\(model, "
+                                         r"compute_dtype=torch.bfloat16\) before Engine\(model\)$"):
+        Engine(m16, num_gpu_blocks=8)
+    bitmatch.patch(m16, compute_dtype=torch.bfloat16)  # the fix the message names works
+    out = Engine(m16, num_gpu_blocks=8).generate([[1, 5]], SamplingParams(max_tokens=2, ignore_eos=True),
+                                                 use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

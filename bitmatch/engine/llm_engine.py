@@ -24,6 +24,7 @@ from bitmatch.engine.model_runner import ModelRunner, bytes_per_block
 from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
+from bitmatch.models.registry import patch_state
 
 _DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -62,6 +63,20 @@ def _token_ids(prompt, where: str) -> list[int]:
                 if isinstance(t, (list, tuple, torch.Tensor, np.ndarray)) else ""
             raise ValueError(f"{where}[{j}] must be an int token id, got {_kind(t)}{hint}")
     return [int(t) for t in prompt]
+
+
+def _check_compute_dtype(lm) -> None:
+    """Refuse at construction what the kernels would refuse at the first step (patch's rule): the
+    engine computes in the patch's compute_dtype, else in the parameters' dtype."""
+    st = patch_state(lm)
+    if st is not None and st.compute_dtype is not None:
+        return
+    bad = sorted({str(p.dtype) for p in lm.parameters()
+                  if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+    if bad:
+        raise ValueError(f"Engine: the model's parameters are {', '.join(bad)}, but bitmatch computes in bf16 or "
+                         "fp32: load it with dtype=torch.bfloat16 (or torch.float32), call model.to(torch.bfloat16), "
+                         "or bitmatch.patch(model, compute_dtype=torch.bfloat16) before Engine(model)")
 
 
 def _check_sampling_params(sp, where: str) -> None:
@@ -112,8 +127,9 @@ class Engine:
         self.block_size = _positive_int("block_size", block_size)
         self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"Engine: seed must be an int, got {seed!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"Engine: seed must be an int in [0, 2**64), got {seed!r}")
+        _check_compute_dtype(lm)
         if num_gpu_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("Engine: give num_gpu_blocks or kv_cache_bytes, not both")
         self.model, self.tokenizer, self.seed = model, tokenizer, seed

@@ -26,15 +26,21 @@ import bitmatch.kernels as K
 from bitmatch.logprobs import check_temperature
 
 
+# top_k as packed into int64: any k >= the vocabulary keeps every token, so clamping a larger k
+# (2**63 would overflow) to a bound above every vocabulary changes no mask
+_TOP_K_MAX = 2 ** 62
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling options (a subset of ``vllm.SamplingParams``, same names).
 
     temperature 0 means greedy (argmax, lowest index on ties), otherwise a float32-normal T in
     [2**-126, 3.4e38] (``bitmatch.logprobs.check_temperature``: 1 / T finite in float32); top_k -1 (or 0) and
-    top_p 1.0 disable those masks (``kernels.top_k_top_p_mask``: vLLM's rules, canonical order);
-    ``seed`` keys the request's noise, so its tokens depend on nothing but its logits, seed and
-    token index; with seed None the engine derives one from its own seed and the request's index.
+    top_p 1.0 disable those masks (``kernels.top_k_top_p_mask``: vLLM's rules, canonical order), and
+    so does a top_k at or above the vocabulary size (any int: every token is kept);
+    ``seed`` (an int in [0, 2**64)) keys the request's noise, so its tokens depend on nothing but its
+    logits, seed and token index; with seed None the engine derives one from its own seed and the request's index.
     ``stop_token_ids`` (and the EOS token unless ``ignore_eos``) end the request; the stop token
     is kept in ``token_ids`` with its logprob.
     """
@@ -52,11 +58,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"SamplingParams: top_k must be an int, -1 or 0 to disable, got {self.top_k!r}")
+            raise ValueError(f"SamplingParams: top_k must be an int >= 1, or -1 / 0 to disable, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams: max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"SamplingParams: seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"SamplingParams: seed must be None or an int in [0, 2**64) (the noise is keyed by "
+                             f"64 bits: a larger or negative seed would alias another), got {self.seed!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
@@ -110,7 +118,7 @@ class Sampler:
         f32 = np.array([[1.0 if sp.greedy else sp.temperature for sp in params],
                         [sp.top_p if m else 1.0 for sp, m in zip(params, masked)]], np.float32).reshape(2, -1)
         i64 = np.array([[K.sampling.to_int64_seed(s) for s in seeds], list(indices),
-                        [sp.top_k if m else -1 for sp, m in zip(params, masked)],
+                        [min(sp.top_k, _TOP_K_MAX) if m else -1 for sp, m in zip(params, masked)],
                         [sp.greedy for sp in params]], np.int64).reshape(4, -1)
         return f32, i64
 
