@@ -95,6 +95,8 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
                                        or attention_mask.shape != input_ids.shape):
         raise ValueError(f"{op}: attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    if attention_mask is not None:
+        _refuse_mask_holes(op, attention_mask)
     real = input_ids if attention_mask is None else input_ids[attention_mask.to(input_ids.device) != 0]
     vocab = lm.lm_head.weight.shape[0]
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
@@ -111,6 +113,27 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
     return temperature
 
 
+def _refuse_mask_holes(op: str, attention_mask: torch.Tensor) -> None:
+    """Each row's ones must be one run (left and/or right padding): packing would drop a masked
+    token in the middle and renumber the positions after it, which scores another sequence than
+    HF does for the same mask."""
+    m = attention_mask != 0
+    L = m.shape[1]
+    if L == 0:
+        return
+    cols = torch.arange(L, device=m.device)
+    first = torch.where(m, cols, L).amin(1)
+    last = torch.where(m, cols, -1).amax(1)
+    holes = (m.sum(1) > 0) & (last - first + 1 != m.sum(1))
+    if bool(holes.any()):
+        r = int(holes.nonzero()[0])
+        c = int(first[r]) + int((~m[r, int(first[r]):]).nonzero()[0])
+        raise ValueError(f"{op}: attention_mask row {r} has a 0 at column {c} between 1s; only left or right padding "
+                         "is supported (a hole would be scored as if the token were deleted, positions renumbered, "
+                         "not as HF scores that mask): drop the token from input_ids, or keep it in the mask and "
+                         "leave its logprob out of the loss")
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                    chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
@@ -121,7 +144,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     (the renormalized distribution the engine and the vLLM plugin sample from and report as
     ``sampled_logprobs`` / ``processed_logprobs``); gradients flow through the kept logits.
 
-    Left or right padding. The real tokens are packed (positions from 0 at the first real
+    Left or right padding (both at once too); a 0 between 1s in a row of ``attention_mask`` is
+    refused (ValueError naming the row and column). The real tokens are packed (positions from 0 at the first real
     token) and run through ``bitmatch.models.forward_hidden``; logits are computed over row
     chunks of ``chunk_rows`` (default: about 2**25 logits per chunk) and, with autograd on,
     recomputed in backward (checkpointed), so the whole [B, L, V] never exists. The bits do

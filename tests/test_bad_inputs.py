@@ -256,3 +256,20 @@ def test_fp16_model_is_refused_at_engine_construction():
     out = Engine(m16, num_gpu_blocks=8).generate([[1, 5]], SamplingParams(max_tokens=2, ignore_eos=True),
                                                  use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+# -- item 9: an attention mask with a hole is refused, padding on either side (or both) is not -----
+
+def test_attention_mask_with_a_hole_is_refused(model):
+    ids = torch.tensor([[0, 1, 5, 6, 7, 8], [1, 5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"^token_logprobs: attention_mask row 1 has a 0 at column 2 between 1s; only "
+                                         r"left or right padding is supported \(a hole would be scored as if the token "
+                                         r"were deleted, positions renumbered, not as HF scores that mask\): drop the "
+                                         r"token from input_ids"):
+        bitmatch.token_logprobs(model, ids, mask)
+    # left + right padding and an all-zero row are accepted, and equal the unpadded rows' values
+    ok = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]])
+    lp = bitmatch.token_logprobs(model, ids, ok)
+    alone = bitmatch.token_logprobs(model, ids[:1, 1:5])
+    assert torch.equal(lp[0, 1:4], alone[0]) and not lp[1].any()
