@@ -54,16 +54,21 @@ def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
-            initial_version: int | None = None) -> Receiver:
+            initial_version: int | None = None, verify_every: int = 0, allow_older_versions: bool = False) -> Receiver:
     """A Receiver managing ``target``'s weights (see Receiver); attaches its WeightState to the
-    module so ``require_ready(model)`` finds it. Generation is refused until a version is verified."""
-    return Receiver(target, layout=layout, arch=arch, staging=staging, initial_version=initial_version)
+    module so ``require_ready(model)`` finds it. Generation is refused until a version is verified,
+    and after any write to the live weights outside ``publish`` (version counters every step, a
+    full fingerprint pass every ``verify_every`` steps). Versions must increase."""
+    return Receiver(target, layout=layout, arch=arch, staging=staging, initial_version=initial_version,
+                    verify_every=verify_every, allow_older_versions=allow_older_versions)
 
 
 def serve(receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0) -> TcpReceiverServer:
-    """Accept TCP updates for ``receiver`` (background thread); ``.address`` is (host, port)."""
-    return TcpReceiverServer(receiver, token, host=host, port=port, timeout=timeout)
+          timeout: float = 60.0, auth_timeout: float = 5.0) -> TcpReceiverServer:
+    """Accept TCP updates for ``receiver`` (a thread per connection); ``.address`` is (host, port).
+    ``token`` (str or bytes) is the shared secret; a connection that has not authenticated within
+    ``auth_timeout`` seconds is dropped."""
+    return TcpReceiverServer(receiver, token, host=host, port=port, timeout=timeout, auth_timeout=auth_timeout)
 
 
 def fingerprints(model, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
@@ -75,13 +80,14 @@ def verify(target, manifest: Manifest, *, layout: str = "hf", arch: str | None =
     """Recompute every fingerprint on ``target``'s own bytes (HF names, or vLLM's merged layout)
     and raise FingerprintMismatchError naming the first differing tensor (ValueError if the name
     sets or shapes differ). A Receiver / managed model is also checked for manifest.version."""
+    # the version only: the fingerprints below name any tensor that changed
     if isinstance(target, Receiver):
-        target.require_ready(manifest.version)
+        target.state.require_ready(manifest.version, check_live=False)
         target = target.target
     else:
         st = weight_state(target)
         if st is not None:
-            st.require_ready(manifest.version)
+            st.require_ready(manifest.version, check_live=False)
     params = dict(named_weights(target))
     if layout == "vllm":
         lay = build_layout(arch or architecture_of(target), {k: s.shape for k, s in manifest.tensors.items()},

@@ -30,13 +30,15 @@ class WeightState:
         self.manifest: Manifest | None = None
         self.updating: int | None = None   # version being staged
         self.failure: str | None = None    # why the last update failed
+        self.live_check = None             # the receiver's check that the live bytes are the verified ones
 
     @property
     def ready(self) -> bool:
         return self.version is not None and self.failure is None and self.updating is None
 
-    def require_ready(self, expected_version: int | None = None) -> int:
-        """Return the loaded version; raise WeightsNotReadyError / WeightVersionError otherwise."""
+    def require_ready(self, expected_version: int | None = None, check_live: bool = True) -> int:
+        """Return the loaded version; raise WeightsNotReadyError / WeightVersionError otherwise
+        (``check_live``: also the receiver's check that the live bytes are still the verified ones)."""
         if self.failure is not None:
             held = ("no verified version is loaded" if self.version is None
                     else f"version {self.version} is still loaded")
@@ -46,6 +48,12 @@ class WeightState:
             raise WeightsNotReadyError(f"refusing to generate: update to version {self.updating} in progress")
         if self.version is None:
             raise WeightsNotReadyError("refusing to generate: no verified weight version loaded yet")
+        if check_live and self.live_check is not None:
+            problem = self.live_check()
+            if problem is not None:
+                self.failure = problem
+                raise WeightsNotReadyError(f"refusing to generate: {problem}; publish a new version (the live "
+                                           f"weights are no longer version {self.version})")
         if expected_version is not None and self.version != expected_version:
             raise WeightVersionError(f"engine holds weight version {self.version}, expected {expected_version}")
         return self.version
@@ -121,17 +129,34 @@ class Receiver:
     after) or "double_buffer" (one standby copy allocated now, so an update needs only the
     transport's bucket as extra memory). initial_version: accept the weights already loaded as
     this version (fingerprinted now); otherwise generation is refused until the first update.
+
+    The weights a step runs with are the verified ones: every ``require_ready`` (the engine calls
+    it per step) compares the live tensors' version counters with those recorded at the commit, so
+    an in-place write outside ``publish`` (an optimizer step on shared tensors, a stray ``mul_``)
+    makes the next step raise, naming the tensor; writes that bypass the counters (``.data``, a
+    kernel through a raw pointer) are caught by a full fingerprint pass every ``verify_every``
+    steps (0: never; on the GPU it costs a few ms for an 8B model). Versions must increase:
+    an older one is refused (``allow_older_versions=True`` to roll back on purpose) and the live
+    version number with other bytes is refused at commit.
     """
 
     def __init__(self, target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
-                 initial_version: int | None = None, verify_after_commit: bool = True):
+                 initial_version: int | None = None, verify_after_commit: bool = True, verify_every: int = 0,
+                 allow_older_versions: bool = False):
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ValueError(f"verify_every must be an int >= 0 (steps between full fingerprint checks), "
+                             f"got {verify_every!r}")
         if staging not in ("shadow", "double_buffer"):
             raise ValueError(f"staging must be 'shadow' or 'double_buffer', got {staging!r}")
         self.target = target
         self.slots = _Slots(target, layout, arch)
         self.staging = staging
         self.verify_after_commit = verify_after_commit
+        self.verify_every, self.allow_older_versions = verify_every, bool(allow_older_versions)
+        self._counters: dict[str, int] = {}
+        self._steps = 0
         self.state = WeightState()
+        self.state.live_check = self._check_live
         self.last_error: str | None = None
         self._update: Update | None = None
         self._busy = threading.Lock()
@@ -145,6 +170,29 @@ class Receiver:
             live = self.slots.live
             self.state.manifest = Manifest(int(initial_version), {
                 k: TensorSpec(tuple(v.shape), v.dtype, fp) for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
+            self.seal()
+
+    def seal(self) -> None:
+        """Record the live tensors' version counters: the verified state that steps must run on."""
+        self._counters = {k: t._version for k, t in self.slots.live.items()}
+        self._steps = 0
+
+    def _check_live(self) -> str | None:
+        version = self.state.version
+        for k, t in self.slots.live.items():
+            if t._version != self._counters.get(k):
+                return (f"live tensor {k!r} was written after version {version} was verified (outside "
+                        f"bitmatch.sync.publish)")
+        self._steps += 1
+        man = self.state.manifest
+        if self.verify_every and man is not None and self._steps % self.verify_every == 0:
+            names = list(man.tensors)
+            sl = self.slots
+            for name, got in zip(names, fingerprints_of(sl.view(sl.live, n) for n in names)):
+                if got != man.tensors[name].fingerprint:
+                    return (f"live tensor {name!r} no longer has version {version}'s fingerprint (expected "
+                            f"{man.tensors[name].fingerprint}, got {got}): written behind the version counters")
+        return None
 
     @property
     def version(self) -> int | None:
@@ -170,6 +218,12 @@ class Receiver:
         if not self._busy.acquire(blocking=False):
             raise SyncError("another weight update is in progress")
         try:
+            cur = self.state.version
+            if cur is not None and int(version) < cur and not self.allow_older_versions:
+                raise WeightVersionError(
+                    f"weight update to version {version}: this receiver holds version {cur} and versions must "
+                    "increase (a stale or replayed publish?); create the receiver with allow_older_versions=True "
+                    "to roll back on purpose")
             if order is not None:
                 mine = self.order()
                 if order.get("fingerprint") != mine["fingerprint"]:
@@ -298,6 +352,11 @@ class Update:
                        f"arrived, first {missing[0]!r}")
             raise SyncError(self.rx.last_error)
         man = self.manifest()
+        live = self.rx.state.manifest
+        if live is not None and self.rx.state.version == self.version and live.digest() != man.digest():
+            self.abort(f"update to version {self.version}: that version is live with other weights (digest "
+                       f"{live.digest()}, this update {man.digest()}): a version number must name one set of bytes")
+            raise WeightVersionError(self.rx.last_error)
         if digest is not None and digest != man.digest():
             self.abort(f"update to version {self.version}: manifest digest {man.digest()} != announced {digest}")
             raise SyncError(self.rx.last_error)
@@ -321,6 +380,7 @@ class Update:
                         raise FingerprintMismatchError(name, self.done[name], got, " (after switch)")
             man.order = self.order
             st.version, st.manifest, st.failure = self.version, man, None
+            self.rx.seal()
             self.closed = True
             if self.rx.staging == "shadow":
                 self.bank = {}

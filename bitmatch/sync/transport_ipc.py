@@ -14,7 +14,7 @@ import torch
 
 from .shared_bucket import SharedBucket
 from .source import iter_buckets
-from .transport_tcp import TcpSender, _raise_reply, _recv_header, _send_frame
+from .transport_tcp import TcpSender, _raise_reply
 
 DEFAULT_IPC_BUCKET_BYTES = 256 << 20
 
@@ -45,7 +45,7 @@ class IpcSender(TcpSender):
                 self._bucket.close()
                 self._bucket = None
 
-    def _send_bucket(self, sock, buf, segs, finished) -> None:
+    def _send_bucket(self, ch, buf, segs, finished) -> None:
         self._bucket.ready()
-        _send_frame(sock, {"type": "bucket", "segments": segs, "finished": finished, "shared": True})
-        _raise_reply(_recv_header(sock))  # copied out: the bucket may be refilled
+        ch.send({"type": "bucket", "segments": segs, "finished": finished, "shared": True})
+        _raise_reply(ch.recv())  # copied out: the bucket may be refilled

@@ -1,12 +1,24 @@
-"""TCP transport for a rollout server in another process (loopback by default).
+"""TCP transport for a rollout server in another process or on another host.
 
-Wire: length-prefixed JSON headers, raw payload bytes. The server opens with a random nonce;
-the client answers HMAC-SHA256(token, nonce) (the token never crosses the wire) and the server
-checks it with ``hmac.compare_digest`` before reading anything else, so a wrong-token client is
-refused with nothing loaded. Weights then travel in buckets of at most ``bucket_bytes`` that the
-server receives straight into the receiver's staging buffers (``recv_into``): the extra memory
-of an update is one bucket on the sender and none on the receiver beyond its staging. If the
-sender dies mid-update the receiver aborts: the previous version stays live.
+Handshake (mutual): the server opens with a random nonce, the client answers with its own nonce
+and HMAC-SHA256(token, "client" | transcript), the server checks it (``hmac.compare_digest``)
+before reading anything else and proves itself with HMAC(token, "server" | transcript); the
+client refuses a server that cannot (an impostor that took the port receives nothing). The token
+never crosses the wire. Both ends then derive a per-connection key K = HMAC(token, "key" |
+transcript).
+
+Frames: a length-prefixed JSON header, then an HMAC(K) over the direction, a sequence number and
+the header; a payload (bucket bytes) carries its own HMAC(K). So nothing on the path can rewrite,
+drop, reorder or replay a tensor byte, a fingerprint, the version, the canonical-order stamp or
+the commit digest: the receiver checks every MAC before it commits, and the sender checks the
+MAC'd digest the receiver returns. What this does not give: secrecy (weights travel in clear)
+and protection against a peer that holds the token. Run it over TLS or a private network when
+the weights are secret; bmh1 fingerprints (``hash.py``) catch accidents, the MACs catch tampering.
+
+Buckets of at most ``bucket_bytes`` are received straight into the receiver's staging
+(``recv_into``); the server serves each connection on its own thread, drops one that has not
+authenticated within ``auth_timeout`` seconds, and applies one update at a time (the receiver's
+lock). If the sender dies mid-update the receiver aborts: the previous version stays live.
 """
 from __future__ import annotations
 
@@ -20,25 +32,35 @@ import threading
 
 import torch
 
+from .errors import AuthenticationError, FingerprintMismatchError, SyncError
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
-from .receiver import AuthenticationError, FingerprintMismatchError, Receiver, SyncError
+from .receiver import Receiver
 from .shared_bucket import OpenedBucket
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
 
-_MAGIC = b"BMSYNC1\n"
+_MAGIC = b"BMSYNC2\n"
 _MAX_HEADER = 64 << 20
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+_MAC = 32
 
 
 def _token_bytes(token) -> bytes:
-    b = token.encode() if isinstance(token, str) else bytes(token or b"")
+    if isinstance(token, str):
+        b = token.encode()
+    elif isinstance(token, (bytes, bytearray)):
+        b = bytes(token)
+    else:
+        raise TypeError(f"token must be str or bytes (the shared secret), got {type(token).__name__}")
     if not b:
         raise ValueError("a non-empty shared token is required")
     return b
 
 
-def _mac(token: bytes, nonce: bytes) -> bytes:
-    return hmac.new(token, _MAGIC + nonce, hashlib.sha256).digest()
+def _hmac(key: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
 
 
 def _recv_into(sock, mv) -> None:
@@ -56,22 +78,67 @@ def _recv_exact(sock, n: int) -> bytes:
     return bytes(b)
 
 
-def _send_frame(sock, header: dict, payload=None) -> None:
+def _send_plain(sock, header: dict) -> None:
+    """An unauthenticated frame: only the refusal of a client that failed the handshake."""
     h = json.dumps(header).encode()
-    head = struct.pack(">I", len(h)) + h
-    if payload is not None and 0 < len(payload) <= (1 << 16):
-        sock.sendall(head + bytes(payload))  # one segment: no Nagle / delayed-ACK stall
-        return
-    sock.sendall(head)
-    if payload is not None and len(payload):
-        sock.sendall(payload)
+    sock.sendall(struct.pack(">I", len(h)) + h)
 
 
-def _recv_header(sock) -> dict:
+def _recv_plain(sock) -> dict:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > _MAX_HEADER:
-        raise SyncError(f"frame header of {n} bytes exceeds the limit")
+    if n > 1 << 16:
+        raise SyncError(f"refusal frame of {n} bytes exceeds the limit")
     return json.loads(_recv_exact(sock, n))
+
+
+class _Channel:
+    """MAC'd frames over an authenticated socket: header HMACs bind a per-direction sequence
+    number, payload HMACs bind the header's number."""
+
+    def __init__(self, sock, key: bytes, out_dir: bytes, in_dir: bytes):
+        self.sock, self.key, self.out_dir, self.in_dir = sock, key, out_dir, in_dir
+        self.sent = self.received = 0
+        self._payload = None
+
+    def send(self, header: dict, payload=None) -> None:
+        h = json.dumps(header).encode()
+        seq = struct.pack(">Q", self.sent)
+        head = struct.pack(">I", len(h)) + h + _hmac(self.key, self.out_dir, seq, h)
+        if payload is not None and len(payload):
+            mac = _hmac(self.key, self.out_dir, seq, b"payload", payload)
+            if len(payload) <= (1 << 16):
+                self.sock.sendall(head + bytes(payload) + mac)  # one segment: no Nagle stall
+            else:
+                self.sock.sendall(head)
+                self.sock.sendall(payload)
+                self.sock.sendall(mac)
+        else:
+            self.sock.sendall(head)
+        self.sent += 1
+
+    def recv(self) -> dict:
+        (n,) = struct.unpack(">I", _recv_exact(self.sock, 4))
+        if n > _MAX_HEADER:
+            raise SyncError(f"frame header of {n} bytes exceeds the limit")
+        h = _recv_exact(self.sock, n)
+        seq = struct.pack(">Q", self.received)
+        if not hmac.compare_digest(_recv_exact(self.sock, _MAC), _hmac(self.key, self.in_dir, seq, h)):
+            raise AuthenticationError("a frame from the peer failed its MAC: it was changed in transit or does not "
+                                      "come from a holder of the token")
+        self._payload = hmac.new(self.key, self.in_dir + seq + b"payload", hashlib.sha256)
+        self.received += 1
+        d = json.loads(h)
+        if not isinstance(d, dict):
+            raise SyncError("frame header must be a JSON object")
+        return d
+
+    def recv_payload_into(self, mv) -> None:
+        _recv_into(self.sock, mv)
+        self._payload.update(mv)
+
+    def end_payload(self, what: str) -> None:
+        if not hmac.compare_digest(_recv_exact(self.sock, _MAC), self._payload.digest()):
+            raise AuthenticationError(f"the bytes of {what} failed their MAC: changed in transit")
 
 
 def _error_reply(e: BaseException) -> dict:
@@ -89,25 +156,52 @@ def _raise_reply(r: dict):
         raise FingerprintMismatchError(r["name"], r["expected"], r["got"], " (reported by the receiver)")
     if kind == "AuthenticationError":
         raise AuthenticationError(msg)
-    if kind == "ValueError":
+    if kind in ("ValueError", "TypeError"):
         raise ValueError(msg)
     raise SyncError(f"receiver refused the update: {msg}")
 
 
+def _int_field(d: dict, key: str, where: str) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise SyncError(f"{where}: field {key!r} must be an int >= 0, got {v!r}")
+    return v
+
+
+def _segments(f: dict) -> list[tuple[str, int, int]]:
+    segs = f.get("segments")
+    if not isinstance(segs, list):
+        raise SyncError("bucket frame: 'segments' must be a list")
+    out = []
+    for s in segs:
+        if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)):
+            raise SyncError(f"bucket frame: segment {s!r} is not [name, offset, nbytes]")
+        out.append((s[0], _int_field({"offset": s[1]}, "offset", "bucket frame"),
+                    _int_field({"nbytes": s[2]}, "nbytes", "bucket frame")))
+    fin = f.get("finished")
+    if not isinstance(fin, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fin.items()):
+        raise SyncError("bucket frame: 'finished' must map tensor names to fingerprints")
+    return out
+
+
 class TcpReceiverServer:
-    """Serve ``receiver`` on host:port (port 0 picks one; see ``address``). One update at a time."""
+    """Serve ``receiver`` on host:port (port 0 picks one; see ``address``): a thread per
+    connection, one update at a time, unauthenticated connections dropped after ``auth_timeout``."""
 
     def __init__(self, receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, auth_timeout: float = 5.0):
+        self.token = _token_bytes(token)
         if host not in _LOOPBACK and not host.startswith("127."):
             import warnings
-            warnings.warn(f"bitmatch.sync TCP server listening on non-loopback {host}; the token "
-                          "authenticates peers but the stream is not encrypted", stacklevel=2)
-        self.receiver, self.token, self.timeout = receiver, _token_bytes(token), timeout
+            warnings.warn(f"bitmatch.sync TCP server listening on non-loopback {host}: frames are authenticated "
+                          "but not encrypted (run it over TLS or a private network if the weights are secret)",
+                          stacklevel=2)
+        self.receiver, self.timeout, self.auth_timeout = receiver, timeout, auth_timeout
         self.sock = socket.create_server((host, port))
         self.address = self.sock.getsockname()[:2]
         self.refused = 0
         self.errors: list[str] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="bitmatch-sync-server", daemon=True)
         self._thread.start()
@@ -136,83 +230,89 @@ class TcpReceiverServer:
             if self._stop.is_set():
                 conn.close()
                 return
-            with conn:
+            threading.Thread(target=self._connection, args=(conn,), name="bitmatch-sync-conn", daemon=True).start()
+
+    def _connection(self, conn) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn.settimeout(self.auth_timeout)
+                ch = self._handshake(conn)
+                if ch is None:
+                    return
                 conn.settimeout(self.timeout)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                try:
-                    self._handle(conn)
-                except Exception as e:  # the connection's problem, never the server's
+                self._frames(ch)
+            except Exception as e:  # the connection's problem, never the server's
+                with self._lock:
                     self.errors.append(repr(e))
 
-    def _handle(self, conn) -> None:
-        nonce = secrets.token_bytes(32)
-        conn.sendall(_MAGIC + nonce)
+    def _refuse(self) -> None:
+        with self._lock:
+            self.refused += 1
+
+    def _handshake(self, conn) -> _Channel | None:
+        nonce_s = secrets.token_bytes(32)
+        conn.sendall(_MAGIC + nonce_s)
         try:
-            answer = _recv_exact(conn, 32)
-        except (ConnectionError, OSError):
-            self.refused += 1
-            return
-        if not hmac.compare_digest(answer, _mac(self.token, nonce)):
-            self.refused += 1
-            _send_frame(conn, _error_reply(AuthenticationError("authentication failed: wrong token")))
-            return
-        _send_frame(conn, {"ok": True})
+            msg = _recv_exact(conn, 32 + _MAC)
+        except (ConnectionError, OSError):  # closed, or silent past auth_timeout
+            self._refuse()
+            return None
+        transcript = _MAGIC + nonce_s + msg[:32]
+        if not hmac.compare_digest(msg[32:], _hmac(self.token, b"client", transcript)):
+            self._refuse()
+            conn.sendall(b"\x00")
+            _send_plain(conn, _error_reply(AuthenticationError("authentication failed: wrong token")))
+            return None
+        conn.sendall(b"\x01" + _hmac(self.token, b"server", transcript))
+        ch = _Channel(conn, _hmac(self.token, b"key", transcript), b"S", b"C")
+        ch.send({"ok": True})
+        return ch
+
+    def _frames(self, ch: _Channel) -> None:
         while True:
             try:
-                h = _recv_header(conn)
+                h = ch.recv()
             except ConnectionError:
                 return
             if h.get("type") != "begin":
-                _send_frame(conn, _error_reply(SyncError(f"expected a 'begin' frame, got {h.get('type')!r}")))
+                ch.send(_error_reply(SyncError(f"expected a 'begin' frame, got {h.get('type')!r}")))
                 return
-            self._update(conn, h)
+            self._update(ch, h)
 
-    def _update(self, conn, h: dict) -> None:
+    def _update(self, ch: _Channel, h: dict) -> None:
         rx = self.receiver
         try:
-            check_hash_name(h.get("hash"), f"weight update to version {h.get('version')}")
+            version = _int_field(h, "version", "begin frame")
+            check_hash_name(h.get("hash"), f"weight update to version {version}")
+            if not isinstance(h.get("tensors"), dict):
+                raise SyncError("begin frame: 'tensors' must be an object")
             specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
-            upd = rx.begin(int(h["version"]), specs, order=h.get("order"))
+            upd = rx.begin(version, specs, order=h.get("order"))
         except Exception as e:
-            _send_frame(conn, _error_reply(e))
+            ch.send(_error_reply(e))
             raise
-        _send_frame(conn, {"ok": True})
+        ch.send({"ok": True})
         shared = None
         with upd:
             try:
                 if h.get("bucket") is not None:
-                    if conn.getpeername()[0] not in _LOOPBACK and not conn.getpeername()[0].startswith("127."):
+                    peer = ch.sock.getpeername()[0]
+                    if peer not in _LOOPBACK and not peer.startswith("127."):
                         raise SyncError("a shared (IPC) bucket is only accepted from this host")
                     shared = OpenedBucket(h["bucket"])
                 while True:
-                    f = _recv_header(conn)
-                    if f["type"] == "bucket":
-                        pos = 0
-                        for name, off, n in f["segments"]:
-                            buf = upd.buffer(name)
-                            if not (isinstance(off, int) and isinstance(n, int)) or off < 0 or n < 0 \
-                                    or off + n > buf.numel():
-                                raise ValueError(f"tensor {name!r}: bytes [{off}, {off}+{n}) outside its "
-                                                 f"{buf.numel()} bytes")
-                            if f.get("shared"):
-                                if shared is None or pos + n > shared.nbytes:
-                                    raise SyncError("bucket frame refers to a shared bucket that was not announced "
-                                                    "or is too small")
-                                buf[off:off + n].copy_(shared.tensor[pos:pos + n])
-                                pos += n
-                            else:
-                                _recv_into(conn, memoryview(buf[off:off + n].numpy()))
-                            upd.received_bytes += n
-                        for name, fp in f["finished"].items():
-                            upd.finish(name, fp)
-                        if f.get("shared"):
-                            _send_frame(conn, {"ok": True})  # the sender may refill the bucket
-                    elif f["type"] == "commit":
+                    f = ch.recv()
+                    if f.get("type") == "bucket":
+                        self._bucket(ch, upd, f, shared, specs)
+                    elif f.get("type") == "commit":
+                        if f.get("version") != version or f.get("order") != h.get("order"):
+                            raise SyncError("commit frame: version or canonical-order stamp differ from the begin frame")
                         man = upd.commit(f.get("digest"))
-                        _send_frame(conn, {"ok": True, "version": man.version, "digest": man.digest()})
+                        ch.send({"ok": True, "version": man.version, "digest": man.digest()})
                         return
                     else:
-                        raise SyncError(f"unexpected frame {f['type']!r} during an update")
+                        raise SyncError(f"unexpected frame {f.get('type')!r} during an update")
             except (ConnectionError, socket.timeout, OSError) as e:
                 upd.abort(f"sender disconnected mid-update to version {upd.version} after "
                           f"{upd.received_bytes} of {sum(s.nbytes for s in specs.values())} bytes ({e})")
@@ -220,13 +320,39 @@ class TcpReceiverServer:
             except Exception as e:
                 upd.abort(f"update to version {upd.version} failed: {e}")
                 try:
-                    _send_frame(conn, _error_reply(e))
+                    ch.send(_error_reply(e))
                 except OSError:
                     pass
                 raise
             finally:
                 if shared is not None:
                     shared.close()
+
+    @staticmethod
+    def _bucket(ch: _Channel, upd, f: dict, shared, specs) -> None:
+        segs = _segments(f)
+        pos = 0
+        for name, off, n in segs:
+            buf = upd.buffer(name)
+            if off + n > buf.numel():
+                raise ValueError(f"tensor {name!r}: bytes [{off}, {off + n}) outside its {buf.numel()} bytes")
+            if f.get("shared"):
+                if shared is None or pos + n > shared.nbytes:
+                    raise SyncError("bucket frame refers to a shared bucket that was not announced or is too small")
+                buf[off:off + n].copy_(shared.tensor[pos:pos + n])
+                pos += n
+            else:
+                ch.recv_payload_into(memoryview(buf[off:off + n].numpy()))
+            upd.received_bytes += n
+        if not f.get("shared") and segs:
+            ch.end_payload(f"the bucket holding {sorted({s[0] for s in segs})}")
+        for name, fp in f["finished"].items():
+            announced = specs.get(name).fingerprint if name in specs else None
+            if announced is not None and announced != fp:
+                raise FingerprintMismatchError(name, announced, fp, " (announced in 'begin', sent otherwise)")
+            upd.finish(name, fp)
+        if f.get("shared"):
+            ch.send({"ok": True})  # copied out: the sender may refill the bucket
 
 
 class TcpSender:
@@ -237,24 +363,32 @@ class TcpSender:
         self.host, self.port, self.token = host, port, _token_bytes(token)
         self.bucket_bytes, self.timeout = bucket_bytes, timeout
 
-    def _connect(self):
+    def _connect(self) -> _Channel:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = _recv_exact(sock, len(_MAGIC) + 32)
-        if not hello.startswith(_MAGIC):
-            sock.close()
-            raise SyncError("peer is not a bitmatch sync server")
-        sock.sendall(_mac(self.token, hello[len(_MAGIC):]))
         try:
-            _raise_reply(_recv_header(sock))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_exact(sock, len(_MAGIC) + 32)
+            if not hello.startswith(_MAGIC):
+                raise SyncError(f"{self.host}:{self.port} is not a bitmatch sync server of this version")
+            nonce_c = secrets.token_bytes(32)
+            transcript = hello + nonce_c
+            sock.sendall(nonce_c + _hmac(self.token, b"client", transcript))
+            status = _recv_exact(sock, 1)
+            if status != b"\x01":
+                _raise_reply(_recv_plain(sock))
+                raise AuthenticationError("the server refused the handshake")
+            if not hmac.compare_digest(_recv_exact(sock, _MAC), _hmac(self.token, b"server", transcript)):
+                raise AuthenticationError(f"the server at {self.host}:{self.port} did not prove it knows the token "
+                                          "(an impostor on that port, or another token); nothing was sent")
+            ch = _Channel(sock, _hmac(self.token, b"key", transcript), b"C", b"S")
+            _raise_reply(ch.recv())
+            return ch
         except BaseException:
             sock.close()
             raise
-        return sock
 
-    def _send_bucket(self, sock, buf, segs, finished) -> None:
-        _send_frame(sock, {"type": "bucket", "segments": segs, "finished": finished},
-                    memoryview(buf.numpy()))
+    def _send_bucket(self, ch: _Channel, buf, segs, finished) -> None:
+        ch.send({"type": "bucket", "segments": segs, "finished": finished}, memoryview(buf.numpy()))
 
     def _buckets(self, weights, dtype):
         return iter_buckets(weights, dtype, self.bucket_bytes)
@@ -263,23 +397,37 @@ class TcpSender:
         return {}
 
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        try:
+            return self._send(model, version, dtype)
+        except (socket.timeout, TimeoutError) as e:
+            raise SyncError(f"weight update to version {version}: {self.host}:{self.port} did not answer within "
+                            f"{self.timeout} s ({e}); the receiver keeps its previous version") from e
+        except ConnectionRefusedError as e:
+            raise SyncError(f"weight update to version {version}: nothing listens on {self.host}:{self.port} "
+                            f"(start the receiver with bitmatch.sync.serve)") from e
+
+    def _send(self, model, version: int, dtype: torch.dtype) -> Manifest:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
-        with self._connect() as sock:
-            _send_frame(sock, {"type": "begin", "version": int(version), "hash": HASH_NAME,
-                               "order": sender_order(weights),
-                               "tensors": {k: v.to_json() for k, v in specs.items()}, **self._begin_extra(weights)})
-            _raise_reply(_recv_header(sock))
+        order = sender_order(weights)
+        ch = self._connect()
+        with ch.sock:
+            ch.send({"type": "begin", "version": int(version), "hash": HASH_NAME, "order": order,
+                     "tensors": {k: v.to_json() for k, v in specs.items()}, **self._begin_extra(weights)})
+            _raise_reply(ch.recv())
             fps, man = {}, None
             try:
                 for buf, segs, finished in self._buckets(weights, dtype):
-                    self._send_bucket(sock, buf, segs, finished)
+                    self._send_bucket(ch, buf, segs, finished)
                     fps.update(finished)
                 man = Manifest(int(version), {k: TensorSpec(s.shape, dtype, fps[k]) for k, s in specs.items()})
-                _send_frame(sock, {"type": "commit", "digest": man.digest()})
+                ch.send({"type": "commit", "version": int(version), "order": order, "digest": man.digest()})
             except OSError:
                 pass  # the receiver hung up: its error frame says why
-            _raise_reply(_recv_header(sock))
+            r = _raise_reply(ch.recv())
             if man is None:
                 raise SyncError("receiver hung up during the update without saying why")
+            if r.get("version") != int(version) or r.get("digest") != man.digest():
+                raise SyncError(f"the receiver committed version {r.get('version')} with digest {r.get('digest')}, "
+                                f"the sender published version {version} with digest {man.digest()}")
             return man
