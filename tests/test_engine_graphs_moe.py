@@ -1,0 +1,305 @@
+"""Qwen3-MoE in the engine's CUDA-graph decode buckets: a real row's bits do not depend on the
+padded batch bucket or the context bucket it runs in, graphs == eager, engine == trainer.
+
+Two halves, as for the dense family (tests/test_engine_graphs.py):
+- the engine on CPU: ``ModelRunner.simulate_buckets`` runs every pure-decode step eagerly on the
+  padded inputs a graph replay gets (scratch block, padded rows decoding token 0, the context
+  bucket's host bound and full-width block table), on the float64-exact reference kernels. The
+  reference MoE is not sync-free (``unique``, ``nonzero``), which does not matter here: the
+  simulation runs eagerly. The capture itself runs on the GPU (benchmarks/moe_e2e.py, graphs on).
+- the MoE block on the Triton backend (interpreter, tiny shapes): no host read anywhere in its
+  forward (what graph capture needs), and its real rows' bits unchanged by padded rows.
+Controls: padded rows written into a real sequence's block (the dense control) and a
+capacity-factor expert layer (GShard-style token dropping, the usual batch-variant MoE) fail.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bitmatch
+import bitmatch.kernels as K
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine.graphs import graph_safe
+from bitmatch.models import family_of, unwrap_causal_lm
+from bitmatch.models.qwen3_moe import Qwen3MoeFamily
+from bitmatch.testing_models import random_prompts, tiny_model
+from test_engine import assert_bitmatch
+
+# both layers sparse, 8 experts top-2; small attention (the reference kernels are slow per step)
+TINY = dict(hidden_size=64, num_hidden_layers=2, mlp_only_layers=[], num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return bitmatch.patch(tiny_model("qwen3moe-e8-k2", dtype=torch.bfloat16, seed=1, **TINY))
+
+
+def _run(model, prompts, params, simulate, max_num_seqs=8, **kw):
+    eng = Engine(model, num_gpu_blocks=96, max_num_seqs=max_num_seqs, **kw)
+    eng.model_runner.simulate_buckets = simulate
+    outs = eng.generate(prompts, params, use_tqdm=False)
+    return eng, outs
+
+
+def _bits(outs):
+    return [(o.outputs[0].token_ids, torch.tensor(o.outputs[0].logprobs, dtype=torch.float32).view(torch.int32))
+            for o in outs]
+
+
+def _same(a, b):
+    return all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(_bits(a), _bits(b), strict=True))
+
+
+def _staggered():
+    # 5 requests finishing at different times: decode steps of 5, 4, 3, 2, 1 rows run in buckets
+    # 8, 4, 4, 2, 1 (padded with 3, 0, 1, 0, 0 rows); greedy and sampled rows mixed
+    prompts = random_prompts(5, 3, 30, seed=11)
+    params = [SamplingParams(temperature=t, max_tokens=2 + i, ignore_eos=True, seed=i)
+              for i, t in enumerate([0.8, 1.0, 0.0, 0.6, 0.8])]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    prompts, params = _staggered()
+    eng, outs = _run(model, prompts, params, simulate=False)
+    assert eng.model_runner.num_simulated_steps == 0
+    return outs
+
+
+@pytest.fixture(scope="module")
+def simulated(model):
+    prompts, params = _staggered()
+    eng, outs = _run(model, prompts, params, simulate=True)
+    assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
+    return outs
+
+
+# ---------------------------------------------------------------- the opt-in
+def test_family_opts_into_graphs(model):
+    assert graph_safe(model)
+    assert graph_safe(tiny_model("qwen3moe-e4-k1-step2"))  # dense and sparse layers mixed
+
+    class OwnMlp(Qwen3MoeFamily):  # a subclass with its own MLP must opt in again
+        def mlp(self, *a, **kw):
+            return super().mlp(*a, **kw)
+    assert not OwnMlp().cuda_graph_safe(unwrap_causal_lm(model))
+
+
+def test_lora_layers_keep_the_moe_family_eager():
+    peft = pytest.importorskip("peft")
+    base = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, **TINY)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    assert family_of(pm) is family_of(base)
+    assert not graph_safe(pm)
+
+
+# ---------------------------------------------------------------- the MoE block on Triton
+_READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten._unique2,
+          torch.ops.aten._unique, torch.ops.aten.unique_dim, torch.ops.aten.unique_consecutive,
+          torch.ops.aten.masked_select, torch.ops.aten.bincount, torch.ops.aten.equal}
+
+
+def _where():
+    """Who asked: the three innermost frames outside torch and this file, innermost first."""
+    out = []
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if f"{os.sep}torch{os.sep}" not in fr.filename and fr.filename != __file__:
+            out.append(f"{os.path.basename(fr.filename)}:{fr.lineno} {fr.name}")
+    return " <- ".join(out[:3])
+
+
+def _in_interpreter() -> bool:
+    # the interpreter stands in for the GPU: its copies of the launch arguments are device work
+    return any(f"triton{os.sep}runtime{os.sep}interpreter.py" in fr.filename for fr in traceback.extract_stack())
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op that reads tensor values on the host (on CUDA: a sync, or a shape that
+    depends on data; either breaks a graph capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put_) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
+        data_repeats = func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if (func.overloadpacket in _READS or bool_index or data_repeats) and not _in_interpreter():
+            self.reads.append((str(func.overloadpacket), _where()))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Every host read of tensor values inside the block: the dispatcher-level ones and the
+    Python-level ``tolist``/``numpy`` (which do not dispatch on CPU tensors)."""
+    mode = _HostReads()
+    saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+
+    def spy(name):
+        def f(self, *a, **kw):
+            if not _in_interpreter():
+                mode.reads.append((f"Tensor.{name}", _where()))
+            return saved[name](self, *a, **kw)
+        return f
+    try:
+        for n in saved:
+            setattr(torch.Tensor, n, spy(n))
+        with mode:
+            yield mode.reads
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def _block(dtype=torch.bfloat16):
+    m = tiny_model("qwen3moe-e8-k2", dtype=dtype, seed=2, hidden_size=32, moe_intermediate_size=16,
+                   num_hidden_layers=1, mlp_only_layers=[])
+    lm = unwrap_causal_lm(m)
+    return family_of(m), lm.model.layers[0].mlp, lm.config.hidden_size
+
+
+def _triton_mlp(fam, mlp, x):
+    with K.use_backend("triton"), torch.no_grad():
+        return fam.mlp(mlp, x, x.dtype)
+
+
+@pytest.mark.interpreter
+def test_moe_block_triton_forward_reads_nothing_on_the_host_on_cuda():
+    pytest.importorskip("triton")
+    fam, mlp, H = _block()
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with host_reads() as reads:
+        _triton_mlp(fam, mlp, x)
+    # the one read: moe_experts' expert-id range check on CPU tensors (aminmax + int); on CUDA the
+    # check is torch._assert_async, the branch every non-CPU device takes (checked on meta below,
+    # where any host read raises)
+    assert reads and all("_check_experts" in where for _, where in reads), reads
+    k = int(mlp.gate.top_k)
+    meta = dict(device="meta")
+    K.moe._check_experts("moe_experts", torch.empty(5, H, dtype=torch.bfloat16, **meta),
+                         torch.empty(5, k, dtype=torch.int64, **meta), torch.empty(5, k, **meta),
+                         torch.empty_like(mlp.experts.gate_up_proj, **meta),
+                         torch.empty_like(mlp.experts.down_proj, **meta), "swiglu", None)
+    with pytest.raises(Exception):  # the meta device refuses a host read: the check above can fail
+        int(torch.empty((), dtype=torch.int64, **meta))
+
+
+def test_control_reference_moe_block_reads_on_the_host():
+    # the detector's control: the CPU reference (unique + nonzero + tolist per expert) is caught
+    fam, mlp, H = _block()
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with host_reads() as reads, torch.no_grad():
+        fam.mlp(mlp, x, x.dtype)
+    found = {what for what, _ in reads}
+    assert {"aten._unique2", "aten.nonzero", "Tensor.tolist"} <= found, found
+
+
+def _capacity_dropping(orig, factor=1.0):
+    """GShard/Switch-style experts: each expert keeps its first int(factor * T * k / E) rows (in
+    token order) and drops the rest: the capacity grows with the batch, so padding changes it."""
+    def experts(x, ids, weights, w_in, w_out, **kw):
+        T, k = ids.shape
+        E = w_in.shape[0]
+        cap = max(1, int(factor * T * k / E))
+        flat = ids.reshape(-1)
+        rank_in_expert = (F.one_hot(flat, E).cumsum(0) - 1).gather(1, flat[:, None])[:, 0]
+        return orig(x, ids, weights * (rank_in_expert < cap).view(T, k), w_in, w_out, **kw)
+    return experts
+
+
+@pytest.mark.interpreter
+def test_moe_block_triton_real_rows_same_bits_in_every_bucket(monkeypatch):
+    pytest.importorskip("triton")
+    fam, mlp, H = _block()
+    g = torch.Generator().manual_seed(3)
+    real = torch.randn(3, H, generator=g).to(torch.bfloat16)
+    real[2] = real[0]  # two rows on the same experts: a capacity of 1 per expert drops one of them
+    pad_row = torch.randn(1, H, generator=g).to(torch.bfloat16)  # what padded rows carry (token 0's state)
+
+    def in_bucket(b):
+        return _triton_mlp(fam, mlp, torch.cat([real, pad_row.expand(b - 3, H)]))[:3]
+    alone = in_bucket(3)
+    for b in (4, 8, 16):  # 16 rows x top-2: the 64-row tile config, not the 16-row one
+        torch.testing.assert_close(in_bucket(b).view(torch.int16), alone.view(torch.int16), rtol=0, atol=0)
+    # control: capacity-limited experts see the padding (capacity 1 alone, 2 in bucket 8)
+    monkeypatch.setattr(K, "moe_experts", _capacity_dropping(K.moe_experts))
+    assert not torch.equal(in_bucket(8), in_bucket(3))
+
+
+# ---------------------------------------------------------------- the engine (simulated graphs)
+def test_padded_buckets_same_bits_as_eager(eager, simulated):
+    assert _same(eager, simulated)
+
+
+def test_same_request_in_every_batch_bucket(model):
+    # one fixed request, alone and with 2 and 6 neighbours (buckets 1, 4, 8; 1 padded row in the
+    # last two): identical bits
+    target = random_prompts(1, 17, 17, seed=5)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=99)
+    others = random_prompts(6, 2, 25, seed=6)
+    runs = []
+    for k in (0, 2, 6):
+        ps = [SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=i) for i in range(k)]
+        eng, outs = _run(model, others[:k] + [target], ps + [sp], simulate=True)
+        assert eng.model_runner.num_simulated_steps == 3
+        runs.append(outs[-1])
+    assert all(_same([runs[0]], [r]) for r in runs[1:])
+
+
+def test_same_request_in_every_context_bucket(model, monkeypatch):
+    # the same two requests under graphs captured up to 32, 128 and 1024 tokens: the decode steps
+    # run at host bounds 32, 128, 512 and with block tables 2, 8, 64 blocks wide
+    import bitmatch.models as M
+    seen = []
+    orig = M.forward_hidden
+
+    def spy(model, ids, ctx, *a, **kw):
+        if ctx.max_query_len == 1:
+            seen.append((ctx.max_seq_len, ctx.block_table.shape[1]))
+        return orig(model, ids, ctx, *a, **kw)
+    monkeypatch.setattr(M, "forward_hidden", spy)
+    prompts = random_prompts(2, 9, 20, seed=8)
+    params = [SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seed=i) for i in range(2)]
+    runs = []
+    for cap in (32, 128, 1024):
+        seen.clear()
+        eng, outs = _run(model, prompts, params, simulate=True, max_seq_len_to_capture=cap)
+        assert eng.model_runner.num_simulated_steps == 3
+        assert set(seen) == {(min(cap, 512), -(-cap // 16))}, (cap, seen)
+        runs.append(outs)
+    assert all(_same(runs[0], r) for r in runs[1:])
+
+
+def test_engine_equals_trainer_with_graphs(model, simulated):
+    # Diff = 0: the simulated-graph engine's logprobs are token_logprobs' on the same tokens, in
+    # right-padded batches of 5 (another batch than the engine's)
+    _, params = _staggered()
+    assert assert_bitmatch(model, simulated, params) == sum(sp.max_tokens for sp in params)
+
+
+def test_control_padding_into_a_real_block_changes_bits(model, eager, monkeypatch):
+    # the dense tests' control: padded rows write into a real sequence's block, not the scratch block
+    from bitmatch.engine import model_runner as mr
+    orig = mr.ModelRunner.pad
+
+    def bad_pad(self, inp, bucket):
+        p = orig(self, inp, bucket)
+        if bucket > inp.B:
+            p.slots = p.slots.copy()
+            p.slots[inp.B:] = inp.slots[0] - 1  # the position before the first row's token: real K/V
+        return p
+    monkeypatch.setattr(mr.ModelRunner, "pad", bad_pad)
+    prompts, params = _staggered()
+    _, got = _run(model, prompts, params, simulate=True)
+    assert not _same(eager, got)
