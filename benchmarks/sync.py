@@ -246,6 +246,13 @@ def ipc_publish(size, master, a) -> dict:
         pub()
         out["publish_ipc_s"] = cuda_timed(pub, a.repeats)
         out["ipc_bucket_bytes"] = a.bucket_mib << 20
+        # the TCP byte path between the same two processes (pinned host buckets both ends)
+        tcp = sync.TcpSender("127.0.0.1", tx.port, TOKEN, bucket_bytes=a.bucket_mib << 20)
+
+        def pub_tcp():
+            v[0] += 1
+            sync.publish(master, v[0], to=tcp)
+        out["publish_tcp_loopback_s"] = cuda_timed(pub_tcp, 1)
     finally:
         p.stdin.close()
         p.wait(timeout=60)

@@ -76,8 +76,9 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tens
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
     bucket_bytes -= bucket_bytes % 4
-    if own:
-        buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+    if own:  # pinned when the weights live on a GPU: the device-to-host copies run at full speed
+        on_gpu = any(t.device.type == "cuda" for _, t in weights)
+        buf = torch.empty(bucket_bytes, dtype=torch.uint8, pin_memory=on_gpu)
     pos, segs, finished = 0, [], {}
     for name, t in weights:
         h = StreamHasher()

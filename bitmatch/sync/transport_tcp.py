@@ -329,6 +329,15 @@ class TcpReceiverServer:
                     shared.close()
 
     @staticmethod
+    def _pinned(upd, n: int) -> torch.Tensor:
+        """A pinned host buffer of at least n bytes, kept for the update (grows by doubling)."""
+        host = getattr(upd, "host_bucket", None)
+        if host is None or host.numel() < n:
+            host = torch.empty(max(n, 2 * (0 if host is None else host.numel())), dtype=torch.uint8, pin_memory=True)
+            upd.host_bucket = host
+        return host
+
+    @staticmethod
     def _bucket(ch: _Channel, upd, f: dict, shared, specs) -> None:
         segs = _segments(f)
         pos = 0
@@ -341,8 +350,12 @@ class TcpReceiverServer:
                     raise SyncError("bucket frame refers to a shared bucket that was not announced or is too small")
                 buf[off:off + n].copy_(shared.tensor[pos:pos + n])
                 pos += n
-            else:
+            elif buf.device.type == "cpu":
                 ch.recv_payload_into(memoryview(buf[off:off + n].numpy()))
+            else:  # device staging: through a pinned host bucket, the fingerprint then runs on the device
+                host = TcpReceiverServer._pinned(upd, n)
+                ch.recv_payload_into(memoryview(host[:n].numpy()))
+                buf[off:off + n].copy_(host[:n])
             upd.received_bytes += n
         if not f.get("shared") and segs:
             ch.end_payload(f"the bucket holding {sorted({s[0] for s in segs})}")
