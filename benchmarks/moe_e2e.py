@@ -1,20 +1,51 @@
-"""Qwen3-MoE end to end on one device: bitmatch.Engine vs bitmatch.token_logprobs (Diff = 0 over
-several batch / schedule configs) and the control (HF's own MoE forward), plus engine decode
-tokens/s against the same engine with HF's own MoE block (its default experts implementation).
+"""Qwen3-MoE end to end on one device, side by side in one run (issue 22, "MoE at speed").
 
-    python benchmarks/moe_e2e.py --out DIR [--device cuda] [--hidden 1024 --experts 32 --top-k 4 ...]
+Random-weight Qwen3-MoE, bf16 (default: 6 layers, hidden 2048, 32 heads, 4 kv heads, head_dim 128,
+128 experts top-8, expert width 768, vocab 151936: Qwen3-30B-A3B's layer shape). Sections, in run
+order (``--budget-s`` skips what would start too late; the JSON is rewritten after every
+measurement, so a run cut short keeps what it measured):
+- diff: bitmatch.Engine with its decode CUDA graphs on, two batch/schedule configs, vs
+  bitmatch.token_logprobs on the same tokens (right-padded batches of 5, reversed order):
+  mismatching tokens (want 0), with the graphs' captures and replays; the stock HF forward
+  (fp32 log_softmax(logits / T)) as the control (want > 0).
+- rollout: B in --batches, prompts of --prompt-len random tokens, --new-tokens sampled at T = 1
+  (seeded per request): tokens/s and the median decode step of the engine with graphs, the same
+  engine eager (and whether its tokens and logprobs equal the graphs' bit for bit), the same engine
+  with HF's MoE block (Qwen3MoeSparseMoeBlock on HF's experts implementation, every other op
+  bitmatch's) eager, and HF ``generate`` (SDPA, DynamicCache); host syncs of one decode step.
+- train: one training step, fwd+bwd of ``token_logprobs`` on the patched model vs HF's own
+  forward + backward (stock trainer: fp32 log_softmax(logits / T) at the next token) on the same
+  weights, --train-shape tokens: step time, tokens/s, peak memory above the weights, top kernels.
+- stock_graphs (last: a failed capture can leave the CUDA context unusable): the engine with HF's
+  MoE block and graphs on.
 
-Writes DIR/moe_e2e.json with the command, machine and versions. Random weights, bf16.
+  python benchmarks/moe_e2e.py --out DIR [--sections diff,rollout,train,stock_graphs]
+      [--batches 32,64] [--budget-s 200]
+  python benchmarks/moe_e2e.py --out DIR --device cpu --smoke    (tiny shapes: the script's logic;
+      graphs simulated as in the CPU tests)
+
+Writes DIR/moe_e2e.json (command, machine, versions, every figure).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import copy
+import os
 import platform
+import statistics
 import sys
 import time
+import traceback
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_train  # noqa: E402  (Recorder, machine_info, cuda_ms, _peak, top_kernels, host_syncs)
+
+SMOKE = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, experts=8, top_k=2, inter=32, vocab=256,
+             prompts=4, prompt_len=24, batches="2,4", new_tokens=4, diff_tokens=4, train_shape="2x16",
+             rollout_prompt_len=16)
 
 
 def build(a, device):
@@ -22,114 +53,326 @@ def build(a, device):
 
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=128, num_experts=a.experts,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim, num_experts=a.experts,
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.inter, norm_topk_prob=True, decoder_sparse_step=1,
-        max_position_embeddings=4096, initializer_range=0.02, router_aux_loss_coef=0.0)
+        max_position_embeddings=4096, initializer_range=0.02, router_aux_loss_coef=0.0, tie_word_embeddings=False)
     torch.manual_seed(a.seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device).eval()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy on the host
+    try:
+        with torch.device(device):
+            m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(prev)
+    return m.eval()
 
 
-def diff_check(model, hf, prompts, device, temperature):
+def engine(model, device, **kw):
+    """A bitmatch.Engine; on CPU its decode steps run the graph simulation (the CPU tests' one)."""
+    import bitmatch
+    eng = bitmatch.Engine(model, **kw)
+    if device.type == "cpu" and not kw.get("enforce_eager"):
+        eng.model_runner.simulate_buckets = True
+    return eng
+
+
+def graph_use(eng):
+    r = eng.model_runner
+    if r.graphs is not None:
+        return {"captures": r.graphs.num_captures, "replays": r.graphs.num_replays}
+    return {"graphs": None, "simulated_steps": r.num_simulated_steps}
+
+
+@contextlib.contextmanager
+def hf_moe_block():
+    """The engine's sparse layers on HF's own MoE block (its experts implementation)."""
+    import bitmatch.models.qwen3_moe as qm
+    orig = qm._moe_block
+    qm._moe_block = lambda mod, x, dtype, rec=None, prefix="mlp": type(mod).forward(mod, x[None])[0]
+    try:
+        yield
+    finally:
+        qm._moe_block = orig
+
+
+# ------------------------------------------------------------------ diff
+DIFF_CONFIGS = (("64 seqs, chunked 512", dict(max_num_seqs=64, max_num_batched_tokens=512)),
+                ("3 seqs, block 32, 97-token steps", dict(max_num_seqs=3, max_num_batched_tokens=97, block_size=32)))
+
+
+def diff_check(model, hf, prompts, device, temperature, n_new):
     import bitmatch
     from bitmatch.testing_models import pad_batch
 
     rows = []
-    for label, kw in (("64 seqs, chunked 512", dict(max_num_seqs=64, max_num_batched_tokens=512)),
-                      ("3 seqs, block 32, 97-token steps", dict(max_num_seqs=3, max_num_batched_tokens=97,
-                                                               block_size=32)),
-                      ("1 seq, no chunking", dict(max_num_seqs=1, enable_chunked_prefill=False,
-                                                  max_num_batched_tokens=4096))):
-        eng = bitmatch.Engine(model, kv_cache_bytes=4 << 30, **kw)
-        params = [bitmatch.SamplingParams(temperature=temperature, max_tokens=16, seed=i) for i in range(len(prompts))]
+    for label, kw in DIFF_CONFIGS:
+        eng = engine(model, device, kv_cache_bytes=1 << 30, **kw)
+        params = [bitmatch.SamplingParams(temperature=temperature, max_tokens=n_new, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
         outs = eng.generate(prompts, params, use_tqdm=False)
         seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
         mism = tot = ctrl = 0
-        for s in range(0, len(seqs), 5):
-            group = list(reversed(seqs[s:s + 5]))      # other batch, other order than the engine's
-            ids, mask = pad_batch(group, "right")
+        for s in range(0, len(outs), 5):
+            idx = list(range(s, min(s + 5, len(outs))))[::-1]   # other batch, other order than the engine's
+            ids, mask = pad_batch([seqs[i] for i in idx], "right")
             ids, mask = ids.to(device), mask.to(device)
             with torch.no_grad():
                 lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
                 stock = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
-            for b, seq in enumerate(group):
-                o = outs[seqs.index(seq)]
+            for b, i in enumerate(idx):
+                o = outs[i]
                 p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
                 got = torch.tensor(o.outputs[0].logprobs, device=device)
-                want = lp[b, p - 1:p + c - 1]
-                toks = ids[b, p:p + c]
-                st = stock[b, p - 1:p + c - 1].gather(-1, toks[:, None])[:, 0]
-                mism += int((got != want).sum())
+                st = stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]
+                mism += int((got != lp[b, p - 1:p + c - 1]).sum())
                 ctrl += int((got != st).sum())
                 tot += c
-        rows.append({"config": label, "tokens": tot, "mismatches": mism, "control_stock_hf_mismatches": ctrl})
+        rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
+                     "control_stock_hf_mismatches": ctrl, **graph_use(eng)})
+        print("diff", rows[-1], flush=True)
+        del eng
     return rows
 
 
-def decode_speed(model, prompts, a):
-    import bitmatch
+# ------------------------------------------------------------------ rollout
+def engine_run(eng, prompts, params):
+    """(wall s, per-step ms, [(tokens, logprobs)] in request order) of one generate, stepped by hand."""
+    ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
+    gpu_train.sync()
+    t0 = time.perf_counter()
+    steps, done = [], {}
+    while eng.has_unfinished_requests():
+        s = time.perf_counter()
+        for o in eng.step():  # the requests that finished in this step
+            done[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
+        gpu_train.sync()
+        steps.append((time.perf_counter() - s) * 1e3)
+    return time.perf_counter() - t0, steps, [done[i] for i in ids]
 
-    eng = bitmatch.Engine(model, kv_cache_bytes=8 << 30, max_num_seqs=len(prompts), max_num_batched_tokens=8192)
-    params = bitmatch.SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True)
-    eng.generate(prompts, params, use_tqdm=False)  # warm up on the same batch: every Triton config compiled
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = eng.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+def decode_ms(steps, n_new):
+    dec = steps[1:n_new]  # step 0 is the whole prefill (the step budget holds every prompt)
+    return statistics.median(dec) if dec else None
+
+
+def step_syncs(eng, prompts, params):
+    """Host syncs of one pure-decode step (torch's sync debug mode)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params(i))
+    eng.step()
+    eng.step()
+    res = gpu_train.host_syncs(eng.step)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return res
+
+
+def hf_generate(hf, ids, n_new):
+    gpu_train.sync()
+    t0 = time.perf_counter()
+    hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    gpu_train.sync()
+    return time.perf_counter() - t0
+
+
+def rollout(model, hf, a, device, rec, deadline):
+    import bitmatch
+    batches = [int(b) for b in a.batches.split(",")]
+    Bmax, L, n_new = max(batches), a.rollout_prompt_len, a.new_tokens
+    per_tok = 2 * a.layers * a.kv_heads * a.head_dim * 2
+    kw = dict(max_num_seqs=Bmax, max_num_batched_tokens=Bmax * L + Bmax,
+              kv_cache_bytes=int(Bmax * (L + n_new + 64) * per_tok * 1.2))
+    graphs, eager = engine(model, device, **kw), engine(model, device, enforce_eager=True, **kw)
+
+    def params(i):  # seeded per request: every engine draws the same noise for the same request
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
+
+    def warm(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i)
+    out = rec.data["sections"].setdefault("rollout", {})
+    for B in batches:
+        if time.time() > deadline:
+            out.setdefault("skipped_for_time", []).append(B)
+            continue
+        g = torch.Generator().manual_seed(B)
+        ids = torch.randint(0, a.vocab, (B, L), generator=g)
+        prompts = ids.tolist()
+        r = {"B": B, "prompt_len": L, "new_tokens": n_new}
+        try:
+            with torch.no_grad():
+                engine_run(graphs, prompts, warm)          # Triton compiles, graph capture of the bucket
+                engine_run(graphs, prompts, warm)
+                wall, steps, toks_g = engine_run(graphs, prompts, params)
+                r.update(graphs_wall_s=wall, graphs_decode_ms=decode_ms(steps, n_new), prefill_step_ms=steps[0],
+                         graphs=graph_use(graphs))
+                engine_run(eager, prompts, warm)
+                wall, steps, toks_e = engine_run(eager, prompts, params)
+                r.update(eager_wall_s=wall, eager_decode_ms=decode_ms(steps, n_new),
+                         graphs_vs_eager_bits_equal=toks_g == toks_e)
+                with hf_moe_block():
+                    engine_run(eager, prompts, warm)
+                    wall, steps, _ = engine_run(eager, prompts, params)
+                r.update(stock_moe_block_wall_s=wall, stock_moe_block_decode_ms=decode_ms(steps, n_new))
+                if B == Bmax:
+                    r["host_syncs_per_decode_step"] = {"graphs": step_syncs(graphs, prompts, params),
+                                                       "eager": step_syncs(eager, prompts, params)}
+                hf_generate(hf, ids[:, :16].to(device), 2)
+                r["hf_generate_wall_s"] = hf_generate(hf, ids.to(device), n_new)
+            toks = B * n_new
+            r.update(tokens_per_s=toks / r["graphs_wall_s"], eager_tokens_per_s=toks / r["eager_wall_s"],
+                     stock_moe_block_tokens_per_s=toks / r["stock_moe_block_wall_s"],
+                     hf_generate_tokens_per_s=toks / r["hf_generate_wall_s"],
+                     vs_stock_moe_block=r["stock_moe_block_wall_s"] / r["graphs_wall_s"],
+                     vs_hf_generate=r["hf_generate_wall_s"] / r["graphs_wall_s"],
+                     graphs_vs_eager=r["eager_wall_s"] / r["graphs_wall_s"],
+                     eager_vs_stock_moe_block=r["stock_moe_block_wall_s"] / r["eager_wall_s"])
+        except Exception:
+            r["error"] = traceback.format_exc()[-2000:]
+            print(r["error"], flush=True)
+        out[f"B{B}"] = r
+        print("rollout", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "error"},
+              flush=True)
+        rec.flush()
+    del graphs, eager
+
+
+def stock_graphs(model, a, device, rec):
+    """The engine with HF's MoE block in its sparse layers and decode graphs on (captured with HF's
+    block: its grouped_mm experts avoid host syncs by design), at the largest batch."""
+    import bitmatch
+    B, L, n_new = max(int(b) for b in a.batches.split(",")), a.rollout_prompt_len, a.new_tokens
+    per_tok = 2 * a.layers * a.kv_heads * a.head_dim * 2
+    prompts = torch.randint(0, a.vocab, (B, L), generator=torch.Generator().manual_seed(B)).tolist()
+    r = {"B": B}
+    with hf_moe_block(), torch.no_grad():
+        eng = engine(model, device, max_num_seqs=B, max_num_batched_tokens=B * L + B,
+                     kv_cache_bytes=int(B * (L + n_new + 64) * per_tok * 1.2))
+        warm = lambda i: bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i)  # noqa: E731
+        engine_run(eng, prompts, warm)
+        engine_run(eng, prompts, warm)
+        wall, steps, _ = engine_run(eng, prompts, lambda i: bitmatch.SamplingParams(
+            temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
+    r.update(wall_s=wall, decode_ms=decode_ms(steps, n_new), tokens_per_s=B * n_new / wall, graphs=graph_use(eng))
+    rec.put("stock_graphs", r)
+    print("stock_graphs", r, flush=True)
+
+
+# ------------------------------------------------------------------ train
+def train(model, hf, a, device):
+    import bitmatch
+    B, L = (int(v) for v in a.train_shape.split("x"))
+    ids = torch.randint(0, a.vocab, (B, L), device=device, generator=torch.Generator(device).manual_seed(3))
+    w = torch.randn(B, L - 1, device=device, generator=torch.Generator(device).manual_seed(4))
+    hf.train()
+    model.train()
+
+    def stock():
+        hf.zero_grad(set_to_none=True)
+        (gpu_train.stock_token_logprobs(hf, ids, 1.0) * w).sum().backward()
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        (bitmatch.token_logprobs(model, ids, None, temperature=1.0) * w).sum().backward()
+    res = {"batch": [B, L], "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None)}
+    try:
+        res["stock_peak_gib"], res["weights_gib"] = gpu_train._peak(hf, stock)
+        res["stock_step_ms"] = gpu_train.cuda_ms(stock, iters=3, warmup=1)
+        res["profile_stock"] = gpu_train.top_kernels(stock, k=10)
+    finally:
+        hf.zero_grad(set_to_none=True)
+        hf.eval()
+    try:
+        res["ours_peak_gib"], _ = gpu_train._peak(model, ours)
+        res["ours_step_ms"] = gpu_train.cuda_ms(ours, iters=3, warmup=1)
+        res["profile_ours"] = gpu_train.top_kernels(ours, k=10)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
+               tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
+               peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
+    print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
+    gpu_train.empty_cache()
+    return res
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--inter", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=64, help="decode batch of the speed run")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (with --device cpu: the script's logic only)")
+    ap.add_argument("--sections", default="diff,rollout,train,stock_graphs")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--inter", type=int, default=768, help="expert width (moe_intermediate_size)")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--prompts", type=int, default=20, help="diff: prompts of 8..--prompt-len tokens")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--diff-tokens", type=int, default=16)
+    ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--rollout-prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--train-shape", default="4x512")
+    ap.add_argument("--budget-s", type=float, default=200, help="no new section or batch after this many s")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    import copy
-
+    if a.smoke:
+        explicit = {t.split("=")[0].lstrip("-").replace("-", "_") for t in (argv or sys.argv[1:]) if t.startswith("--")}
+        for k, v in SMOKE.items():
+            if k not in explicit:
+                setattr(a, k, v)
     import transformers
 
     import bitmatch
+    from bitmatch.engine.graphs import graph_safe
     from bitmatch.testing_models import random_prompts
 
+    t_start = time.time()
+    deadline = t_start + a.budget_s
     dev = torch.device(a.device)
+    gpu_train.DEV = dev.type  # gpu_train's helpers sync / measure memory on CUDA only
+    os.makedirs(a.out, exist_ok=True)
+    rec = gpu_train.Recorder(os.path.join(a.out, "moe_e2e.json"), a, extra={
+        "hostname": platform.node(), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "bitmatch": bitmatch.__version__}})
+    rec.data["command"] = " ".join([sys.executable] + sys.argv)
     hf = build(a, dev)
     model = bitmatch.patch(copy.deepcopy(hf))
-    prompts = random_prompts(a.prompts, 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
-    res = {"command": " ".join([sys.executable] + sys.argv), "machine": platform.node(),
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "bitmatch": bitmatch.__version__}, "args": vars(a)}
-    res["diff"] = diff_check(model, hf, prompts, dev, 0.9)
-    if dev.type == "cuda":
-        speed_prompts = random_prompts(a.batch, a.prompt_len, a.prompt_len, seed=2, vocab_hi=a.vocab - 1)
-        ours = decode_speed(model, speed_prompts, a)
-        import bitmatch.models.qwen3_moe as qm
-
-        # the same engine with HF's own MoE block (its default experts implementation) in the sparse layers
-        orig = qm._moe_block
-        qm._moe_block = lambda mod, x, dtype, rec=None, prefix="mlp": type(mod).forward(mod, x[None])[0]
+    rec.data["hf_experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
+    rec.data["cuda_graph_safe"] = graph_safe(model)
+    sections = a.sections.split(",")
+    for name in sections:
+        if time.time() > deadline:
+            rec.data.setdefault("skipped_for_time", []).append(name)
+            rec.flush()
+            continue
+        t0 = time.time()
         try:
-            stock = decode_speed(model, speed_prompts, a)
-        finally:
-            qm._moe_block = orig
-        res["rollout"] = {"batch": a.batch, "tokens_per_s": ours, "stock_moe_block_tokens_per_s": stock,
-                          "ratio": ours / stock}
-    with open(f"{a.out}/moe_e2e.json", "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
+            if name == "diff":
+                prompts = random_prompts(a.prompts, 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
+                rec.put("diff", diff_check(model, hf, prompts, dev, 0.9, a.diff_tokens))
+            elif name == "rollout":
+                rollout(model, hf, a, dev, rec, deadline)
+            elif name == "train":
+                rec.put("train", train(model, hf, a, dev))
+            elif name == "stock_graphs":
+                stock_graphs(model, a, dev, rec)
+            else:
+                raise ValueError(f"unknown section {name!r}")
+        except Exception:
+            rec.err(name)
+        rec.data.setdefault("section_seconds", {})[name] = round(time.time() - t0, 1)
+        rec.flush()
+    rec.data["total_seconds"] = round(time.time() - t_start, 1)
+    rec.flush()
+    print("wrote", rec.path, "in", rec.data["total_seconds"], "s", flush=True)
 
 
 if __name__ == "__main__":
