@@ -1,10 +1,12 @@
 """Test session setup: the Triton interpreter, seeding, and skips that hide a broken environment.
 
-TRITON_INTERPRET=1 is set here, before pytest imports any test module: ``@triton.jit`` decides
-between the compiled and the interpreted kernel when a kernel module is imported, and the first
-test module to import transformers (via torch._dynamo) imports triton. Setting it per test file
-only worked when that file ran first. It changes nothing for the CPU tests on the reference
-backend: ``backend_for`` sends CPU tensors to the reference unless a test forces ``use_backend("triton")``.
+TRITON_INTERPRET=1 is set here, before pytest imports any test module: Triton reads it when a
+kernel is decorated (``@triton.jit``, at the import of each kernel module) and
+``bitmatch.kernels.triton`` patches the interpreter at its import. The per-file guards this
+replaces skipped whenever triton was already imported, which in the full collection it always
+was (the first module importing transformers imports it through torch._dynamo). It changes
+nothing for CPU tests on the reference backend: ``backend_for`` sends CPU tensors to the reference
+unless a test forces ``use_backend("triton")``.
 
 Under CI (``BITMATCH_CI=1``, set by scripts/test.sh) a skip whose reason says the environment is
 broken (the interpreter not set, triton imported first, a module "not importable", a [dev]
