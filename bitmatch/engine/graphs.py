@@ -14,7 +14,8 @@ the buffers (two pinned uploads, four device copies), replays, and reads back on
 [3, bucket] tensor: the step's one host sync. Padded rows decode token 0 in the runner's scratch
 block and sample with harmless parameters, so they touch no real sequence; every kernel and the
 sampler are batch-invariant, so a real row's bits do not depend on the bucket
-(tests/test_engine_graphs.py).
+(tests/test_engine_graphs.py; Qwen3-MoE, whose padded rows also take expert slots:
+tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``.
 
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
