@@ -217,3 +217,24 @@ def test_gradient_checkpointing_same_grads():
             assert torch.equal(got[n], ref[n]), (patched, n)
     unpatch(m)
     assert len(calls) == 2  # the checkpoint path was taken, unpatched and patched
+
+
+def test_pad_token_row_gets_hf_gradient():
+    """A pad id used as a real token (TRL's pad == eos at the end of a completion): nn.Embedding's
+    padding_idx sends no gradient into that row through the embedding, and neither does bitmatch;
+    with the tied LM head the row still gets the head's gradient, as in HF (float64)."""
+    m = tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=4)
+    pad = m.model.embed_tokens.padding_idx
+    assert pad is not None
+    m64 = copy.deepcopy(m).to(torch.float64)
+    seqs = [s[:4] + [pad] + s[4:] for s in random_prompts(3, 8, 14, seed=5)]
+    ids, mask = pad_batch(seqs, "right")
+    w = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(1))
+    name = "model.embed_tokens.weight"
+    row = _grads(m, ids, mask, w, True)[name][pad].double()
+    ref = _grads(m64, ids, mask, w, False)[name][pad]
+    assert (row - ref).norm() / ref.norm() < 1e-4
+    # control: without padding_idx the embedding path adds its gradient to the row
+    m.model.embed_tokens.padding_idx = None
+    bad = _grads(m, ids, mask, w, True)[name][pad].double()
+    assert (bad - ref).norm() / ref.norm() > 1e-2

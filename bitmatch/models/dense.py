@@ -133,7 +133,9 @@ def fused_add_rms_norm(norm_mod, x, residual, dtype):
 def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     emb = lm.model.embed_tokens
     w = emb.weight
-    h = F.embedding(input_ids, w)  # exact gather; cast after gather == gather after cast
+    # exact gather (cast after gather == gather after cast); padding_idx as nn.Embedding has it:
+    # the pad row gets no gradient (HF configs set it from pad_token_id)
+    h = F.embedding(input_ids, w, padding_idx=getattr(emb, "padding_idx", None))
     if torch.is_grad_enabled() and not h.requires_grad and getattr(emb, "_forward_hooks", None) and \
             getattr(lm, "_require_grads_hooks", None):
         # HF enable_input_require_grads (PEFT + reentrant checkpointing) hooks the embedding module,

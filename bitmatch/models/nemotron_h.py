@@ -264,7 +264,8 @@ class NemotronHFamily(Family):
                 raise ValueError("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at "
                                  "position 0 (chunks are aligned to absolute positions; a continuation needs "
                                  "the engine's per-sequence state)")
-        h = cast_param(F.embedding(input_ids, lm.model.embeddings.weight), dtype)
+        emb = lm.model.embeddings  # padding_idx: no gradient into the pad row, as nn.Embedding
+        h = cast_param(F.embedding(input_ids, emb.weight, padding_idx=getattr(emb, "padding_idx", None)), dtype)
         _rec(recorder, "embeddings", h)
         for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
             h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
