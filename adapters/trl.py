@@ -50,6 +50,7 @@ from bitmatch.adapters import lora
 from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker,
                                          differing_weights, locate_sentence, weights_fingerprint,
                                          weights_sentence)
+from bitmatch.logprobs import check_temperature
 from bitmatch.models.lora import plain_name
 
 logger = logging.getLogger("bitmatch.trl")
@@ -114,6 +115,7 @@ class TrlAdapter:
         self.check_only = check_only
         self.engine = None
         self.rollout_model = None
+        self.rollout_dtype = None
         self.receiver = None
         self._synced_step = None
         self.weight_version = None
@@ -172,8 +174,15 @@ class TrlAdapter:
 
     def _check_config(self):
         t, a = self.trainer, self.trainer.args
-        if not t.temperature > 0:
-            raise ValueError(f"attach: GRPOConfig(temperature={t.temperature}) must be > 0")
+        # the sampling options are checked here, by their GRPOConfig names, not inside the first step
+        check_temperature("attach", t.temperature, name="GRPOConfig.temperature")
+        top_p = t.top_p if t.top_p is not None else 1.0
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"attach: GRPOConfig.top_p must be a float in (0, 1] (1.0: no top-p), got {t.top_p!r}")
+        top_k = t.top_k if t.top_k is not None else 0
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise ValueError(f"attach: GRPOConfig.top_k must be an int >= 1, or 0 / -1 / None for no top-k, got "
+                             f"{t.top_k!r}")
         if getattr(t, "_is_vlm", False):
             raise ValueError("attach: vision-language models are not supported by bitmatch yet (text-only causal "
                              "LMs; bitmatch.models.check_supported(model) says which)")
@@ -198,6 +207,14 @@ class TrlAdapter:
         for m in self._trained_models():
             for n, mod in m.named_modules():
                 if lora.is_lora_layer(mod):
+                    base = mod.get_base_layer() if hasattr(mod, "get_base_layer") else None
+                    if not isinstance(base, torch.nn.Linear):
+                        raise ValueError(
+                            f"attach: the LoRA adapter on {plain_name(n)} ({type(mod).__name__}) wraps a "
+                            f"{type(base).__name__}, not an nn.Linear: bitmatch runs LoRA on Linear layers only. "
+                            "Leave it out of LoraConfig(target_modules=...) (on MoE models the experts' stacked "
+                            "weights match 'gate_proj' / 'up_proj' / 'down_proj': target the attention projections, "
+                            "e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])")
                     lora.check_lora_layer(mod, n)
 
     def _check_vllm_plugin(self):
@@ -239,16 +256,24 @@ class TrlAdapter:
     # -- rollout --------------------------------------------------------------------------
     def _build_rollout_copy(self):
         import transformers
+        import bitmatch
         from bitmatch.models import unwrap_causal_lm
         import bitmatch.sync as bsync
 
         lm = unwrap_causal_lm(self.trainer.model)
         dev = lm.lm_head.weight.device
+        # The copy holds the trainer's parameter dtype and casts at use, as the trainer does: a copy
+        # stored in the compute dtype rounds the weights some ops read in fp32 whatever the compute
+        # dtype (the MoE router: fp32 logits from the fp32 master), and under GRPOConfig(bf16=True)
+        # with fp32 masters its router chose other experts (Qwen3-MoE + LoRA diverged at
+        # layers.0.mlp.gate at step 0). Costs fp32 memory for the copy only where the masters are fp32.
+        self.rollout_dtype = lm.get_input_embeddings().weight.dtype
         with torch.device("meta"):
-            view = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=self.compute_dtype)
+            view = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=self.rollout_dtype)
         view = view.to_empty(device=dev).eval()
         _tie_like(view, lm)
         view.requires_grad_(False)
+        bitmatch.patch(view, compute_dtype=self.compute_dtype)
         self.rollout_model = view
         self.receiver = bsync.receive(view)
 
@@ -271,7 +296,7 @@ class TrlAdapter:
             self.engine = bitmatch.Engine(model, **kw)
         if self.rollout_weights == "copy" and self._synced_step != step:
             import bitmatch.sync as bsync
-            bsync.publish(self.rollout_weights_source(), step, to=self.receiver, dtype=self.compute_dtype)
+            bsync.publish(self.rollout_weights_source(), step, to=self.receiver, dtype=self.rollout_dtype)
         self._synced_step = step
         self.weight_version = step
         if self.receiver is not None:
@@ -332,7 +357,7 @@ class TrlAdapter:
         else:
             rollout = self.rollout_model
             weights = weights_sentence(differing_weights(self.rollout_weights_source(), self.rollout_model,
-                                                         self.compute_dtype))
+                                                         self.rollout_dtype))
         if rollout is None:  # vLLM: its weights live in another engine
             return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
                     "bitmatch.verify.locate against the plugin's model).", weights)
