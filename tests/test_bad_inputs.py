@@ -273,3 +273,18 @@ def test_attention_mask_with_a_hole_is_refused(model):
     lp = bitmatch.token_logprobs(model, ids, ok)
     alone = bitmatch.token_logprobs(model, ids[:1, 1:5])
     assert torch.equal(lp[0, 1:4], alone[0]) and not lp[1].any()
+
+
+# -- item 13: the demo without matplotlib says what it wrote ---------------------------------------
+
+def test_demo_without_matplotlib_does_not_claim_a_plot(monkeypatch, tmp_path, capsys):
+    from bitmatch import demo
+
+    def no_matplotlib(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+    monkeypatch.setattr(demo, "_plot", no_matplotlib)
+    demo.run(out_dir=str(tmp_path), num_prompts=3, max_tokens=2)
+    out = capsys.readouterr().out
+    assert "(matplotlib not installed: no diff.png; pip install bitmatch[plot], or pass --no-plot)" in out
+    assert f"wrote {tmp_path / 'report.json'}\n" in out and "diff.png\n" not in out
+    assert not (tmp_path / "diff.png").exists()

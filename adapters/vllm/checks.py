@@ -44,6 +44,7 @@ def _engine_problems(vllm_config) -> list[str]:
     else:
         from bitmatch.models import family_for_architecture
         out += family_for_architecture(archs[0]).problems(mc.hf_config)
+    out += _head_size_problems(mc.hf_config)
     if mc.quantization is not None or getattr(vllm_config, "quant_config", None) is not None:
         out.append(f"quantization={mc.quantization!r} (bitmatch runs unquantized bf16/fp32 weights)")
     if vllm_config.speculative_config is not None:
@@ -67,6 +68,23 @@ def _engine_problems(vllm_config) -> list[str]:
     if getattr(mc, "return_sampling_mask", False):
         out.append("return_sampling_mask")
     return out
+
+
+def _head_size_problems(hf_config) -> list[str]:
+    """vLLM's attention backend still sizes and lays out the paged KV cache (bitmatch only replaces the
+    forward): on CPU its one backend accepts the listed head sizes and does not check at start, so a
+    head_dim-16 model started and vLLM died at the first generate. On GPU vLLM's own selector refuses."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return []
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    heads = getattr(hf_config, "num_attention_heads", None)
+    d = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
+    if d is None or CPUAttentionBackend.supports_head_size(d):
+        return []
+    sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+    return [f"head_dim={d} (vLLM's CPU attention backend, which lays out the KV cache, supports head sizes {sizes}; "
+            "use bitmatch.Engine for this model's rollouts)"]
 
 
 def check_engine_config(vllm_config) -> None:
