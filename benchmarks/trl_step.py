@@ -125,7 +125,7 @@ def policy(a, shape):
 def use_checkout_examples():
     """``bitmatch.testing_trl`` reads its toy task from ``examples/`` beside the package; an
     installed bitmatch has none, so point it at the checkout this file is in."""
-    if not ttrl.EXAMPLES.is_dir():
+    if not (ttrl.EXAMPLES / "trl_grpo.py").is_file():  # site-packages/examples may exist (other packages)
         ttrl.EXAMPLES = REPO / "examples"
 
 
