@@ -108,7 +108,8 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tens
                 pos, segs, finished = 0, [], {}
                 continue
             e0 = off // elsize
-            chunk = compute_cast(flat[e0:e0 + n_el].to(buf.device), dtype).contiguous().view(torch.uint8)
+            # cast (and hash) where the weights are: a GPU trainer sends bf16 bytes to the host, not fp32
+            chunk = compute_cast(flat[e0:e0 + n_el], dtype).contiguous().view(torch.uint8)
             h.update(chunk)
             buf[pos:pos + chunk.numel()].copy_(chunk)
             segs.append((name, off, chunk.numel()))
