@@ -144,7 +144,9 @@ def test_fault_in_rollout_copy_raises_and_names_layer(tmp_path):
         sync()
         if trainer.state.global_step == 2:   # one weight of the rollout copy only
             with torch.no_grad():
-                bm.rollout_model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+                # through .data: behind the receiver's version counters (an in-place mul_ would be
+                # refused before the step; tests/test_sync_security.py), so the step check must find it
+                bm.rollout_model.model.layers[1].mlp.down_proj.weight.data.mul_(1.5)
 
     bm.sync_rollout = sync_then_corrupt
     with pytest.raises(bt.BitmatchMismatchError) as ei:
