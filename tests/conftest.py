@@ -75,6 +75,7 @@ def pytest_runtest_setup(item):
         pytest.skip(f"needs TRITON_INTERPRET=1 (set to {os.environ.get('TRITON_INTERPRET')!r} in this environment)")
 
 
+@pytest.hookimpl(trylast=True)  # after --durations, before pytest's short summary
 def pytest_terminal_summary(terminalreporter):
     """One line per outcome and one per skip reason: a run that skipped what it should have run
     reads differently from a run that passed it."""
