@@ -85,3 +85,18 @@ def test_initial_version_accepts_loaded_weights():
     rx = bsync.receive(model, initial_version=0)
     outs = Engine(model, num_gpu_blocks=16).generate(PROMPTS, SP, use_tqdm=False)
     assert {(o.weight_version, o.weight_fingerprint) for o in outs} == {(0, rx.state.manifest.digest())}
+
+
+def test_publish_during_generate_names_the_right_fix(setup):
+    """Issue 24 item 14: an update staged while the engine steps is not 'no version yet'."""
+    rollout, trainer, rx, eng = setup
+    bsync.publish(trainer, 1, to=rx)
+    specs = {k: bsync.TensorSpec(tuple(v.shape), torch.bfloat16) for k, v in trainer.named_parameters()}
+    upd = rx.begin(2, specs)
+    with pytest.raises(bsync.WeightsNotReadyError, match="in progress.*publish between generate\\(\\) calls") as ei:
+        eng.generate(PROMPTS, SP, use_tqdm=False)
+    assert "initial_version" not in str(ei.value)
+    upd.abort("test")
+    eng.abort_all()
+    with pytest.raises(bsync.WeightsNotReadyError, match="publish a full version again"):
+        eng.generate(PROMPTS, SP, use_tqdm=False)

@@ -274,10 +274,16 @@ class Engine:
             try:
                 version = st.require_ready()
             except WeightsNotReadyError as e:
-                raise WeightsNotReadyError(
-                    f"Engine: {e}. The engine's model is managed by a bitmatch.sync receiver: publish a version "
-                    "first (bitmatch.sync.publish(trainer_model, version, to=receiver)), or create the receiver "
-                    "with initial_version=N to accept the weights already loaded") from None
+                if st.updating is not None:
+                    fix = ("a weight update is being staged right now: publish between generate() calls, not "
+                           "during one (or wait for the publish to return)")
+                elif st.failure is not None:
+                    fix = "publish a full version again (bitmatch.sync.publish(trainer_model, version, to=receiver))"
+                else:
+                    fix = ("the engine's model is managed by a bitmatch.sync receiver: publish a version first "
+                           "(bitmatch.sync.publish(trainer_model, version, to=receiver)), or create the receiver "
+                           "with initial_version=N to accept the weights already loaded")
+                raise WeightsNotReadyError(f"Engine: {e}. Fix: {fix}") from None
             man = st.manifest
             if man is not None and self._digest[0] is not man:  # Manifest.digest hashes every spec: once
                 self._digest = (man, man.digest())
