@@ -79,6 +79,8 @@ def pytest_runtest_setup(item):
 def pytest_terminal_summary(terminalreporter):
     """One line per outcome and one per skip reason: a run that skipped what it should have run
     reads differently from a run that passed it."""
+    if terminalreporter.config.option.collectonly:
+        return
     stats = terminalreporter.stats
     counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")}
     by_reason = {}
