@@ -1,0 +1,430 @@
+"""Generate docs/results.md from benchmarks/results/*.json: one table per benchmark file.
+
+    python scripts/results_page.py            # rewrite docs/results.md
+    python scripts/results_page.py --check    # exit 1 if docs/results.md differs from the JSON
+
+Every figure on the page is read from the JSON, never typed: the README links here instead of
+copying numbers. The files have one shape per benchmark, so each known benchmark has its own
+renderer (``RENDERERS``); a file is matched to the longest known name its stem starts with
+(``sampler_h200_run1.json`` -> ``sampler_h200``), so a new run of a known benchmark renders
+without an edit here. Files of no known benchmark are listed by name at the end; a known file
+whose shape a renderer cannot read is listed with the error (never silently dropped).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "results.md"
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def fmt(x) -> str:
+    """3 significant digits for floats, ints as they are, bools as yes / no, missing as '-'."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return str(x)
+        return f"{x:.3g}"
+    if isinstance(x, (list, tuple)):
+        return " x ".join(fmt(v) for v in x)
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def get(d, *path, default=None):
+    """d[path[0]][path[1]]...; ``default`` where any step is missing."""
+    for k in path:
+        if isinstance(d, dict) and k in d:
+            d = d[k]
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return default
+    return d
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def machine_of(d) -> str:
+    m = d.get("machine")
+    if isinstance(m, str):
+        return m + (f", {d['cpus']} cores" if d.get("cpus") else "") + (f", torch {d['torch']}" if d.get("torch") else "")
+    if not isinstance(m, dict):
+        m = {}
+    v = d.get("versions") if isinstance(d.get("versions"), dict) else {}
+    parts = [m.get("gpu") or d.get("device") or m.get("cpu") or m.get("processor") or m.get("platform")]
+    cores = m.get("cores") or m.get("cpu_count") or d.get("cpus")
+    if cores and not m.get("gpu"):
+        parts.append(f"{cores} cores")
+    torch = m.get("torch") or v.get("torch") or d.get("torch")
+    if torch:
+        parts.append(f"torch {torch}")
+    triton = m.get("triton") or v.get("triton")
+    if triton:
+        parts.append(f"triton {triton}")
+    return ", ".join(str(p) for p in parts if p) or "-"
+
+
+def date_of(d) -> str:
+    for k in ("started_utc", "date_utc", "time_utc", "finished_utc"):
+        if d.get(k):
+            return str(d[k])
+    return "-"
+
+
+def header(d, command=None) -> list[str]:
+    cmd = command or d.get("command") or "-"
+    return [f"- command: `{cmd}`", f"- machine: {machine_of(d)}", f"- date: {date_of(d)}", ""]
+
+
+# ----------------------------------------------------------------------------- renderers (one per benchmark)
+
+def r_gpu_ops(d):
+    s = d.get("summary", {})
+    att = s.get("attention_rowsum16", {})
+    rows = [
+        ["linear vs cuBLAS, geomean M <= 256", s.get("linear_geomean_M<=256")],
+        ["linear vs cuBLAS, geomean M >= 1024 (best of tile table and TMA)",
+         s.get("linear_geomean_M>=1024_best_of_table_and_tma")],
+        ["linear vs cuBLAS, lowest M >= 1024 (best of tile table and TMA)",
+         s.get("linear_min_M>=1024_best_of_table_and_tma")],
+        ["linear vs cuBLAS with split-K off, geomean M <= 256", s.get("linear_vs_cublas_nosplit_geomean_M<=256")],
+        ["attention prefill vs SDPA flash, lowest", att.get("prefill_ratio_min")],
+        ["attention decode / K/V-read roofline, geomean", att.get("decode_vs_roofline_geomean")],
+        ["attention decode / roofline, geomean at K/V >= 64 MiB", att.get("decode_vs_roofline_geomean_kv_bytes>=64MiB")],
+        ["attention decode vs SDPA flash, geomean", att.get("decode_vs_sdpa_geomean")],
+        ["attention backward vs SDPA flash backward, geomean", s.get("attention_bwd_geomean")],
+        ["attention fwd+bwd vs SDPA flash, geomean", s.get("attention_fwd_bwd_geomean")],
+        ["attention rows differing alone vs batched (invariance)", s.get("inv_attention_rowsum16_mismatching_rows")],
+    ]
+    rowwise = s.get("rowwise_ratios", {})
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "token_logprobs", "full_logprobs"):
+        vals = [v for k, v in rowwise.items() if k.startswith(op + "_")]
+        if vals:
+            rows.append([f"{op} vs torch eager (range over sizes)", f"{fmt(min(vals))}-{fmt(max(vals))}"])
+    out = header(d) + ["Ratio = stock time / bitmatch time, same run (> 1: bitmatch faster).", ""]
+    out += table(["what", "ratio"], rows)
+    for k in ("followup_run", "followup_run_2"):
+        f = d.get(k)
+        a = get(f, "summary", "attention_rowsum16", default=None)
+        if isinstance(a, dict):
+            out += ["", f"Follow-up `{k}` (`{f.get('command', '-')}`, {date_of(f)}): attention decode / roofline "
+                    f"geomean {fmt(a.get('decode_vs_roofline_geomean'))}, at K/V >= 64 MiB "
+                    f"{fmt(a.get('decode_vs_roofline_geomean_kv_bytes>=64MiB'))}; prefill vs SDPA flash lowest "
+                    f"{fmt(a.get('prefill_ratio_min'))}; rows differing "
+                    f"{fmt(get(f, 'summary', 'inv_attention_rowsum16_mismatching_rows'))}."]
+    return out
+
+
+def _latest_runs_by_section(runs: dict) -> dict:
+    latest = {}
+    for name, r in runs.items():
+        for sec in (r.get("sections") or {}):
+            latest[sec] = name
+    return latest
+
+
+def r_gpu_e2e(d):
+    runs = d.get("runs", {})
+    latest = {k: v for k, v in _latest_runs_by_section(runs).items()
+              if k in ("diff", "train", "cuda_controls") or k.startswith("rollout")}
+    out = ["Ratios: stock time / bitmatch time unless named otherwise; each section from the latest run holding it.",
+           ""]
+    used = sorted(set(latest.values()))
+    for name in used:
+        r = runs[name]
+        out.append(f"- `{name}`: `{r.get('command', '-')}`; {machine_of(r)}; {date_of(r)}")
+    out.append("")
+    diff = get(runs, latest.get("diff"), "sections", "diff")
+    if isinstance(diff, dict):
+        out.append(f"**Diff** (`{latest['diff']}`): engine vs `token_logprobs` {fmt(diff.get('total_mismatches'))} "
+                   f"mismatches of {fmt(diff.get('total_tokens'))} sampled tokens; stock HF trainer "
+                   f"{fmt(diff.get('total_control_mismatches'))} of {fmt(diff.get('total_tokens'))}; same tokens across "
+                   f"configs: {fmt(diff.get('same_tokens_across_configs'))}.")
+        out.append("")
+    for sec in sorted(s for s in latest if s.startswith("rollout")):
+        by_size = get(runs, latest[sec], "sections", sec, default={})
+        sizes = by_size.items() if sec == "rollout" else [(sec.split(":", 1)[-1], by_size)]
+        for size, bs in sizes:
+            if not isinstance(bs, dict):
+                continue
+            rows = []
+            for bname, b in sorted(bs.items(), key=lambda kv: get(kv[1], "B", default=0) or 0):
+                if not isinstance(b, dict):
+                    continue
+                rows.append([b.get("B"), b.get("decode_fraction_of_roofline"), b.get("tokens_per_s_vs_stock_ops"),
+                             b.get("tokens_per_s_vs_hf_generate"), b.get("decode_step_vs_hf"),
+                             b.get("graph_decode_speedup_vs_eager")])
+            out.append(f"**Rollout, {size}** (`{latest[sec]}`)")
+            out.append("")
+            out += table(["B", "decode step / roofline", "tokens/s vs same engine on stock ops",
+                          "tokens/s vs HF generate", "decode step vs HF's", "graphs vs eager decode"], rows)
+            out.append("")
+    train = get(runs, latest.get("train"), "sections", "train")
+    if isinstance(train, dict):
+        out.append(f"**Training, `token_logprobs` fwd+bwd vs stock HF** (`{latest['train']}`)")
+        out.append("")
+        out += table(["size", "batch", "tokens/s ratio", "peak memory ratio"],
+                     [[k, v.get("batch"), v.get("tokens_per_s_ratio"), v.get("peak_memory_ratio")]
+                      for k, v in train.items() if isinstance(v, dict)])
+        out.append("")
+    ctl = get(runs, latest.get("cuda_controls"), "sections", "cuda_controls")
+    if isinstance(ctl, dict):
+        checks = ctl.get("check_controls", {})
+        hit = sum(1 for v in checks.values() if isinstance(v, dict) and v.get("mismatch_found"))
+        out.append(f"**CUDA controls** (`{latest['cuda_controls']}`): {hit} of {len(checks)} stock controls found a "
+                   f"mismatch ({', '.join(k.replace('control: ', '') for k in checks)}); bitmatch's linear at small M "
+                   f"vs M = 4096: {fmt(ctl.get('bitmatch_linear_rows_differing'))} rows differ.")
+    return out
+
+
+def r_engine_step(d):
+    rows = []
+    for name, b in get(d, "sections", "steps", default={}).items():
+        ph = b.get("phases_ms", {})
+        rows.append([b.get("B"), b.get("plain_step_ms"), get(b, "graph_replay_gpu_ms", "back_to_back_gpu_ms"),
+                     ph.get("step_inputs"), ph.get("graph_uploads"), ph.get("readback"), ph.get("engine_bookkeeping"),
+                     b.get("roofline_ms"), b.get("fraction_of_roofline")])
+    return header(d) + table(["B", "step ms", "graph GPU ms", "schedule + inputs ms", "uploads ms", "readback ms",
+                              "bookkeeping ms", "roofline ms", "step / roofline"], rows)
+
+
+def r_attention_decode(d):
+    rows = []
+    for name, c in d.get("cases", {}).items():
+        rows.append([c.get("B"), c.get("ctx"), c.get("max_seq_len"), c.get("old_frac_floor"),
+                     c.get("new_default_frac_floor"), c.get("old_vs_new_elements_differing")])
+    return header(d) + ["Fraction of the K/V-read floor (higher is better); old = the kernel before the change.", ""] + \
+        table(["B", "context", "captured for", "old / floor", "new / floor", "elements differing old vs new"], rows)
+
+
+def _check_rows(c):
+    rows = c.get("rows", [])
+    ops = [r for r in rows if not r.get("control")]
+    ctl = [r for r in rows if r.get("control")]
+    return [c.get("command"), f"{sum(1 for r in ops if not r.get('mismatch_found'))} of {len(ops)}",
+            f"{sum(1 for r in ctl if r.get('mismatch_found'))} of {len(ctl)}", c.get("exit_code")]
+
+
+def r_check_cuda(d):
+    out = [f"- machine: {machine_of(d)}", f"- date: {date_of(d)}", ""]
+    rows = [_check_rows(d[k]) for k in ("check", "check_family_dense") if isinstance(d.get(k), dict)]
+    return out + table(["command", "ops with 0 mismatches", "stock controls that mismatch", "exit code"], rows)
+
+
+def r_moe_layer(d):
+    rows = []
+    for tokens, r in d.get("runs", {}).items():
+        q = r.get("ratio_stock_over_ours", {})
+        rows.append([tokens, q.get("hf_grouped_mm_layer"), q.get("torch_grouped_mm_layer"), q.get("hf_eager_layer"),
+                     r.get("ours_alone_vs_batch_rows_differ")])
+    out = header(d) + ["Whole MoE layer (route + experts + combine); ratio = stock time / bitmatch time.", ""]
+    out += table(["tokens", "vs HF grouped_mm", "vs torch._grouped_mm", "vs HF eager", "rows differ alone vs batch"],
+                 rows)
+    bwd = d.get("backward")
+    if isinstance(bwd, dict):
+        out += ["", "Forward + backward:", ""]
+        out += table(["tokens", "vs HF grouped_mm layer", "vs torch._grouped_mm layer", "run to run identical"],
+                     [[t, get(b, "ratio_stock_over_ours", "hf_grouped_mm_layer_fwd_bwd"),
+                       get(b, "ratio_stock_over_ours", "torch_grouped_mm_layer_fwd_bwd"), b.get("bwd_run_to_run_identical")]
+                      for t, b in bwd.items()])
+    return out
+
+
+def r_moe_e2e(d):
+    a = d.get("args", {})
+    secs = d.get("sections", {})
+    out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, {fmt(a.get('layers'))} layers, "
+                       f"{fmt(a.get('experts'))} experts top-{fmt(a.get('top_k'))}.", ""]
+    out += table(["Diff config", "CUDA graphs", "tokens", "mismatches", "stock HF mismatches"],
+                 [[c.get("config"), c.get("graphs_on"), c.get("tokens"), c.get("mismatches"),
+                   c.get("control_stock_hf_mismatches")] for c in secs.get("diff", [])])
+    out += [""] + table(["rollout B", "tokens/s vs engine with HF's MoE block", "vs HF generate", "graphs vs eager",
+                         "graphs == eager bits"],
+                        [[b.get("B"), b.get("vs_stock_moe_block"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"),
+                          b.get("graphs_vs_eager_bits_equal")] for b in secs.get("rollout", {}).values()])
+    t = secs.get("train")
+    if isinstance(t, dict):
+        out += ["", f"Training fwd+bwd vs stock HF (batch {fmt(t.get('batch'))}): tokens/s ratio "
+                f"{fmt(t.get('tokens_per_s_ratio'))}, peak memory ratio {fmt(t.get('peak_memory_ratio'))}."]
+    return out
+
+
+def _dsv4_rows(name, r):
+    q, res = r.get("ratios", {}), r.get("results", {})
+    return [name, get(r, "setup", "config"), q.get("train_bitmatch_over_hf"), q.get("rollout_bitmatch_over_hf"),
+            get(res, "diff", "mismatches", default=None) if isinstance(res.get("diff"), dict) else None,
+            get(res, "diff", "tokens") if isinstance(res.get("diff"), dict) else res.get("diff_zero_tokens")]
+
+
+def r_deepseek_v4(d):
+    runs = d.get("runs") or {"run": d}
+    first = next(iter(runs.values()))
+    out = header(first) + ["Ratio = bitmatch tokens/s / HF's own implementation's tokens/s (< 1: slower).", ""]
+    out += table(["run", "config", "train fwd+bwd", "engine decode vs HF generate", "Diff mismatches", "tokens"],
+                 [_dsv4_rows(k, r) for k, r in runs.items()])
+    if d.get("note"):
+        out += ["", f"Note: {fmt(d['note'])}"]
+    return out
+
+
+def r_mamba(d):
+    c = d.get("checks", {})
+    out = header(d) + [f"One SSM layer (shapes {fmt(d.get('shapes'))}): prefill == decode "
+                       f"{fmt(c.get('prefill_vs_decode_equal'))}, prefill == chunked {fmt(c.get('prefill_vs_chunked_equal'))}; "
+                       f"control HF chunked == recurrent {fmt(c.get('control_hf_chunked_vs_recurrent_equal'))}.", ""]
+    out += table(["decode batch", "context", "bitmatch / HF recurrent time (lower is better)"],
+                 [[r.get("batch"), r.get("context"), r.get("ratio_ours_over_hf")] for r in d.get("decode", [])])
+    out += [""] + table(["prefill tokens", "HF chunked time / bitmatch time"],
+                        [[r.get("tokens"), r.get("ratio_hf_over_ours")] for r in d.get("prefill", [])])
+    return out
+
+
+def r_sampler(d):
+    rows = []
+    for r in d.get("results", []):
+        rows.append([r.get("B"), get(r, "time_kernel_T1", "speedup"), r.get("tokens_mismatch_vs_torch_cuda"),
+                     r.get("tokens_mismatch_vs_cpu"), r.get("control_recip_T_weights_mismatch"),
+                     r.get("graph_equal_eager")])
+    out = header(d)
+    if d.get("run"):
+        out += [f"Run: {fmt(d['run'])}", ""]
+    return out + table(["B", "Triton sampler vs torch (speedup)", "tokens differing vs torch CUDA",
+                        "tokens differing vs CPU", "control x*(1/T): weights differing", "graph == eager"], rows)
+
+
+def r_sync_h200(d):
+    rows = [[r.get("shape"), r.get("rollout_GB"), r.get("device_copy_s"), r.get("publish_inprocess_s"),
+             r.get("publish_full_rewrite_s"), r.get("verify_s"), r.get("publish_ipc_s"), r.get("publish_tcp_loopback_s"),
+             r.get("flipped_bit_caught")] for r in d.get("results", [])]
+    return header(d) + ["Seconds, best of repeats; fp32 trainer -> bf16 rollout on one GPU.", ""] + \
+        table(["shape", "rollout GB", "device copy", "publish in process", "publish full rewrite", "verify",
+               "publish via CUDA IPC", "publish via TCP loopback", "flipped bit caught"], rows)
+
+
+def r_sync_cpu(d):
+    r = d.get("results", {})
+    return header(d) + table(["what", "value"], [[k, v] for k, v in r.items() if "GBps" in k or k.startswith("ratio")])
+
+
+def r_trl_step(d):
+    rows = [[r.get("run"), r.get("median_step_s"), r.get("median_generate_s"), r.get("peak_mem_gib")]
+            for r in d.get("results", [])]
+    q = d.get("ratios", {})
+    out = header(d) + [f"GRPO step time on a {fmt(get(d, 'config', 'model', 'params'))}-parameter random Qwen3; "
+                       f"Diff = 0 in every attached run: {fmt(d.get('diff_zero_all_runs_ok'))}.", ""]
+    out += table(["run", "median step s", "median generate s", "peak GiB"], rows)
+    out += [""] + table(["ratio of median step times, as named", "value"], [[k, v] for k, v in q.items()])
+    return out
+
+
+def r_cpu_ops(d):
+    g = d.get("geomean_ratio_by_op", {})
+    return header(d) + ["Ratio = stock time / bitmatch time (the exact CPU reference; < 1: slower).", ""] + \
+        table(["op", "geomean ratio"], [[k, v] for k, v in g.items()])
+
+
+def r_engine_cpu(d):
+    return header(d) + table(["ratio (tokens/s)", "value"], [[k, v] for k, v in d.get("ratios", {}).items()])
+
+
+def r_deepseek_tiny_cpu(d):
+    q = d.get("ratios", {})
+    return header(d) + table(["ratio (bitmatch tokens/s / HF tokens/s)", "value"], [[k, v] for k, v in q.items()])
+
+
+# name -> (title, renderer); a file matches the longest name its stem starts with
+RENDERERS = {
+    "h200": ("Ops on the GPU (`benchmarks/gpu_ops.py`)", r_gpu_ops),
+    "gpu_e2e_h200": ("End to end on the GPU: Diff, rollout, training, controls (`benchmarks/gpu_e2e.py`)", r_gpu_e2e),
+    "engine_step_h200": ("Where an engine step's time goes (`benchmarks/engine_step.py`)", r_engine_step),
+    "attention_decode_h200": ("Decode attention (`benchmarks/attention_decode.py`)", r_attention_decode),
+    "check_cuda_h200": ("`bitmatch check --device cuda`", r_check_cuda),
+    "moe_h200": ("MoE layer forward (`benchmarks/moe_layer.py`)", r_moe_layer),
+    "moe_layer_bwd_h200": ("MoE layer forward and backward (`benchmarks/moe_layer.py --backward`)", r_moe_layer),
+    "moe_e2e_h200": ("Qwen3-MoE end to end (`benchmarks/moe_e2e.py`)", r_moe_e2e),
+    "deepseek_v4_flash4_h200": ("DeepSeek-V4, 4-layer Flash truncation (`benchmarks/deepseek_v4_layer.py`)",
+                                r_deepseek_v4),
+    "mamba_h200": ("Mamba2 SSM scan, one layer (`benchmarks/mamba_layer.py`)", r_mamba),
+    "sampler_h200": ("Sampler (`benchmarks/sampler.py`)", r_sampler),
+    "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
+    "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
+    "cpu": ("Ops on the CPU reference (`benchmarks/cpu_ops.py`)", r_cpu_ops),
+    "engine_cpu": ("Embedded engine on the CPU (`benchmarks/engine_cpu.py`)", r_engine_cpu),
+    "deepseek_v4_tiny_cpu": ("DeepSeek-V4 tiny config on the CPU (`benchmarks/deepseek_v4_layer.py`)",
+                             r_deepseek_tiny_cpu),
+    "sync": ("Weight sync on the CPU (`benchmarks/sync.py`)", r_sync_cpu),
+}
+
+
+def benchmark_of(stem: str) -> str | None:
+    """The known benchmark a file stem belongs to: equal to a name, or the name plus '_<suffix>'."""
+    names = [n for n in RENDERERS if stem == n or stem.startswith(n + "_")]
+    return max(names, key=len) if names else None
+
+
+def render(results_dir: pathlib.Path = RESULTS) -> str:
+    files = sorted(results_dir.glob("*.json"))
+    gpu, cpu, unknown, unreadable = [], [], [], []
+    for f in files:
+        name = benchmark_of(f.stem)
+        if name is None:
+            unknown.append(f.name)
+            continue
+        title, fn = RENDERERS[name]
+        try:
+            body = fn(json.loads(f.read_text()))
+        except Exception as e:  # noqa: BLE001 - a shape the renderer cannot read is listed, not dropped
+            unreadable.append(f"`{f.name}` ({type(e).__name__}: {e})")
+            continue
+        section = [f"### {title}", "", f"`benchmarks/results/{f.name}`", ""] + body + [""]
+        (gpu if "h200" in f.stem else cpu).append(section)
+    out = ["# Results", "",
+           "Generated by `python scripts/results_page.py` from `benchmarks/results/*.json`; do not edit by hand "
+           "(`tests/test_results_page.py` fails when this page and the JSON differ). Every ratio was measured side "
+           "by side in one run. GPU figures come from the `*_h200*.json` files only.", ""]
+    out += ["## GPU (NVIDIA H200)", ""] + [line for s in gpu for line in s]
+    out += ["## CPU", ""] + [line for s in cpu for line in s]
+    if unknown or unreadable:
+        out += ["## Other files", ""]
+        out += [f"- `{n}`: no renderer in `scripts/results_page.py` (add one to `RENDERERS`)" for n in unknown]
+        out += [f"- {n}: its renderer could not read it" for n in unreadable]
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from the JSON")
+    ap.add_argument("--results", default=str(RESULTS), help="folder of result JSON files")
+    ap.add_argument("--out", default=str(PAGE), help="the page to write")
+    a = ap.parse_args(argv)
+    text = render(pathlib.Path(a.results))
+    out = pathlib.Path(a.out)
+    if a.check:
+        if not out.is_file() or out.read_text() != text:
+            print(f"{out} is out of date: run python scripts/results_page.py", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text)
+    print(f"wrote {out} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
