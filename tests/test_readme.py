@@ -1,0 +1,57 @@
+"""Every ```python block of README.md runs (CPU, tiny models built in code, no network).
+
+A block whose first line is ``# needs: PKG`` is skipped, with that reason, where PKG does not import;
+blocks that need vLLM run in a subprocess (vLLM keeps process-wide state and may start processes
+that re-import ``__main__``); the others run in this process, each in a fresh namespace named
+``__main__``, so a block can use nothing another block defined.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def _blocks():
+    text = README.read_text()
+    out = []
+    for m in BLOCK.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        out.append(pytest.param(m.group(1), id=f"README.md:{line}"))
+    return out
+
+
+BLOCKS = _blocks()
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("code", BLOCKS)
+def test_readme_block_runs(code, tmp_path, monkeypatch):
+    first = code.splitlines()[0].strip()
+    needs = first[len("# needs:"):].split() if first.startswith("# needs:") else []
+    for pkg in needs:
+        if importlib.util.find_spec(pkg) is None:
+            pytest.skip(f"README block needs {pkg}, which is not installed")
+    assert "from_pretrained(\"" not in code and "load_dataset(" not in code, "a README block must not download"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if "vllm" in needs:
+        path = tmp_path / "block.py"
+        path.write_text(code)
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env.pop("BITMATCH", None)
+        p = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"README vLLM block failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
+        return
+    exec(compile(code, "README.md block", "exec"), {"__name__": "__main__"})
