@@ -105,6 +105,27 @@ def resolve_checkpoint(path_or_name, *, who: str = "load_model", **kwargs) -> st
     return name
 
 
+def load_pretrained(path_or_name, *, dtype=None, who: str = "load_model", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` of a resolved checkpoint; a checkpoint whose config
+    carries a ``quantization_config`` (DeepSeek FP8 blocks / FP4 experts) is dequantized tensor by
+    tensor into ``dtype`` (default bf16) by ``bitmatch.models.quant`` (refused, named, if it cannot be
+    read exactly). The same checkpoint gives the same bits on every call."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bitmatch.models import quant  # torch-heavy: the path checks above stay import-light
+
+    path = resolve_checkpoint(path_or_name, who=who, **kwargs)
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(
+        path, **{k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs})
+    if quant.quant_spec(config, who=who) is None:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+    if not os.path.isdir(path):  # a hub name: the quantized loader reads the files from the local cache
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(path, **{k: kwargs.pop(k) for k in ("revision", "token", "cache_dir") if k in kwargs})
+    return quant.load_dequantized(path, config, dtype=dtype or torch.bfloat16, who=who, **kwargs)
+
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
