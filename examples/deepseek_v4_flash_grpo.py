@@ -7,11 +7,14 @@ is a letter and a colon, the reward the fraction of the completion repeating tha
 reward rises while the adapter checks rollout == trainer logprobs on every step (raises otherwise).
 
     python examples/deepseek_v4_flash_grpo.py                    # tiny model, CPU
-    python examples/deepseek_v4_flash_grpo.py --model PATH       # a bf16 DeepSeek-V4(-Flash) checkpoint
+    python examples/deepseek_v4_flash_grpo.py --model PATH       # a DeepSeek-V4(-Flash) checkpoint
 
-DeepSeek-V4-Flash ships FP8 (attention / shared weights) and FP4 (routed experts) tensors with
-a ``quantization_config``; bitmatch's kernels run bf16 / fp32 only, so a quantized checkpoint is
-refused before any weight is loaded: dequantize it to bf16 first and pass that folder.
+DeepSeek-V4-Flash ships FP8 e4m3 (attention / shared weights, 128 x 128 block scales) and FP4 e2m1
+(routed experts, a scale per 32 values) tensors with a ``quantization_config``; bitmatch's kernels
+run bf16 / fp32, so ``bitmatch.hub.load_pretrained`` dequantizes such a checkpoint tensor by tensor
+at load time (``bitmatch.models.quant``; the same bits on every load). A format it cannot read
+exactly is refused before any weight loads. The full Flash needs ~0.57 TB once dequantized: see
+docs/deepseek_v4.md for what fits where.
 """
 from __future__ import annotations
 
@@ -24,18 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_grpo as toy  # noqa: E402  (the toy task, tokenizer and config are shared with that example)
 
 
-def refuse_quantized(path: str) -> None:
-    """SystemExit naming the fix when the checkpoint at ``path`` carries FP8 / FP4 weights."""
-    from transformers import AutoConfig
+def load_checkpoint(path: str, dtype):
+    """The model at ``path``, FP8 / FP4 weights dequantized into ``dtype``; SystemExit naming what is
+    supported when the checkpoint's quantization cannot be read exactly."""
+    from bitmatch.hub import load_pretrained
+    from bitmatch.models.quant import QuantizedCheckpointError
 
-    cfg = AutoConfig.from_pretrained(path)
-    q = getattr(cfg, "quantization_config", None)
-    if q:
-        method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", q)
-        raise SystemExit(f"{path}: quantized weights (quantization_config quant_method={method!r}); bitmatch's "
-                         "kernels run bf16/fp32 only. Fix: dequantize the checkpoint to bf16 (e.g. load it with "
-                         "transformers' FineGrainedFP8Config(dequantize=True) and save_pretrained) and pass that "
-                         "folder to --model")
+    try:
+        return load_pretrained(path, dtype=dtype, who="--model")
+    except QuantizedCheckpointError as e:
+        raise SystemExit(str(e)) from None
 
 
 def tiny_policy(seed: int = 0):
@@ -47,7 +48,7 @@ def tiny_policy(seed: int = 0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="path of a bf16 DeepSeek-V4 checkpoint (default: a tiny one built in code)")
+    ap.add_argument("--model", help="path of a DeepSeek-V4 checkpoint, bf16 or FP8/FP4 (default: a tiny one built in code)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch", type=int, default=16, help="completions per step (num_generations = 8)")
@@ -65,10 +66,9 @@ def main(argv=None):
     if a.lr is not None:
         over["learning_rate"] = a.lr
     if a.model:
-        refuse_quantized(a.model)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         use_cpu = not torch.cuda.is_available()
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32 if use_cpu else torch.bfloat16)
+        model = load_checkpoint(a.model, torch.float32 if use_cpu else torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
         args = toy.toy_config(a.output_dir, a.steps, use_cpu=use_cpu, bf16=not use_cpu,
                               **{"learning_rate": 1e-6, "max_completion_length": 256, **over})

@@ -65,7 +65,8 @@ class QuantSpec:
     def note(self) -> dict:
         """The record left on the loaded config (``config.dequantized_from``)."""
         return {**self.source, "expert_dtype": "fp4" if self.expert_fp4 else "fp8",
-                "dequantized_by": "bitmatch.models.quant", "activations": "unquantized (bf16 forward)"}
+                "dequantized_by": "bitmatch.models.quant",
+                "activations": "not quantized (the forward runs in the load dtype)"}
 
 
 def _get(cfg, name, default=None):
@@ -389,7 +390,7 @@ def dequantized_bytes(config_or_index, dtype: torch.dtype = torch.bfloat16) -> i
 
 
 def gib(n: int) -> str:
-    return f"{n / 2 ** 30:.1f} GiB"
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------- loading
