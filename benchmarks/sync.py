@@ -18,6 +18,7 @@ Ratios are against ``dst.copy_(src)`` of the same bytes in this process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -224,20 +225,31 @@ def gpu_size(size: str, a) -> dict:
     return res
 
 
-def ipc_publish(size, master, a) -> dict:
-    """Publish from this process into a receiver process on the same GPU: the control channel is
-    the authenticated TCP one, the bytes go through a shared CUDA bucket (IPC handle)."""
-    port_file = f"/tmp/bitmatch_sync_ipc_{os.getpid()}.port"
-    p = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--device", "cuda", "--shapes", size],
-                         stdin=subprocess.PIPE, text=True)
-    out = {}
+@contextlib.contextmanager
+def receiver_process(args):
+    """This script in ``--serve`` mode in a child process (a rollout server); yields its port."""
+    port_file = f"/tmp/bitmatch_sync_bench_{os.getpid()}.port"
+    p = subprocess.Popen([sys.executable, __file__, "--serve", port_file, *args], stdin=subprocess.PIPE, text=True)
     try:
         while not os.path.exists(port_file) or not open(port_file).read():
             if p.poll() is not None:
                 raise SystemExit("receiver process died")
             time.sleep(0.05)
         time.sleep(0.1)
-        tx = sync.IpcSender("127.0.0.1", int(open(port_file).read()), TOKEN, bucket_bytes=a.bucket_mib << 20)
+        yield int(open(port_file).read())
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+
+
+def ipc_publish(size, master, a) -> dict:
+    """Publish from this process into a receiver process on the same GPU: the control channel is
+    the authenticated TCP one, the bytes go through a shared CUDA bucket (IPC handle)."""
+    out = {}
+    with receiver_process(["--device", "cuda", "--shapes", size]) as port:
+        tx = sync.IpcSender("127.0.0.1", port, TOKEN, bucket_bytes=a.bucket_mib << 20)
         v = [100]
 
         def pub():
@@ -253,10 +265,6 @@ def ipc_publish(size, master, a) -> dict:
             v[0] += 1
             sync.publish(master, v[0], to=tcp)
         out["publish_tcp_loopback_s"] = cuda_timed(pub_tcp, 1)
-    finally:
-        p.stdin.close()
-        p.wait(timeout=60)
-        os.unlink(port_file)
     return out
 
 
@@ -320,16 +328,7 @@ def main():
     raw_sock = raw_socket_GBps(flat, a.repeats)
     del flat
 
-    port_file = f"/tmp/bitmatch_sync_bench_{os.getpid()}.port"
-    p = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--gib", str(a.gib)],
-                         stdin=subprocess.PIPE, text=True)
-    try:
-        while not os.path.exists(port_file) or not open(port_file).read():
-            if p.poll() is not None:
-                raise SystemExit("receiver process died")
-            time.sleep(0.05)
-        time.sleep(0.1)
-        port = int(open(port_file).read())
+    with receiver_process(["--gib", str(a.gib)]) as port:
         tx = sync.TcpSender("127.0.0.1", port, TOKEN, bucket_bytes=a.bucket_mib << 20)
         v = [0]
 
@@ -339,10 +338,6 @@ def main():
         pub(bf16)  # warm-up: faults in the receiver's buffers
         t_tcp = best(lambda: pub(bf16), a.repeats)
         t_tcp_master = best(lambda: pub(master), a.repeats)
-    finally:
-        p.stdin.close()
-        p.wait(timeout=30)
-        os.unlink(port_file)
 
     res = {
         "bytes": nb, "tensors": len(bf16), "bucket_bytes": a.bucket_mib << 20,

@@ -8,6 +8,25 @@ from __future__ import annotations
 
 import torch
 
+from bitmatch.precision import compute_cast
+
+
+def two_tensor_state(seed: int, n: int = 200_000, cols: int = 100):
+    """fp32 master weights: a flat tensor of n and an [n // cols, cols] one."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(n, generator=g), "b.weight": torch.randn(n // cols, cols, generator=g)}
+
+
+def bf16_target(state):
+    """A zeroed bf16 rollout dict with the shapes of ``state``."""
+    return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items()}
+
+
+def bits_equal(live, master):
+    """Every live bf16 tensor holds exactly compute_cast(master) (bit for bit)."""
+    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
+               for k, v in master.items())
+
 
 def tiny_qwen3(seed: int = 0, dtype=torch.float32, tie: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM

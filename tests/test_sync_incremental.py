@@ -9,6 +9,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
 from bitmatch.sync.transport_inprocess import InProcessSender
+from test_sync_helpers import bits_equal as bits
 
 
 def master_state(seed=0):
@@ -25,11 +26,6 @@ class CountingSender(InProcessSender):
     def _write(self, name, dst, src_bytes):
         self.written.append(name)
         super()._write(name, dst, src_bytes)
-
-
-def bits(live, master):
-    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
-               for k, v in master.items())
 
 
 def setup():

@@ -15,7 +15,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
 from bitmatch.sync.shared_bucket import OpenedBucket
-from test_sync_helpers import FakeVllmQwen3, tiny_qwen3
+from test_sync_helpers import FakeVllmQwen3, bits_equal, tiny_qwen3
 
 TOKEN = "ipc-token"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +30,6 @@ def odd_state(seed):
     # odd element counts: tensors split across buckets on word boundaries, last words padded
     return {"a.weight": torch.randn(1001, 7, generator=g), "b.bias": torch.randn(3, generator=g),
             "c.weight": torch.randn(2049, generator=g)}
-
-
-def bits_equal(live, master):
-    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
-               for k, v in master.items())
 
 
 @pytest.mark.parametrize("bucket", [1024, 4096, 1 << 20])

@@ -20,22 +20,16 @@ from bitmatch.precision import compute_cast
 from bitmatch.sync import hash as H
 from bitmatch.sync import transport_tcp as T
 from bitmatch.testing_models import tiny_model
+from test_sync_helpers import bf16_target, bits_equal, two_tensor_state
 
 TOKEN = "s3cret"
 
 
 def state(seed, n=4000):
-    g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(n, generator=g), "b.weight": torch.randn(n // 10, 10, generator=g)}
+    return two_tensor_state(seed, n, 10)
 
 
-def target(st):
-    return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in st.items()}
-
-
-def bits(live, master):
-    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
-               for k, v in master.items())
+target, bits = bf16_target, bits_equal
 
 
 # ---- 1. a proxy that rewrites a tensor and fixes up its fingerprint and the commit digest ------------

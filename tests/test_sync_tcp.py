@@ -14,24 +14,14 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
-from test_sync_helpers import FakeVllmQwen3, tiny_qwen3
+from test_sync_helpers import FakeVllmQwen3, bf16_target, bits_equal, tiny_qwen3, two_tensor_state
 
 TOKEN = "s3cret-token"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def big_state(seed: int, n: int = 200_000):
-    g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(n, generator=g), "b.weight": torch.randn(n // 100, 100, generator=g)}
-
-
-def bf16_target(state):
-    return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items()}
-
-
-def bits_equal(live, master):
-    return all(torch.equal(live[k].view(torch.int16), compute_cast(v, torch.bfloat16).view(torch.int16))
-               for k, v in master.items())
+    return two_tensor_state(seed, n, 100)
 
 
 def test_tcp_round_trip_hf_and_vllm_layouts():
