@@ -42,18 +42,21 @@ def test_grpo_deepseek_v4_three_steps_diff_zero(tmp_path):
         "model.layers.0.mlp.gate.weight", "model.hc_head.hc_fn"))
 
 
-def test_example_refuses_quantized_checkpoint(tmp_path):
+def test_example_refuses_an_unreadable_quantized_checkpoint(tmp_path):
+    """FP8 / FP4 checkpoints load (tests/test_quant_loader.py); a format bitmatch cannot read
+    exactly is refused by name before any weight loads."""
     from bitmatch.models.deepseek_v4_tiny import tiny_config
 
-    cfg = tiny_config()
-    cfg.save_pretrained(tmp_path)
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
         d = json.load(f)
-    d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    d["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with open(tmp_path / "config.json", "w") as f:
         json.dump(d, f)
-    with pytest.raises(SystemExit, match="dequantize"):
-        _dsv4_example().refuse_quantized(str(tmp_path))
+    with pytest.raises(SystemExit, match="not read by bitmatch"):
+        _dsv4_example().load_checkpoint(str(tmp_path), torch.float32)
 
 
 def test_example_main_two_steps(tmp_path):

@@ -111,13 +111,11 @@ def cache_groups(model, *, compute_dtype: torch.dtype | None = None) -> list[Cac
 
 def load_model(path_or_name: str, dtype: torch.dtype = torch.bfloat16, device=None, **kwargs):
     """HF ``AutoModelForCausalLM.from_pretrained`` (hub names work where a network exists), eval
-    mode, checked for support. Extra kwargs go to from_pretrained."""
-    import transformers
+    mode, checked for support; FP8 / FP4 DeepSeek checkpoints are dequantized to ``dtype`` as they
+    load (``bitmatch.hub.load_pretrained``). Extra kwargs go to from_pretrained."""
+    from bitmatch.hub import load_pretrained  # missing folder / bad hub name: clear error, fast
 
-    from bitmatch.hub import resolve_checkpoint  # missing folder / bad hub name: clear error, fast
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        resolve_checkpoint(path_or_name, who="load_model", **kwargs), dtype=dtype, **kwargs)
+    model = load_pretrained(path_or_name, dtype=dtype, who="load_model", **kwargs)
     check_supported(model)
     if device is not None:
         model = model.to(device)
