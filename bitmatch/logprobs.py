@@ -7,7 +7,9 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bitmatch.models import compute_logits, forward_hidden, pack, unwrap_causal_lm
+from bitmatch.context import ForwardContext
+from bitmatch.kernels import check_on_device, host_readable
+from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causal_lm
 from bitmatch.models import compute_dtype_of as default_compute_dtype
 
 DEFAULT_LOGIT_ELEMENTS = 1 << 25  # fp32 logits elements per chunk (128 MiB)
@@ -97,12 +99,11 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
                          f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
     if attention_mask is not None:
         _refuse_mask_holes(op, attention_mask)
-    real = input_ids if attention_mask is None else input_ids[attention_mask.to(input_ids.device) != 0]
-    vocab = lm.lm_head.weight.shape[0]
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
-        raise ValueError(f"{op}: input_ids must be token ids in [0, vocab_size={vocab}) wherever attention_mask "
-                         f"is 1, got min {int(real.min())} max {int(real.max())}; mask out padding / label "
-                         "sentinels such as -100 with attention_mask, or check the tokenizer matches the model")
+    if host_readable(input_ids):  # else checked on the device once packed (check_token_ids)
+        real = input_ids if attention_mask is None else input_ids[attention_mask != 0]
+        lo, hi = (int(v) for v in torch.aminmax(real)) if real.numel() else (0, 0)
+        if lo < 0 or hi >= lm.lm_head.weight.shape[0]:
+            raise ValueError(_bad_ids(lm, f"got min {lo} max {hi}"))
     max_pos = getattr(lm.config, "max_position_embeddings", None)
     if max_pos is not None and input_ids.shape[1] > max_pos:
         lengths = input_ids.shape[1] if attention_mask is None else int((attention_mask != 0).sum(1).max())
@@ -111,6 +112,12 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
                              f"max_position_embeddings={max_pos}; truncate input_ids (or use a model configured "
                              "for longer contexts)")
     return temperature
+
+
+def _bad_ids(lm, got: str) -> str:
+    return (f"token_logprobs: input_ids must be token ids in [0, vocab_size={lm.lm_head.weight.shape[0]}) wherever "
+            f"attention_mask is 1, {got}; mask out padding / label sentinels such as -100 with attention_mask, "
+            "or check the tokenizer matches the model")
 
 
 def _refuse_mask_holes(op: str, attention_mask: torch.Tensor) -> None:
@@ -132,6 +139,38 @@ def _refuse_mask_holes(op: str, attention_mask: torch.Tensor) -> None:
                          "is supported (a hole would be scored as if the token were deleted, positions renumbered, "
                          "not as HF scores that mask): drop the token from input_ids, or keep it in the mask and "
                          "leave its logprob out of the loss")
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[Packed, int]:
+    """``bitmatch.models.pack(input_ids, attention_mask)`` (one sequence per row with real tokens)
+    and its longest sequence, with the layout built as host metadata: from the shape alone without
+    a mask (no host read at all), else from the mask on the host (free for a CPU mask; a device
+    mask is copied back once), where pack's device path reads back its ``nonzero`` and its
+    sequence count. Same tensors as pack (tests/test_training_syncs.py)."""
+    B, L = input_ids.shape
+    dev = input_ids.device
+    if attention_mask is None:
+        rows = torch.arange(B, device=dev).repeat_interleave(L)
+        cols = torch.arange(L, device=dev).repeat(B)
+        cu = torch.arange(B + 1 if L else 1, device=dev, dtype=torch.int32) * L
+        return Packed(input_ids.reshape(-1).to(torch.long), cols, cu, rows, cols, cols == 0, cols == L - 1), L
+    m = attention_mask.detach().to("cpu") != 0
+    rows, cols = m.nonzero(as_tuple=True)
+    lengths = m.sum(1)
+    lengths = lengths[lengths > 0]
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    seq_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=rows.numel())
+    positions = torch.arange(rows.numel()) - cu[:-1].to(torch.long)[seq_id]
+    end = torch.zeros(rows.numel(), dtype=torch.bool)
+    end[(cu[1:] - 1).to(torch.long)] = True
+    longest = int(lengths.max()) if lengths.numel() else 0
+
+    def put(t):  # host -> device without a stream sync (pageable memory is staged at the call)
+        return t.to(dev, non_blocking=True)
+    rows, cols = put(rows), put(cols)
+    return Packed(input_ids[rows, cols].to(torch.long), put(positions), put(cu), rows, cols, put(positions == 0),
+                  put(end)), longest
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -156,6 +195,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
     lm = unwrap_causal_lm(model)
+    if isinstance(attention_mask, torch.Tensor):
+        # the packed layout is host metadata: a device mask costs the step's one host read here,
+        # a CPU mask none (every check and pack below then reads the host copy)
+        attention_mask = attention_mask.detach().to("cpu")
     temperature = _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p)
     # -1 / 0: no top-k (vLLM's values); k >= V keeps every token (the kernel's rule), and a k beyond
     # int64 (2**63) must not reach its int64 tensor
@@ -163,23 +206,30 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     top_p = top_p if top_p is not None and top_p < 1.0 else None
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
     dev = lm.lm_head.weight.device
-    input_ids = input_ids.to(dev)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(dev)
+    # host -> device without a stream sync (pageable memory is staged at the call); the mask stays
+    # on the host (pack_rows reads its layout there)
+    input_ids = input_ids.to(dev, non_blocking=True)
     B, L = input_ids.shape
-    p = pack(input_ids, attention_mask)
+    p, longest = pack_rows(input_ids, attention_mask)
     out = torch.zeros((B, max(L - 1, 0)), dtype=torch.float32, device=dev)
     empty = (out, torch.zeros_like(out)) if return_entropy else out
     if p.input_ids.numel() == 0:
         return empty
-    hidden = forward_hidden(lm, p.input_ids, p.context(), compute_dtype=dtype)
-    src = (~p.seq_end).nonzero(as_tuple=True)[0]   # token predicting the next one
-    if src.numel() == 0:
+    V = lm.lm_head.weight.shape[0]
+    if not host_readable(p.input_ids):
+        check_on_device(((p.input_ids >= 0) & (p.input_ids < V)).all(), _bad_ids(lm, "got one outside"))
+    # the host's longest sequence sizes attention's grid and bounds rope's table: nothing read back
+    ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
+                         max_seq_len=longest)
+    hidden = forward_hidden(lm, p.input_ids, ctx, compute_dtype=dtype)
+    # the tokens that predict a next one: all but each sequence's last, counted from the shapes
+    n_src = p.input_ids.shape[0] - (p.cu_seqlens.shape[0] - 1)
+    if n_src == 0:
         return empty
+    src = torch.nonzero_static(~p.seq_end, size=n_src)[:, 0]
     tgt = src + 1
     targets = p.input_ids[tgt]
     h = hidden[src]
-    V = lm.lm_head.weight.shape[0]
     rows = chunk_rows or max(1, DEFAULT_LOGIT_ELEMENTS // V)
     pieces = []
     for a in range(0, h.shape[0], rows):
@@ -203,6 +253,11 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 def _refuse_nan(lp: torch.Tensor, temperature: float) -> None:
     # NaN comes only from a non-finite scaled logit (+inf / T overflow, or NaN in the logits): the
     # engine refuses the same rows, so a NaN never reaches a loss or a comparison as a number
+    if not host_readable(lp):
+        check_on_device(~torch.isnan(lp.detach()).any(),
+                        f"token_logprobs: NaN logprobs: the logits divided by temperature={temperature!r} are not "
+                        "finite in float32")
+        return
     bad = int(torch.isnan(lp.detach()).sum())
     if bad:
         raise ValueError(f"token_logprobs: {bad} of {lp.numel()} logprobs are NaN: the logits divided by "

@@ -1,7 +1,7 @@
 """bitmatch.kernels: invariant ops. One public function per op; the backend (Triton for
 CUDA tensors, the float64-exact reference for CPU tensors) is chosen per call, never a
 silent fallback. See each module's docstring for its canonical reduction order."""
-from ._backend import SUPPORTED_DTYPES, backend_for, use_backend
+from ._backend import SUPPORTED_DTYPES, backend_for, check_on_device, host_readable, use_backend
 from .activation import silu_and_mul
 from .compressed_attention import sink_attention
 from .compressor import compress_windows
@@ -21,7 +21,7 @@ __all__ = [
     "linear", "rms_norm", "fused_add_rms_norm", "rotary_cos_sin", "apply_rotary", "silu_and_mul",
     "attention_prefill", "attention_paged", "attention_decode", "write_kv_cache",
     "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
-    "uniform_noise", "use_backend", "backend_for", "SUPPORTED_DTYPES",
+    "uniform_noise", "use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "moe_route", "moe_experts",
     "sink_attention", "compress_windows", "indexer_topk", "hc_pre", "hc_post", "hc_head",

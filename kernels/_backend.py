@@ -47,6 +47,21 @@ def backend_for(t: torch.Tensor) -> str:
     raise ValueError(f"bitmatch.kernels: device {t.device} is not supported (cpu or cuda)")
 
 
+def host_readable(t: torch.Tensor) -> bool:
+    """True when an op may read ``t``'s values on the host for free: a CPU tensor on the
+    reference backend. Anywhere else (CUDA; the Triton backend forced onto CPU tensors, where the
+    interpreter stands for the GPU) a read is a host sync that stalls every later launch until
+    the device drains: value checks go to the device instead (``check_on_device``)."""
+    return t.device.type == "cpu" and getattr(_state, "forced", None) != "triton"
+
+
+def check_on_device(cond: torch.Tensor, message: str) -> None:
+    """Assert the bool tensor ``cond`` without reading it back: a device-side assert on CUDA
+    (fatal to the CUDA context, like an out-of-range index in the op it guards), a RuntimeError
+    with ``message`` on CPU."""
+    torch._assert_async(cond, message)
+
+
 def triton_impl(family: str, op: str):
     """The Triton implementation of ``op``; NotImplementedError if there is none."""
     try:

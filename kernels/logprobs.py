@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, recompute_grads, triton_impl
+from ._backend import (backend_for, check_float, check_int, check_on_device, host_readable, recompute_grads,
+                       triton_impl)
 
 F64 = torch.float64
 _ROW_CHUNK = 16
@@ -72,11 +73,16 @@ class TokenLogprobsFunction(torch.autograd.Function):
 
 
 def _check(op, logits, temperature, token_ids=None):
-    """The fp32 [N] temperatures; range checks of temperature and token_ids in one host sync."""
+    """The fp32 [N] temperatures, after the range checks of temperature and token_ids: in one
+    host read where the values are on the host (``host_readable``), on the device otherwise
+    (no host sync: the trainer runs this once per logits chunk, forward and recompute)."""
     check_float("logits", logits, op)
     if logits.dim() != 2:
         raise ValueError(f"{op}: logits must be [N, V], got shape {tuple(logits.shape)}")
-    n = logits.shape[0]
+    n, V = logits.shape
+    bad_temp = f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)"
+    bad_ids = f"{op}: token_ids out of range [0, {V})"
+    host = host_readable(logits)
     stats = []
     if isinstance(temperature, torch.Tensor):
         temp = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1)
@@ -84,19 +90,25 @@ def _check(op, logits, temperature, token_ids=None):
             temp = temp.expand(n).contiguous()
         if temp.shape != (n,):
             raise ValueError(f"{op}: temperature must be a float or [N={n}] tensor")
-        if n:
+        if n and host:
             stats.append(temp.min().double())
+        elif n:
+            check_on_device(temp.min() > 0, bad_temp)
     else:
         if not float(temperature) > 0:
-            raise ValueError(f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)")
+            raise ValueError(bad_temp)
         temp = torch.full((n,), float(temperature), dtype=torch.float32, device=logits.device)
     if token_ids is not None and token_ids.numel():
-        stats += [v.double() for v in torch.aminmax(token_ids.to(logits.device))]
+        lo, hi = torch.aminmax(token_ids.to(logits.device))
+        if host:
+            stats += [lo.double(), hi.double()]
+        else:
+            check_on_device((lo >= 0) & (hi < V), bad_ids)
     got = torch.stack(stats).tolist() if stats else []
-    if isinstance(temperature, torch.Tensor) and n and not got.pop(0) > 0:
-        raise ValueError(f"{op}: temperature must be > 0 (greedy decoding reports logprobs at T=1.0)")
-    if got and (got[0] < 0 or got[1] >= logits.shape[1]):
-        raise ValueError(f"{op}: token_ids out of range [0, {logits.shape[1]})")
+    if isinstance(temperature, torch.Tensor) and n and host and not got.pop(0) > 0:
+        raise ValueError(bad_temp)
+    if got and (got[0] < 0 or got[1] >= V):
+        raise ValueError(bad_ids)
     return temp
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, check_same_device, recompute_grads, triton_impl
+from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
+                       recompute_grads, triton_impl)
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 
@@ -286,12 +287,12 @@ def _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit):
     check_same_device(op, x=x, ids=ids, weights=weights, w_in=w_in, w_out=w_out)
     if not ids.numel():
         return
-    if ids.device.type == "cpu":
+    if host_readable(ids):
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < 0 or hi >= E:
             raise ValueError(f"{op}: ids out of range [0, E={E}): found {lo if lo < 0 else hi}")
     else:  # checked on the device: a host round trip per layer would stall every launch behind it
-        torch._assert_async(((ids >= 0) & (ids < E)).all())
+        check_on_device(((ids >= 0) & (ids < E)).all(), f"{op}: ids out of range [0, E={E})")
 
 
 def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_limit=None):

@@ -281,7 +281,9 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     else:
         if ctx.cu_seqlens is None:
             raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
-        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, sliding_window=sw)
+        # the host's longest sequence (pack's metadata) sizes the grid: no read of cu_seqlens back
+        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, sliding_window=sw,
+                                max_seqlen=ctx.max_query_len)
     if rec is not None:
         rec(f"{prefix}.attn", o)
     o = linear(attn.o_proj, o.reshape(T, -1), dtype)
@@ -317,7 +319,7 @@ def rope_cos_sin(ctx: ForwardContext, head_dim: int, base: float, scaling, max_p
     Tables are never dropped (a captured graph may read an older, smaller one).
     """
     K = _kernels()
-    if ctx.max_seq_len is None or ctx.positions.device.type != "cuda":
+    if ctx.max_seq_len is None or K.host_readable(ctx.positions):
         return K.rotary_cos_sin(ctx.positions, head_dim, base, scaling, dtype=torch.float32,
                                 max_position_embeddings=max_position_embeddings)
     key = (head_dim, float(base), repr(scaling), max_position_embeddings, str(ctx.positions.device))
