@@ -279,6 +279,8 @@ def train(model, hf, a, device):
         res["stock_peak_gib"], res["weights_gib"] = gpu_train._peak(hf, stock)
         res["stock_step_ms"] = gpu_train.cuda_ms(stock, iters=3, warmup=1)
         res["profile_stock"] = gpu_train.top_kernels(stock, k=10)
+        if a.train_syncs:
+            res["host_syncs_stock"] = gpu_train.host_syncs(stock)
     finally:
         hf.zero_grad(set_to_none=True)
         hf.eval()
@@ -286,6 +288,8 @@ def train(model, hf, a, device):
         res["ours_peak_gib"], _ = gpu_train._peak(model, ours)
         res["ours_step_ms"] = gpu_train.cuda_ms(ours, iters=3, warmup=1)
         res["profile_ours"] = gpu_train.top_kernels(ours, k=10)
+        if a.train_syncs:
+            res["host_syncs_ours"] = gpu_train.host_syncs(ours)
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()
@@ -319,6 +323,8 @@ def main(argv=None):
     ap.add_argument("--rollout-prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--train-shape", default="4x512")
+    ap.add_argument("--train-syncs", action="store_true",
+                    help="train: also count the host syncs of one step, stock and ours (torch's sync debug mode)")
     ap.add_argument("--budget-s", type=float, default=200, help="no new section or batch after this many s")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

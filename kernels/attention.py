@@ -135,7 +135,12 @@ def attention_prefill(q, k, v, cu_seqlens, scale: float, causal: bool = True, sl
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: cu_seqlens must be [B+1] from 0 to T={q.shape[0]}")
     if max_seqlen is None:
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[0]:
+        # no host metadata: the bounds and the longest sequence (the Triton grid's size) in one
+        # read; callers that know it (the trainer's pack_rows, the engine) pass max_seqlen: none
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        longest = lens.max() if lens.numel() else torch.zeros_like(cu_seqlens[0])
+        first, last, max_seqlen = torch.stack([cu_seqlens[0], cu_seqlens[-1], longest]).tolist()
+        if first != 0 or last != q.shape[0]:
             raise ValueError(f"{op}: cu_seqlens must be [B+1] from 0 to T={q.shape[0]}")
     elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or not 0 <= max_seqlen <= q.shape[0]:
         raise ValueError(f"{op}: max_seqlen must be an int in [0, T={q.shape[0]}], got {max_seqlen!r}")

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, check_same_device, recompute_grads, triton_impl
+from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
+                       recompute_grads, triton_impl)
 
 F64 = torch.float64
 _SCRATCH = 1 << 22  # float64 score elements per query chunk: bounds memory, not bits
@@ -129,8 +130,11 @@ def sink_attention(q, qpos, kv, entries, entry_mask, sinks, *, scale: float, win
                          f"{tuple(entry_mask.shape)} {entry_mask.dtype}")
     if sinks.shape != (h,):
         raise ValueError(f"{op}: sinks must be [H={h}], got {tuple(sinks.shape)}")
-    if tq and int(qpos.max()) >= kv.shape[0]:
-        raise ValueError(f"{op}: a query position {int(qpos.max())} has no key row (L={kv.shape[0]})")
+    if tq and host_readable(qpos):
+        if int(qpos.max()) >= kv.shape[0]:
+            raise ValueError(f"{op}: a query position {int(qpos.max())} has no key row (L={kv.shape[0]})")
+    elif tq:  # on the device: a read per layer would stall every later launch
+        check_on_device(qpos.max() < kv.shape[0], f"{op}: a query position has no key row (L={kv.shape[0]})")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{op}: window must be a positive int, got {window!r}")
     check_same_device(op, q=q, qpos=qpos, kv=kv, entries=entries, entry_mask=entry_mask, sinks=sinks)

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, needs_autograd, recompute_grads, triton_impl
+from ._backend import (backend_for, check_float, check_int, check_on_device, host_readable, needs_autograd,
+                       recompute_grads, triton_impl)
 from .moe import _log1p64
 
 F64 = torch.float64
@@ -112,6 +113,13 @@ class _ConvFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def _check_total(op, cu_seqlens, T):
+    if not host_readable(cu_seqlens):  # on the device: a read per layer would stall every later launch
+        check_on_device(cu_seqlens[-1] == T, f"{op}: cu_seqlens[-1] != T={T}")
+    elif int(cu_seqlens[-1]) != T:
+        raise ValueError(f"{op}: cu_seqlens[-1]={int(cu_seqlens[-1])} != T={T}")
+
+
 def _check_state(op, name, t, shape, dtype, slots, n_seqs):
     if t.dim() != len(shape) + 1 or tuple(t.shape[1:]) != tuple(shape):
         raise ValueError(f"{op}: {name} must be [num_slots, {', '.join(map(str, shape))}], got {tuple(t.shape)}")
@@ -142,8 +150,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=
         raise ValueError(f"{op}: bias must be [{x.shape[1]}], got {tuple(bias.shape)}")
     if activation not in (None, "silu"):
         raise ValueError(f"{op}: activation must be 'silu' or None, got {activation!r}")
-    if int(cu_seqlens[-1]) != x.shape[0]:
-        raise ValueError(f"{op}: cu_seqlens[-1]={int(cu_seqlens[-1])} != T={x.shape[0]}")
+    _check_total(op, cu_seqlens, x.shape[0])
     w = weight.to(x.dtype).contiguous()
     b = None if bias is None else bias.to(x.dtype).contiguous()
     if conv_state is not None:
@@ -333,8 +340,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
         raise ValueError(f"{op}: chunk_size must be an int >= 1, got {chunk_size!r}")
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"{op}: x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
-    if int(cu_seqlens[-1]) != T:
-        raise ValueError(f"{op}: cu_seqlens[-1]={int(cu_seqlens[-1])} != T={T}")
+    _check_total(op, cu_seqlens, T)
     if not (isinstance(dt_min, (int, float)) and math.isfinite(dt_min) and dt_min >= 0):
         raise ValueError(f"{op}: dt_min must be a finite float >= 0, got {dt_min!r}")
     nb = cu_seqlens.shape[0] - 1
