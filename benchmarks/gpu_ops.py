@@ -732,19 +732,20 @@ def time_attention(K, quick, ceil):
 
 # ------------------------------------------------------------------ attention variants
 # Canonical-order variants of the attention kernels compared side by side in one run:
-#   rowsum16: row sums of P through the tensor core (ROWSUM_MMA: the MMA's k-order, the same for
+#   rowsum16: row sums of P through the tensor core (rowsum_mma: the MMA's k-order, the same for
 #             mma.sync and wgmma), so decode may use 16-row tiles (the default since 2026-12-03)
 #   rowsum16_skipmask: the same order, no mask select on KV blocks that every valid row sees
 #             whole (SKIP_FULL_BLOCK_MASKS: a launch knob, same bits by construction; not yet run)
 #   v64:      row sums of P by tl.sum (register layout order); every CUDA tile >= 64 rows
 #             (wgmma), so decode pads its G query rows to 64 (the committed order up to 2026-12-02)
-ATT_VARIANTS = {"rowsum16": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16, SKIP_FULL_BLOCK_MASKS=False),
-                "rowsum16_skipmask": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16,
-                                          SKIP_FULL_BLOCK_MASKS=True),
-                "v64": dict(ROWSUM_MMA=False, MIN_BLOCK_M_CUDA=64, SKIP_FULL_BLOCK_MASKS=False),
+# Lower-case keys are canonical-order fields (run under kernels/order.py's override, which the
+# stamp follows; rowsum_mma also sets the 16/64-row minimum CUDA tile), upper-case keys the
+# attention module's launch knobs.
+ATT_VARIANTS = {"rowsum16": dict(rowsum_mma=True, SKIP_FULL_BLOCK_MASKS=False),
+                "rowsum16_skipmask": dict(rowsum_mma=True, SKIP_FULL_BLOCK_MASKS=True),
+                "v64": dict(rowsum_mma=False, SKIP_FULL_BLOCK_MASKS=False),
                 # canonical change: 256-position partitions double decode's programs at small batch
-                "rowsum16_p256": dict(ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16,
-                                      SKIP_FULL_BLOCK_MASKS=False, KV_PARTITION=256)}
+                "rowsum16_p256": dict(rowsum_mma=True, SKIP_FULL_BLOCK_MASKS=False, kv_partition=256)}
 ALL_ATT_VARIANTS = dict(ATT_VARIANTS)   # --variants narrows ATT_VARIANTS; lookups use this
 BEST_DECODE_KNOBS = {}   # variant -> {knob: value} chosen by sweep_decode in this run
 
@@ -755,13 +756,17 @@ class attn_variant:
         self.cfg.update(BEST_DECODE_KNOBS.get(name, {}))
 
     def __enter__(self):
-        self.old = {k: getattr(self.att, k) for k in self.cfg}
-        for k, v in self.cfg.items():
+        knobs = {k: v for k, v in self.cfg.items() if k.isupper()}
+        self.order = self.att.order.override(**{k: v for k, v in self.cfg.items() if not k.isupper()})
+        self.order.__enter__()
+        self.old = {k: getattr(self.att, k) for k in knobs}
+        for k, v in knobs.items():
             setattr(self.att, k, v)
 
     def __exit__(self, *exc):
         for k, v in self.old.items():
             setattr(self.att, k, v)
+        self.order.__exit__(*exc)
 
 
 def inv_attention_variants(K, quick):
@@ -1345,7 +1350,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0, help="skip the sections that would start "
                     "after this many seconds (0: no limit), so a device time limit never cuts the JSON")
     ap.add_argument("--rowsum-mma", action="store_true", help="attention row sums on the tensor "
-                    "core and 16-row decode tiles (ROWSUM_MMA=True, MIN_BLOCK_M_CUDA=16): the "
+                    "core and 16-row decode tiles (order rowsum_mma=True, 16-row CUDA tiles): the "
                     "default since 2026-12-03, kept so older commands still run")
     ap.add_argument("--sweep-ms", default="", help="comma list of M for the linear sweep; "
                     "also fixes SPLIT to the table's (graph-timed tile sweep only)")
@@ -1366,9 +1371,8 @@ def main():
     rec = Recorder(args.out, args)
     run_t0 = time.time()
     K, modname = load_kernels()
-    if args.rowsum_mma:
-        K.attention.ROWSUM_MMA = True
-        K.attention.MIN_BLOCK_M_CUDA = 16
+    if args.rowsum_mma:  # held for the whole run: every launch and the recorded stamp follow it
+        K.attention.order.override(rowsum_mma=True).__enter__()
     rec.data["machine"] = machine_info()
     rec.data["kernels_module"] = modname
     try:
@@ -1376,11 +1380,9 @@ def main():
                                               text=True, timeout=10).stdout.strip()
     except Exception:
         pass
-    rec.data["canonical"] = {"linear_split_table": {str(k): v for k, v in K.linear.SPLIT_TABLE.items()},
-                             "linear_config_table": K.linear.CONFIG_TABLE,
-                             "kv_block": K.attention.KV_BLOCK, "kv_partition": K.attention.KV_PARTITION,
-                             "attention_rowsum_mma": K.attention.ROWSUM_MMA,
-                             "attention_min_block_m_cuda": K.attention.MIN_BLOCK_M_CUDA}
+    active = K.attention.order.current()
+    rec.data["canonical"] = {"stamp": active.stamp("triton"), "linear_config_table": K.linear.CONFIG_TABLE,
+                             "attention_min_block_m_cuda": active.min_block_m_cuda}
     skip = set(args.skip.split(",")) if args.skip else set()
     only = set(args.only.split(",")) if args.only else None
 

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from . import order
+
 F64 = torch.float64
 
 # Cody-Waite constants (fdlibm): the high parts have trailing zero bits so n * HI is exact.
@@ -112,33 +114,43 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x[..., 0] + 0.0  # + 0.0 turns a -0.0 total into +0.0 whatever the fold order
 
 
-_GRID_BITS = 20      # |integer| <= 2**20, so a product is <= 2**40 ...
-_K_CHUNK = 4096      # ... and a sum of 4096 of them stays below 2**53: exact in float64
+# The integer grid (|integer| <= 2**exact_grid_bits, 20: a product is <= 2**40) and the K chunk
+# (exact_k_chunk, 4096: a chunk's sum of products stays below 2**53, exact in float64) are fields
+# of the canonical order (kernels/order.py), read at every call so ``order.override`` and the
+# stamp agree. ``_exact._GRID_BITS`` / ``_exact._K_CHUNK`` (read by other reference ops) resolve
+# to the active order's values through the module ``__getattr__``.
+def __getattr__(name):
+    if name == "_GRID_BITS":
+        return order.current().exact_grid_bits
+    if name == "_K_CHUNK":
+        return order.current().exact_k_chunk
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def quantize_rows(x: torch.Tensor, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Split each row of ``x`` into ``slices`` integer-valued float64 tensors on the grid
     2**(e - 20*(i+1)), e the row's max exponent. Depends on the row alone."""
+    bits = order.current().exact_grid_bits
     x = x.to(F64)
     amax = x.abs().amax(dim=-1, keepdim=True)
     _, e = torch.frexp(amax)  # amax < 2**e
     e = torch.where(amax == 0, torch.zeros_like(e), e).to(torch.int64)
-    v = x * two_pow(_GRID_BITS - e)
+    v = x * two_pow(bits - e)
     parts = []
     for i in range(slices):
         q = torch.round(v)
         parts.append(q)
-        v = (v - q) * float(2**_GRID_BITS)  # exact: the remainder of a round is representable
+        v = (v - q) * float(2**bits)  # exact: the remainder of a round is representable
     return parts, e
 
 
 def _matmul_exact_ints(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b[..., N, K]^T of integer-valued float64 tensors, K chunks of 4096
     (fixed from k = 0) added in order: each chunk's product is exact."""
-    k = a.shape[-1]
+    k, chunk = a.shape[-1], order.current().exact_k_chunk
     out = None
-    for s in range(0, k, _K_CHUNK):
-        part = torch.matmul(a[..., s:s + _K_CHUNK], b[..., s:s + _K_CHUNK].transpose(-1, -2))
+    for s in range(0, k, chunk):
+        part = torch.matmul(a[..., s:s + chunk], b[..., s:s + chunk].transpose(-1, -2))
         out = part if out is None else out + part
     return out
 
@@ -151,16 +163,17 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor, a_slices: int = 1, b_slices: 
     Exact for bf16 values within 2**-12 of their row's max (1 slice) and for fp32 values
     within 2**-16 (2 slices); smaller values are rounded to the row grid.
     """
+    bits = order.current().exact_grid_bits
     qa, ea = quantize_rows(a, a_slices)
     qb, eb = quantize_rows(b, b_slices)
     acc = None
     # combine slice products from the smallest weight up, in a fixed order
     terms = sorted(((i + j, i, j) for i in range(a_slices) for j in range(b_slices)), reverse=True)
-    for order, i, j in terms:
-        t = _matmul_exact_ints(qa[i], qb[j]) * float(2.0 ** (-_GRID_BITS * order))
+    for weight, i, j in terms:
+        t = _matmul_exact_ints(qa[i], qb[j]) * float(2.0 ** (-bits * weight))
         acc = t if acc is None else acc + t
-    scale_a = two_pow(ea - _GRID_BITS)                    # [..., M, 1]
-    scale_b = two_pow(eb - _GRID_BITS).transpose(-1, -2)  # [..., 1, N]
+    scale_a = two_pow(ea - bits)                    # [..., M, 1]
+    scale_b = two_pow(eb - bits).transpose(-1, -2)  # [..., 1, N]
     return acc * scale_a * scale_b
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.kernels import order
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine import model_runner as mr
 from bitmatch.testing_models import random_prompts, tiny_model
@@ -78,10 +79,6 @@ def test_triton_prefill_equals_paged(page):
                                   max_query_len=130, max_seq_len=130)
     assert torch.equal(pre.view(torch.int32), paged.view(torch.int32))
     # control: the prefill kernel walking KV in 32-position blocks (another canonical order)
-    old = TA.KV_BLOCK
-    try:
-        TA.KV_BLOCK = 32
+    with order.override(kv_block=32):
         other = TA.attention_prefill(q, k, v, cu, 0.25, max_seqlen=130)
-    finally:
-        TA.KV_BLOCK = old
     assert not torch.equal(other.view(torch.int32), paged.view(torch.int32))

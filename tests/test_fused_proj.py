@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.kernels import order
 
 
 def _bits_equal(a, b):
@@ -42,20 +43,20 @@ triton_only = pytest.mark.interpreter
 
 @triton_only
 @pytest.mark.parametrize("m", [1, 20, 70])
-def test_triton_fused_equals_separate_mixed_splits(m, monkeypatch):
+def test_triton_fused_equals_separate_mixed_splits(m):
     from bitmatch.kernels.triton import linear as TL
     # q-like segment with a 2-chunk K split, k/v-like segments plain: two launches, same bits
-    monkeypatch.setattr(TL, "SPLIT_TABLE", {(64, 512): 2})
-    ws = _weights((64, 32, 32), 512, torch.float32, seed=1)
-    x = torch.randn(m, 512)
-    with K.use_backend("triton"):
-        fused = K.linear(x, torch.cat(ws), segments=(64, 32, 32))
-        sep = torch.cat([K.linear(x, w) for w in ws], -1)
-        assert _bits_equal(fused, sep)
-        # control: the whole fused weight under the k/v split (what a plain fused GEMM does)
-        plain = K.linear(x, torch.cat(ws))
-    assert TL.split_for(128, 512) == 1 and TL.split_for(64, 512) == 2
-    assert not _bits_equal(plain[:, :64], sep[:, :64])
+    with order.override(linear_split_table=(((64, 512), 2),)):
+        ws = _weights((64, 32, 32), 512, torch.float32, seed=1)
+        x = torch.randn(m, 512)
+        with K.use_backend("triton"):
+            fused = K.linear(x, torch.cat(ws), segments=(64, 32, 32))
+            sep = torch.cat([K.linear(x, w) for w in ws], -1)
+            assert _bits_equal(fused, sep)
+            # control: the whole fused weight under the k/v split (what a plain fused GEMM does)
+            plain = K.linear(x, torch.cat(ws))
+        assert TL.split_for(128, 512) == 1 and TL.split_for(64, 512) == 2
+        assert not _bits_equal(plain[:, :64], sep[:, :64])
 
 
 @triton_only

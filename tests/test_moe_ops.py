@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import bitmatch.kernels as K
+from bitmatch.kernels import order
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
 
 BF = torch.bfloat16
@@ -332,10 +333,7 @@ def test_triton_experts_row_is_triton_linear(activation):
     import bitmatch.kernels.triton.linear as tl_
     for h, split in ((160, 1), (512, 2)) if activation == "swiglu" else ((160, 1),):
         x, ids, _, w_in, w_out = _tri_case(activation, torch.float32, T=4, k=1, h=h, i=32)
-        old = dict(tl_.SPLIT_TABLE)
-        try:
-            if split > 1:
-                tl_.SPLIT_TABLE[(w_in.shape[1], h)] = split
+        with order.override(linear_split_table=(((w_in.shape[1], h), split),)):
             # BK = 128 as linear's M = 1 row of its table: the interpreter rounds each BK block's
             # float64 dot to fp32, so only there BK is part of the bits (DESIGN section 4)
             out = tm.moe_experts(x, ids, torch.ones(4, 1), w_in, w_out, activation, None,
@@ -346,9 +344,6 @@ def test_triton_experts_row_is_triton_linear(activation):
                 a = ta.silu_and_mul(hrow) if activation == "swiglu" else torch.relu(hrow) ** 2
                 want = tl_.linear(a, w_out[e].contiguous())
                 assert_bitwise_equal(out[t:t + 1], want, f"{activation} h={h} row {t}")
-        finally:
-            tl_.SPLIT_TABLE.clear()
-            tl_.SPLIT_TABLE.update(old)
 
 
 _TRI_CONFIGS = [(16, 32, 64, 128, 4, 4), (64, 16, 32, 128, 4, 4)]

@@ -14,6 +14,8 @@ import types
 import pytest
 import torch
 
+from bitmatch.kernels import order
+
 pytest.importorskip("triton")
 pytestmark = pytest.mark.interpreter
 
@@ -57,9 +59,7 @@ def test_linear_batch_invariance_and_split_k_structure():
     lin = K.linear
     Kd, N = 512, 48
     x, w, b = _randn(40, Kd, seed=4), _randn(N, Kd, seed=5), _randn(N, seed=6)
-    old = dict(lin.SPLIT_TABLE)
-    try:
-        lin.SPLIT_TABLE[(N, Kd)] = 2
+    with order.override(linear_split_table=(((N, Kd), 2),)):
         assert lin.split_for(N, Kd) == 2
         full = lin.linear(x, w, b)                     # table config for M = 40
         for m in (1, 3, 17):                          # other table rows (other tiles / modes)
@@ -75,9 +75,7 @@ def test_linear_batch_invariance_and_split_k_structure():
         assert torch.equal(outs[0], full)
         # the split-K tree is part of the canonical order: a different SPLIT is another order
         assert lin._launch(x, w, b, cfgs[0], 1).shape == full.shape
-    finally:
-        lin.SPLIT_TABLE.clear()
-        lin.SPLIT_TABLE.update(old)
+    assert lin.split_for(N, Kd) == 1  # the override is gone with its block
 
 
 def test_linear_ragged_k():
@@ -95,19 +93,16 @@ def test_linear_tma_persistent_same_order(M, N, Kd, split):
     ragged edges in M, N and K and a persistent grid smaller than the tile count."""
     lin = K.linear
     x, w, b = _randn(M, Kd, seed=1), _randn(N, Kd, seed=2), _randn(N, seed=3)
-    old = dict(lin.SPLIT_TABLE)
     try:
-        lin.SPLIT_TABLE[(N, Kd)] = split
-        S = lin.split_for(N, Kd)
-        assert S == split
-        ref = lin._launch(x, w, b, (16, 16, 64, 8, 4, 4, "fused"), S)
-        assert torch.equal(lin._launch_tma(x, w, b, (32, 16, 64, 8, 4, 3), S), ref)
-        lin.TMA_TABLE[(N, Kd)] = [(64, 32, 16, 64, 2, 4, 3)]
-        assert torch.equal(lin.linear(x, w, b), ref)                       # M >= 64: TMA path
-        assert torch.equal(lin.linear(x[:9].contiguous(), w, b), ref[:9])  # M < 64: table
+        with order.override(linear_split_table=(((N, Kd), split),)):
+            S = lin.split_for(N, Kd)
+            assert S == split
+            ref = lin._launch(x, w, b, (16, 16, 64, 8, 4, 4, "fused"), S)
+            assert torch.equal(lin._launch_tma(x, w, b, (32, 16, 64, 8, 4, 3), S), ref)
+            lin.TMA_TABLE[(N, Kd)] = [(64, 32, 16, 64, 2, 4, 3)]
+            assert torch.equal(lin.linear(x, w, b), ref)                       # M >= 64: TMA path
+            assert torch.equal(lin.linear(x[:9].contiguous(), w, b), ref[:9])  # M < 64: table
     finally:
-        lin.SPLIT_TABLE.clear()
-        lin.SPLIT_TABLE.update(old)
         lin.TMA_TABLE.pop((N, Kd), None)
 
 
@@ -206,11 +201,9 @@ def _ref_attn(q, k, v, scale, causal=True, window=None):
 
 @pytest.fixture
 def small_partition():
-    att = K.attention
-    old = att.KV_PARTITION
-    att.KV_PARTITION = 128   # canonical 512 on the GPU; 128 here exercises the merge cheaply
-    yield
-    att.KV_PARTITION = old
+    # canonical 512 on the GPU; 128 here exercises the merge cheaply
+    with order.override(kv_partition=128):
+        yield
 
 
 def _seqs(lens, Hq=4, Hkv=2, D=32, seed=20):
@@ -302,11 +295,9 @@ def test_attention_prefill_chunked_decode_bits(small_partition, window):
 
 
 def test_attention_rowsum_mma_variant(small_partition):
-    """The other row-sum order (ROWSUM_MMA flipped from the default): same structure holds."""
+    """The other row-sum order (rowsum_mma flipped from the default): same structure holds."""
     att = K.attention
-    old = att.ROWSUM_MMA
-    att.ROWSUM_MMA = not old
-    try:
+    with order.override(rowsum_mma=not order.current().rowsum_mma):
         L = 150
         q, k, v, cu = _seqs([L], seed=40)
         ref = att.attention_prefill(q, k, v, cu, 0.2, True, None)
@@ -318,8 +309,6 @@ def test_attention_rowsum_mma_variant(small_partition):
                                   torch.tensor([t + 1 for t in ts], dtype=torch.int32), 0.2)
         for i, t in enumerate(ts):
             assert torch.equal(od[i], ref[t])
-    finally:
-        att.ROWSUM_MMA = old
 
 
 # ---------------------------------------------------------------- attention backward

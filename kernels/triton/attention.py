@@ -1,8 +1,8 @@
 """Attention forward: packed varlen prefill and paged (chunked prefill / decode), one kernel.
 
 Canonical order for query row (token t of sequence b, head h), independent of schedule:
-  keys are walked from position 0 in KV blocks of KV_BLOCK (=64) positions; an online softmax
-  (base-2, fp32) runs inside each KV partition of KV_PARTITION (=512) positions starting from
+  keys are walked from position 0 in KV blocks of kv_block (=64) positions; an online softmax
+  (base-2, fp32) runs inside each KV partition of kv_partition (=512) positions starting from
   the empty state; partition states (m, l, acc) are merged in partition order into the empty
   state; out = acc / l. Fully masked blocks and partitions are exact no-ops (the -inf-safe
   update keeps the state bit-identical), so a program may skip them.
@@ -10,12 +10,14 @@ Prefill (contiguous K/V) and paged (K/V gathered through the block table at any 
 use the same kernel, so their bits agree; the query tile (how many tokens x GQA heads share a
 program) and whether partitions run in one program ("fused") or on separate programs merged by
 _merge_kernel ("split", for decode / small batches) do not change the bits. The row sum l of P
-is part of the order: it is taken on the tensor core (ROWSUM_MMA: P rounded to the input dtype
+is part of the order: it is taken on the tensor core (rowsum_mma: P rounded to the input dtype
 times a ones column, the MMA's k-order, which mma.sync (< 64-row tiles) and wgmma share), so
 16-row decode tiles give prefill's bits (H200 harness, 2026-12-03: 0 mismatching rows on every
-axis). With a register tl.sum instead (ROWSUM_MMA = False) the sum order follows the MMA's
+axis). With a register tl.sum instead (rowsum_mma = False) the sum order follows the MMA's
 accumulator layout: 16/32-row tiles then changed ~2% of rows by 1 ulp, so every CUDA tile must
-have >= 64 rows (MIN_BLOCK_M_CUDA = 64), which costs decode ~30% (see ROWSUM_MMA below).
+have >= 64 rows (min_block_m_cuda = 64), which costs decode ~30% (see SKIP_FULL_BLOCK_MASKS).
+kv_block, kv_partition and rowsum_mma are fields of the canonical order (kernels/order.py),
+read from ``order.current()`` at every launch: ``order.override`` changes them and the stamp.
 GQA: a program's rows are (token, head-in-group) pairs of one KV head, so K/V is read once per
 group. Non-causal attention is only for prefill (causal=False), where every row sees the whole
 sequence.
@@ -24,11 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..order import ORDER
+from .. import order
 from . import interpreting, sm_count
 
-KV_BLOCK = ORDER.kv_block          # canonical order (kernels/order.py): changes the bits
-KV_PARTITION = ORDER.kv_partition
 _LOG2E = 1.4426950408889634
 
 
@@ -296,14 +296,11 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
 
 
 # Launch-shape knobs (free: they do not change the bits).
-# Canonical-order switch (both orders ran the full H200 harness with 0 mismatches, 2026-12-03,
-# benchmarks/results/h200.json): True = row sums of P on the tensor core, 16-row decode tiles
-# (decode 0.80-0.88 of the K/V roofline at batch 64-256, prefill 0.82-0.92 of SDPA flash);
-# False = register row sums, >= 64-row tiles everywhere (decode 0.59-0.63, prefill 0.87-0.98).
-# Flipping it changes the bits of every attention output (rollout and trainer must agree on it):
-# it is part of the canonical order (kernels/order.py), stamped into every weight manifest.
-ROWSUM_MMA = ORDER.rowsum_mma
-MIN_BLOCK_M_CUDA = 16 if ROWSUM_MMA else 64
+# The canonical order's rowsum_mma (both orders ran the full H200 harness with 0 mismatches,
+# 2026-12-03, benchmarks/results/h200.json): True = row sums of P on the tensor core, 16-row
+# decode tiles (decode 0.80-0.88 of the K/V roofline at batch 64-256, prefill 0.82-0.92 of SDPA
+# flash); False = register row sums, >= 64-row tiles everywhere (decode 0.59-0.63, prefill
+# 0.87-0.98). Flipping it changes the bits of every attention output: kernels/order.py.
 PREFILL_BLOCK_M = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
@@ -342,20 +339,22 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
     if T == 0 or B == 0:
         return (out, lse) if return_lse else out
     interp = interpreting(q)
+    o = order.current()
+    min_block_m = 16 if interp else o.min_block_m_cuda
     if block_m is None:
         if paged and max_nq * GP <= 64:
-            block_m = max(16 if interp else MIN_BLOCK_M_CUDA,
+            block_m = max(min_block_m,
                           triton.next_power_of_2(max_nq * GP))
         else:
             block_m = max(PREFILL_BLOCK_M, GP) if not interp else max(16, min(64, GP * 8))
     # On the GPU, query tiles below 64 rows compile to mma.sync (mma v2) instead of wgmma; with
-    # register row sums (ROWSUM_MMA False) their accumulator layout sums a row of P in another
+    # register row sums (rowsum_mma False) their accumulator layout sums a row of P in another
     # order (~2% of rows 1 ulp off on the H200), so then every CUDA launch uses >= 64-row tiles.
     # (The interpreter has no such split.)
-    block_m = max(block_m, GP, 16 if interp else MIN_BLOCK_M_CUDA)
+    block_m = max(block_m, GP, min_block_m)
     tpt = block_m // GP
     n_tiles = triton.cdiv(max_nq, tpt)
-    NP = max(1, triton.cdiv(max_kv, KV_PARTITION))
+    NP = max(1, triton.cdiv(max_kv, o.kv_partition))
     programs = n_tiles * B * Hkv
     if force_mode is not None:
         split = force_mode == "split"
@@ -383,7 +382,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
                                 enable_fp_fusion=False)
     if launch and not interp:
         kw.update(launch)
-    common = dict(D=D, GP=GP, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, PART=KV_PARTITION, PAGED=paged,
+    common = dict(D=D, GP=GP, BLOCK_M=block_m, BLOCK_N=o.kv_block, PART=o.kv_partition, PAGED=paged,
                   CAUSAL=causal, HAS_WINDOW=has_window)
     win = int(window) if has_window else 0
     if split:
@@ -394,7 +393,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         _attn_kernel[(n_tiles, B * Hkv, NP)](q, k, v, out, wsa, wsm, wsl, lse, qstart, seqlens,
                                              block_table, bt_stride, page_size, *kv_strides,
                                              qk_scale, win, Hq, Hkv, G, NP, SPLIT=True, INTERP=interp,
-                                             PREC=prec, ROWSUM_MMA=ROWSUM_MMA, STORE_LSE=False,
+                                             PREC=prec, ROWSUM_MMA=o.rowsum_mma, STORE_LSE=False,
                                              SKIP_MASKS=SKIP_FULL_BLOCK_MASKS,
                                              **common, **kw)
         _merge_kernel[(n_tiles, B * Hkv)](out, wsa, wsm, wsl, lse, qstart, seqlens, win, Hq, Hkv,
@@ -405,7 +404,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
         _attn_kernel[(n_tiles, B * Hkv, 1)](q, k, v, out, out, out, out, lse, qstart, seqlens,
                                             block_table, bt_stride, page_size, *kv_strides,
                                             qk_scale, win, Hq, Hkv, G, NP, SPLIT=False, INTERP=interp,
-                                            PREC=prec, ROWSUM_MMA=ROWSUM_MMA,
+                                            PREC=prec, ROWSUM_MMA=o.rowsum_mma,
                                             STORE_LSE=return_lse,
                                             SKIP_MASKS=SKIP_FULL_BLOCK_MASKS, **common, **kw)
     return (out, lse) if return_lse else out

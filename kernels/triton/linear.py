@@ -14,20 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..order import ORDER
+from .. import order
 from . import interpreting, sm_count
-
-_CHUNK_ALIGN = 256  # chunk length is a multiple of every BK in the table
-
-# Fixed number of K chunks per weight shape (N, K): part of the canonical order (kernels/order.py,
-# stamped into every weight manifest); any shape not listed uses 1 (plain sequential K).
-SPLIT_TABLE = dict(ORDER.linear_split_table)
 
 
 def split_for(N: int, K: int) -> int:
-    s = SPLIT_TABLE.get((N, K), 1)
-    # a chunk must hold whole aligned blocks
-    while s > 1 and (K % s != 0 or (K // s) % _CHUNK_ALIGN != 0):
+    """K chunks of a weight of shape (N, K) under the active canonical order (kernels/order.py:
+    ``linear_split_table``, stamped into every weight manifest); any shape not listed: 1."""
+    o = order.current()
+    s = o.split_table.get((N, K), 1)
+    # a chunk must hold whole aligned blocks (its length a multiple of every BK in the tables)
+    while s > 1 and (K % s != 0 or (K // s) % o.linear_chunk_align != 0):
         s -= 1
     return max(s, 1)
 

@@ -2,19 +2,20 @@
 
 Rounding points as HF: y = w * round_dtype(x * rsqrt(mean(x^2) + eps)), the product rounded to
 the dtype. The row sum of squares is one tl.sum over a block of fixed width BLOCK =
-next_pow2(H) with warps fixed by H, so its reduction tree depends on H only.
+next_pow2(H) with warps fixed by H (the canonical order's ``norm_warps``, kernels/order.py: the
+warps fix tl.sum's tree on the GPU), so its reduction tree depends on H only.
 """
 import torch
 import triton
 import triton.language as tl
 
+from .. import order
 from . import interpreting, sm_count
 
 
 def _block_and_warps(H: int):
     block = triton.next_power_of_2(H)
-    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-    return block, warps
+    return block, order.current().norm_warps_for(block)
 
 
 @triton.jit
