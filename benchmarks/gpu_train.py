@@ -320,11 +320,36 @@ def train(size, profile=True, iters=3):
     res.update(stock_step_ms=t_s, ours_step_ms=t_o, stock_tokens_per_s=B * L / t_s * 1e3,
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
-    print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
     model.zero_grad(set_to_none=True)
     del model
     empty_cache()
+    res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters))
+    print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
     return res
+
+
+def liger(size, ids, ours_ms, ours_peak, iters) -> dict:
+    """The training baseline TRL users enable (GRPOConfig(use_liger_kernel=True)): HF + Liger's
+    Triton rms_norm, swiglu and rope on a fresh copy of the same model (same seed)."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        import liger_kernel
+    except ImportError as e:
+        return {"liger": f"not installed ({e}); carry the liger-kernel wheel"}
+    model = build_model(size)
+    model.train()
+    apply_liger_kernel_to_qwen3(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False)
+    stock, _ = train_step_fns(model, ids)
+    peak, _ = _peak(model, stock)
+    t_l = cuda_ms(stock, iters=iters, warmup=1)
+    out = {"liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l, "liger_peak_gib": peak,
+           "liger_tokens_per_s": ids.numel() / t_l * 1e3, "tokens_per_s_ratio_vs_liger": t_l / ours_ms,
+           "peak_memory_ratio_vs_liger": ours_peak / max(peak, 1e-9)}
+    model.zero_grad(set_to_none=True)
+    del model
+    empty_cache()
+    return out
 
 
 def main():
