@@ -8,6 +8,7 @@ from bitmatch.kernels import order
 from bitmatch.kernels.order import ORDER, CanonicalOrder
 from bitmatch.kernels.triton import attention as TA
 from bitmatch.kernels.triton import linear as TL
+from bitmatch.kernels.triton import logprobs as TLP
 from bitmatch.kernels.triton import norm as TN
 
 
@@ -83,7 +84,7 @@ def test_override_is_process_wide_and_refuses_a_second_thread():
 def test_launchers_read_the_order_at_launch():
     """No module-level copies left to go stale, and each launcher follows the override."""
     for mod, names in ((TA, ("KV_BLOCK", "KV_PARTITION", "ROWSUM_MMA", "MIN_BLOCK_M_CUDA")),
-                       (TL, ("SPLIT_TABLE", "_CHUNK_ALIGN"))):
+                       (TL, ("SPLIT_TABLE", "_CHUNK_ALIGN")), (TLP, ("BLOCK_V",))):
         assert not [n for n in names if hasattr(mod, n)], mod.__name__
     assert TL.split_for(64, 512) == 1
     with order.override(linear_split_table=(((64, 512), 2),)):

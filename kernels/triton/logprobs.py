@@ -1,17 +1,18 @@
 """token_logprobs / full_logprobs: log_softmax(logits.float() / T) over the full vocabulary.
 
 One program per row; z = logits_fp32 / T with IEEE division (div_rn, as torch's `/`); the
-row's max and sum of exp are kept per lane of a fixed-width block (BLOCK = 4096, 8 warps for
-every V) walked from column 0, then combined by one tl.max / tl.sum: the order depends on V
+row's max and sum of exp are kept per lane of a fixed-width block (the canonical order's
+logprobs_block_v = 4096 lanes on logprobs_warps = 8 warps for every V, kernels/order.py, read at
+launch) walked from column 0, then combined by one tl.max / tl.sum: the order depends on V
 only, never on the number of rows.
 """
 import torch
 import triton
 import triton.language as tl
 
+from .. import order
 from . import interpreting
 
-BLOCK_V = 4096
 _NEG = -1.0e30
 
 
@@ -75,8 +76,8 @@ def _full_logprobs_kernel(x_ptr, t_ptr, out_ptr, V, BLOCK: tl.constexpr):
         tl.store(out_ptr + row * V + cols, tl.math.div_rn(x, t) - lse, mask=cols < V)
 
 
-def _kw(interp):
-    return {} if interp else dict(num_warps=8)
+def _kw(interp, o):
+    return {} if interp else dict(num_warps=o.logprobs_warps)
 
 
 def token_logprobs(logits, token_ids, temperature, return_lse=False):
@@ -88,8 +89,9 @@ def token_logprobs(logits, token_ids, temperature, return_lse=False):
     if N:
         interp = interpreting(logits)
         t = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
+        o = order.current()
         _token_logprobs_kernel[(N,)](logits, token_ids.contiguous(), t, out, lse, V,
-                                     STORE_LSE=return_lse, BLOCK=BLOCK_V, **_kw(interp))
+                                     STORE_LSE=return_lse, BLOCK=o.logprobs_block_v, **_kw(interp, o))
     return (out, lse) if return_lse else out
 
 
@@ -101,9 +103,10 @@ def token_logprobs_backward(logits, token_ids, temperature, lse, g):
         return dx
     interp = interpreting(logits)
     t = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
-    _token_logprobs_bwd_kernel[(N, triton.cdiv(V, BLOCK_V))](
+    block = order.current().logprobs_block_v  # any width gives correct gradients; the forward's
+    _token_logprobs_bwd_kernel[(N, triton.cdiv(V, block))](
         logits, token_ids.contiguous(), t, lse, g.to(torch.float32).contiguous(), dx, V,
-        BLOCK=BLOCK_V, **({} if interp else dict(num_warps=4)))
+        BLOCK=block, **({} if interp else dict(num_warps=4)))
     return dx
 
 
@@ -114,5 +117,6 @@ def full_logprobs(logits, temperature):
         return out
     interp = interpreting(logits)
     t = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
-    _full_logprobs_kernel[(N,)](logits, t, out, V, BLOCK=BLOCK_V, **_kw(interp))
+    o = order.current()
+    _full_logprobs_kernel[(N,)](logits, t, out, V, BLOCK=o.logprobs_block_v, **_kw(interp, o))
     return out
