@@ -251,18 +251,37 @@ def r_moe_e2e(d):
     secs = d.get("sections", {})
     out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, {fmt(a.get('layers'))} layers, "
                        f"{fmt(a.get('experts'))} experts top-{fmt(a.get('top_k'))}.", ""]
-    out += table(["Diff config", "CUDA graphs", "tokens", "mismatches", "stock HF mismatches"],
-                 [[c.get("config"), c.get("graphs_on"), c.get("tokens"), c.get("mismatches"),
-                   c.get("control_stock_hf_mismatches")] for c in secs.get("diff", [])])
-    out += [""] + table(["rollout B", "tokens/s vs engine with HF's MoE block", "vs HF generate", "graphs vs eager",
-                         "graphs == eager bits"],
-                        [[b.get("B"), b.get("vs_stock_moe_block"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"),
-                          b.get("graphs_vs_eager_bits_equal")] for b in secs.get("rollout", {}).values()])
+    if secs.get("diff"):  # a run of some sections only (--sections train) has no rows here
+        out += table(["Diff config", "CUDA graphs", "tokens", "mismatches", "stock HF mismatches"],
+                     [[c.get("config"), c.get("graphs_on"), c.get("tokens"), c.get("mismatches"),
+                       c.get("control_stock_hf_mismatches")] for c in secs["diff"]]) + [""]
+    if secs.get("rollout"):
+        out += table(["rollout B", "tokens/s vs engine with HF's MoE block", "vs HF generate", "graphs vs eager",
+                      "graphs == eager bits"],
+                     [[b.get("B"), b.get("vs_stock_moe_block"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"),
+                       b.get("graphs_vs_eager_bits_equal")] for b in secs["rollout"].values()])
     t = secs.get("train")
     if isinstance(t, dict):
+        syncs = t.get("host_syncs_ours")
         out += ["", f"Training fwd+bwd vs stock HF (batch {fmt(t.get('batch'))}): tokens/s ratio "
-                f"{fmt(t.get('tokens_per_s_ratio'))}, peak memory ratio {fmt(t.get('peak_memory_ratio'))}."]
+                f"{fmt(t.get('tokens_per_s_ratio'))}, peak memory ratio {fmt(t.get('peak_memory_ratio'))}"
+                + (f", host syncs per step {fmt(syncs.get('count'))}" if isinstance(syncs, dict) else "") + "."]
     return out
+
+
+def r_gpu_train(d):
+    """benchmarks/gpu_train.py --sections train: bitmatch vs stock HF and vs HF + Liger."""
+    rows = []
+    for size, t in get(d, "sections", "train", default={}).items():
+        if not isinstance(t, dict):
+            continue
+        syncs = t.get("host_syncs_ours")
+        rows.append([size, t.get("batch"), t.get("tokens_per_s_ratio"), t.get("peak_memory_ratio"),
+                     t.get("tokens_per_s_ratio_vs_liger"), t.get("peak_memory_ratio_vs_liger"),
+                     syncs.get("count") if isinstance(syncs, dict) else None])
+    return header(d) + ["Ratio = bitmatch tokens/s / baseline tokens/s; memory = bitmatch peak / baseline peak.", ""] + \
+        table(["model", "batch", "vs stock HF", "memory vs HF", "vs HF + Liger", "memory vs HF + Liger",
+               "host syncs per step"], rows)
 
 
 def _dsv4_rows(name, r):
@@ -358,6 +377,8 @@ RENDERERS = {
     "moe_h200": ("MoE layer forward (`benchmarks/moe_layer.py`)", r_moe_layer),
     "moe_layer_bwd_h200": ("MoE layer forward and backward (`benchmarks/moe_layer.py --backward`)", r_moe_layer),
     "moe_e2e_h200": ("Qwen3-MoE end to end (`benchmarks/moe_e2e.py`)", r_moe_e2e),
+    "gpu_train_h200": ("Dense training vs stock HF and HF + Liger (`benchmarks/gpu_train.py --sections train`)",
+                       r_gpu_train),
     "deepseek_v4_flash4_h200": ("DeepSeek-V4, 4-layer Flash truncation (`benchmarks/deepseek_v4_layer.py`)",
                                 r_deepseek_v4),
     "mamba_h200": ("Mamba2 SSM scan, one layer (`benchmarks/mamba_layer.py`)", r_mamba),
