@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import types
 
 import torch
+
+from bitmatch import switch
 
 logger = logging.getLogger("bitmatch.verl")
 
@@ -42,7 +43,7 @@ def actor_enabled(config) -> bool:
     name = rollout.get("name", None)
     if name == "bitmatch":
         return bool(_bitmatch_options(rollout).get("patch_actor", True))
-    return name == "vllm" and os.environ.get("BITMATCH", "") not in ("", "0")
+    return name == "vllm" and switch.enabled()
 
 
 def check_engine_config(engine, where: str):

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from bitmatch import switch
+
 from bitmatch.adapters.stepcheck import (Divergence, StepCheck, StepChecker, differing_weights, locate_sentence,
                                          weights_sentence)
 
@@ -36,7 +38,7 @@ def activate():
 
 
 def active() -> bool:
-    return _ACTIVE or _CHECKER is not None or os.environ.get("BITMATCH", "") not in ("", "0")
+    return _ACTIVE or _CHECKER is not None or switch.enabled()
 
 
 def configure(on_mismatch: str | None = None, repro_dir: str | None = None, max_bundles: int = 3) -> StepChecker:

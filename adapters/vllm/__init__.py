@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import os
 
-ENV_VAR = "BITMATCH"
-_TRUE = ("1", "true", "yes", "on")
+from bitmatch import switch
+
+ENV_VAR = switch.ENV_VAR
 _registered = False
 # a child of vLLM's "vllm" logger: printed by vLLM's handler, in its format, beside its own lines
 logger = logging.getLogger("vllm.bitmatch")
@@ -55,7 +56,8 @@ def activation_message(device_type: str | None = None) -> str:
 
 
 def is_enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() in _TRUE
+    """``BITMATCH`` on, by the one rule every adapter uses (``bitmatch.switch``)."""
+    return switch.enabled()
 
 
 def enable() -> None:
