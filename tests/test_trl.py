@@ -175,8 +175,8 @@ def test_on_mismatch_log_keeps_training(tmp_path):
 
     def sync_then_corrupt():
         sync()
-        with torch.no_grad():
-            bm.rollout_model.model.layers[0].self_attn.o_proj.weight.mul_(2.0)
+        with torch.no_grad():  # behind the receiver's version counters (.data): the step check must see it
+            bm.rollout_model.model.layers[0].self_attn.o_proj.weight.data.mul_(2.0)
 
     bm.sync_rollout = sync_then_corrupt
     trainer.train()

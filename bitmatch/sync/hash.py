@@ -38,7 +38,7 @@ HASH_NAME = "bmh1"
 M32 = (1 << 32) - 1
 _M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 REGION_SALT, POS_MUL, B_SALT, B_MUL = 0x85EBCA6B, 0x9E3779B1, 0x5BD1E995, 0x27D4EB2F
-_CPU_CHUNK_WORDS = 1 << 22  # numpy works on 16 MiB of words at a time: bounds temporaries
+_CPU_CHUNK_WORDS = 1 << 20  # numpy works on 4 MiB of words at a time: ~12 MiB of temporaries per thread
 
 
 def _fmix32_(h: np.ndarray, tmp: np.ndarray) -> np.ndarray:
@@ -101,7 +101,7 @@ def word_sums_numpy(b: np.ndarray, word_offset: int = 0) -> tuple[int, int]:
         pos += take
     if len(jobs) > 1 and (os.cpu_count() or 1) > 1:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(16, os.cpu_count()), thread_name_prefix="bitmatch-bmh1")
+            _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count()), thread_name_prefix="bitmatch-bmh1")
         parts = list(_POOL.map(lambda j: _chunk_sums(b, *j), jobs))
     else:
         parts = [_chunk_sums(b, *j) for j in jobs]
