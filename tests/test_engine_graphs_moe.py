@@ -27,6 +27,7 @@ from bitmatch.models.qwen3_moe import Qwen3MoeFamily
 from bitmatch.testing_models import random_prompts, tiny_model
 from host_reads import host_reads
 from test_engine import assert_bitmatch
+from test_engine_graphs import _same  # the dense graph tests' bit comparison of outputs
 
 # both layers sparse, 8 experts top-2; small attention (the reference kernels are slow per step)
 TINY = dict(hidden_size=64, num_hidden_layers=2, mlp_only_layers=[], num_attention_heads=2, num_key_value_heads=1)
@@ -42,15 +43,6 @@ def _run(model, prompts, params, simulate, max_num_seqs=8, **kw):
     eng.model_runner.simulate_buckets = simulate
     outs = eng.generate(prompts, params, use_tqdm=False)
     return eng, outs
-
-
-def _bits(outs):
-    return [(o.outputs[0].token_ids, torch.tensor(o.outputs[0].logprobs, dtype=torch.float32).view(torch.int32))
-            for o in outs]
-
-
-def _same(a, b):
-    return all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(_bits(a), _bits(b), strict=True))
 
 
 def _staggered():
