@@ -117,7 +117,9 @@ def test_fault_in_rollout_weights_raises_and_names_layer(bitmatch_worker):
 
     def corrupt(w, step):
         with torch.no_grad():
-            w.rollout.model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+            # through .data, behind the receiver's version counters (an in-place mul_ is refused before
+            # the step: tests/test_sync_security.py), so the step check must find and name it
+            w.rollout.model.model.layers[1].mlp.down_proj.weight.data.mul_(1.5)
 
     with pytest.raises(bv.BitmatchMismatchError) as ei:
         ex.grpo_step(worker, cfg, STEPS + 2, after_sync=corrupt)
