@@ -11,11 +11,12 @@ call the function of the same name here:
 - logprobs.token_logprobs(logits2d, token_ids, temperature), logprobs.full_logprobs(...)
 - sampling.categorical_sample(logits2d, temperature, uniforms, greedy, bits) -> int64 [N]
 
-Canonical orders (what fixes the bits; anything else is free to tune):
+Canonical orders (what fixes the bits; anything else is free to tune). Every switch named here
+is a field of the active ``kernels.order.current()``, read at launch, so the sync stamp follows it:
 - linear: dot over K = ordered fp32 sum of SPLIT fixed K chunks (SPLIT fixed per weight shape,
   see linear.split_for), each chunk a sequential tensor-core accumulation from zero.
-- attention: KV walked from position 0 in blocks of KV_BLOCK (64) positions, online softmax
-  inside fixed partitions of KV_PARTITION (512) positions, partitions merged in order.
+- attention: KV walked from position 0 in blocks of ``kv_block`` (64) positions, online softmax
+  inside fixed partitions of ``kv_partition`` (512) positions, partitions merged in order.
   Fully masked blocks/partitions are exact no-ops, so they may be skipped.
 - norms / logprobs: one program per row, block width and warps fixed by the row length.
 
