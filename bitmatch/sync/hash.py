@@ -116,11 +116,19 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def _kernel():
+    """The Triton kernel's launcher (triton is an optional dependency: imported on first use)."""
+    try:
+        from bitmatch.kernels.triton.fingerprint import word_sums
+    except ImportError as e:
+        raise ImportError(f"bitmatch.sync: fingerprinting GPU tensors needs Triton ({e}); "
+                          "pip install bitmatch[triton]") from e
+    return word_sums
+
+
 def _device_sums(t: torch.Tensor) -> torch.Tensor:
     """int64 [2] (A, B as two's complement) of t's bytes, on t's device, no host sync."""
-    from bitmatch.kernels.triton.fingerprint import word_sums
-
-    return word_sums(byte_view(t.contiguous()))
+    return _kernel()(byte_view(t.contiguous()))
 
 
 def use_device_kernel(t: torch.Tensor) -> bool:
@@ -172,9 +180,7 @@ class StreamHasher:
         off_words = self.nbytes // 4
         self.nbytes += piece.numel()
         if use_device_kernel(piece):
-            from bitmatch.kernels.triton.fingerprint import word_sums
-
-            self._dev.append(word_sums(piece, word_offset=off_words))
+            self._dev.append(_kernel()(piece, word_offset=off_words))
         else:
             a, b = word_sums_numpy(piece.numpy(), off_words)
             self._a += a
