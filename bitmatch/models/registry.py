@@ -163,6 +163,18 @@ class Family:
         """(module, forward(module, *args, state=PatchState, **kwargs)) pairs for ``bitmatch.patch``."""
         raise NotImplementedError
 
+    def fp32_parameters(self, lm) -> set[str]:
+        """HF names of the parameters this family's forward reads in float32 whatever the compute
+        dtype (``cast_param(p, torch.float32)``, ``p.float()``: routers, SSM decay, mHC mixes). A
+        rollout copy stores these in float32 and every other parameter in the compute dtype: a
+        float32 master then reaches those reads unrounded, a bf16 master exactly. Default: none."""
+        return set()
+
+    @staticmethod
+    def parameters_ending(lm, suffixes: tuple[str, ...]) -> set[str]:
+        """Names of ``lm``'s parameters (tied ones under every name) ending in one of ``suffixes``."""
+        return {n for n, _ in lm.named_parameters(remove_duplicate=False) if n.endswith(suffixes)}
+
     @property
     def architectures(self) -> tuple[str, ...]:
         return tuple(self.model_types.values())

@@ -26,6 +26,7 @@ from .fingerprint import HASH_NAME, Manifest, TensorSpec, fingerprint, fingerpri
 from .names import Layout, architecture_of, build_layout, layout_rules
 from .receiver import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, Receiver, SyncError, Update,
                        WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
+from .rollout_copy import RolloutCopy, storage_dtypes
 from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
 from .transport_inprocess import InProcessSender
 from .transport_ipc import IpcSender
@@ -38,6 +39,7 @@ __all__ = [
     "Update", "WeightState", "InProcessSender", "TcpSender", "IpcSender", "fingerprints_of", "TcpReceiverServer", "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
+    "RolloutCopy", "storage_dtypes",
 ]
 
 

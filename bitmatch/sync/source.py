@@ -32,13 +32,25 @@ def sender_order(weights) -> dict:
     return stamp_for_device(weights[0][1].device if weights else "cpu")
 
 
-def wire_specs(weights, dtype: torch.dtype) -> dict[str, TensorSpec]:
-    """Shape and rollout dtype of each tensor (fingerprints come with the bytes)."""
+def dtype_for(dtype, name: str) -> torch.dtype:
+    """The rollout dtype of tensor ``name``: ``dtype`` itself, or its entry when ``dtype`` maps
+    names to dtypes (a rollout copy that keeps the parameters read in fp32 in fp32)."""
+    if not isinstance(dtype, Mapping):
+        return dtype
+    if name not in dtype:
+        raise ValueError(f"tensor {name!r}: the per-tensor dtype map has no entry for it (the receiver holds no "
+                         "such tensor?)")
+    return dtype[name]
+
+
+def wire_specs(weights, dtype) -> dict[str, TensorSpec]:
+    """Shape and rollout dtype of each tensor (fingerprints come with the bytes); ``dtype`` is one
+    dtype for all, or a {name: dtype} map."""
     out = {}
     for k, v in weights:
         if not v.is_floating_point():
             raise ValueError(f"tensor {k!r}: dtype {v.dtype} is not a floating type; cannot publish it")
-        out[k] = TensorSpec(tuple(v.shape), dtype)
+        out[k] = TensorSpec(tuple(v.shape), dtype_for(dtype, k))
     return out
 
 
@@ -61,7 +73,7 @@ def cast_fingerprint(t: torch.Tensor, dtype: torch.dtype, chunk_bytes: int = DEF
     return h.hexdigest()
 
 
-def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tensor | None = None):
+def iter_buckets(weights, dtype, bucket_bytes: int, buf: torch.Tensor | None = None):
     """Yield (bucket uint8 tensor view, segments, finished) with segments a list of
     (name, byte_offset, nbytes) and finished {name: fingerprint} of tensors whose last byte is in
     this bucket. One bucket buffer is reused: the consumer must send it before the next step.
@@ -69,7 +81,7 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tens
     the receiver's check also covers the copy and the wire. Tensors are split across buckets on
     whole 4-byte words only (the hash's unit). ``buf``: the bucket to fill (a shared one, any
     device); by default a CPU bucket, and large CPU tensors already in ``dtype`` are then yielded
-    as views of their own memory."""
+    as views of their own memory. ``dtype``: one dtype, or a {name: dtype} map."""
     own = buf is None
     if not own:
         bucket_bytes = buf.numel()
@@ -80,7 +92,9 @@ def iter_buckets(weights, dtype: torch.dtype, bucket_bytes: int, buf: torch.Tens
         on_gpu = any(t.device.type == "cuda" for _, t in weights)
         buf = torch.empty(bucket_bytes, dtype=torch.uint8, pin_memory=on_gpu)
     pos, segs, finished = 0, [], {}
+    per_tensor = dtype
     for name, t in weights:
+        dtype = dtype_for(per_tensor, name)
         h = StreamHasher()
         elsize = torch.empty((), dtype=dtype).element_size()
         align = 4 // math.gcd(4, elsize)  # elements per whole number of words

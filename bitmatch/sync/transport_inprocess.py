@@ -14,7 +14,7 @@ import torch
 from ..precision import compute_cast
 from .fingerprint import Manifest, TensorSpec, byte_view, fingerprint
 from .receiver import Receiver
-from .source import named_weights, sender_order, wire_specs
+from .source import dtype_for, named_weights, sender_order, wire_specs
 
 
 class InProcessSender:
@@ -29,17 +29,21 @@ class InProcessSender:
     def _write(self, name: str, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
         dst.copy_(src_bytes)
 
-    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+    def send(self, model, version: int, dtype=torch.bfloat16) -> Manifest:
+        """``dtype``: the rollout dtype of every tensor, or a {name: dtype} map (a rollout copy that
+        stores each parameter in its own dtype); each tensor goes through ``compute_cast`` into its
+        own dtype, and the receiver checks every spec's dtype against its target's."""
         weights = named_weights(model)
-        specs = wire_specs(weights, dtype)
         rx = self.receiver
+        specs = wire_specs(weights, dtype)
         with rx.begin(version, specs, order=sender_order(weights)) as upd:
             for name, t in weights:
                 live = rx.slots.view(rx.slots.live, name)
+                d = dtype_for(dtype, name)
                 # the cast runs on the rollout's device: no host round trip when both share a GPU
-                cast = compute_cast(t.to(live.device, non_blocking=True), dtype)
+                cast = compute_cast(t.to(live.device, non_blocking=True), d)
                 fp = fingerprint(cast)
-                specs[name] = TensorSpec(specs[name].shape, dtype, fp)
+                specs[name] = TensorSpec(specs[name].shape, d, fp)
                 if cast.data_ptr() == live.data_ptr() and cast.shape == live.shape:
                     upd.share(name, cast, fp)
                 elif self.incremental and upd.base is not None and name in upd.base.tensors \
