@@ -46,9 +46,10 @@ import warnings
 
 import torch
 
+import bitmatch.sync as bsync
 from bitmatch.adapters import lora
 from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker,
-                                         differing_weights, locate_sentence, weights_fingerprint,
+                                         locate_sentence, weights_fingerprint,
                                          weights_sentence)
 from bitmatch.logprobs import check_temperature
 from bitmatch.models.lora import plain_name
@@ -114,9 +115,7 @@ class TrlAdapter:
         self.trainer = trainer
         self.check_only = check_only
         self.engine = None
-        self.rollout_model = None
-        self.rollout_dtype = None
-        self.receiver = None
+        self.rollout_copy = None   # bitmatch.sync.RolloutCopy when rollout_weights == "copy"
         self._synced_step = None
         self.weight_version = None
         self._orig = {n: getattr(trainer, n) for n in _REBOUND}
@@ -254,28 +253,28 @@ class TrlAdapter:
                 raise RuntimeError(f"bitmatch: trainer.{n} was replaced after attach(); attach last")
 
     # -- rollout --------------------------------------------------------------------------
-    def _build_rollout_copy(self):
-        import transformers
-        import bitmatch
-        from bitmatch.models import unwrap_causal_lm
-        import bitmatch.sync as bsync
+    @property
+    def rollout_model(self):
+        """The model the engine samples from when it is a copy (None while shared or not built)."""
+        return None if self.rollout_copy is None else self.rollout_copy.model
 
-        lm = unwrap_causal_lm(self.trainer.model)
-        dev = lm.lm_head.weight.device
-        # The copy holds the trainer's parameter dtype and casts at use, as the trainer does: a copy
-        # stored in the compute dtype rounds the weights some ops read in fp32 whatever the compute
-        # dtype (the MoE router: fp32 logits from the fp32 master), and under GRPOConfig(bf16=True)
-        # with fp32 masters its router chose other experts (Qwen3-MoE + LoRA diverged at
-        # layers.0.mlp.gate at step 0). Costs fp32 memory for the copy only where the masters are fp32.
-        self.rollout_dtype = lm.get_input_embeddings().weight.dtype
-        with torch.device("meta"):
-            view = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=self.rollout_dtype)
-        view = view.to_empty(device=dev).eval()
-        _tie_like(view, lm)
-        view.requires_grad_(False)
-        bitmatch.patch(view, compute_dtype=self.compute_dtype)
-        self.rollout_model = view
-        self.receiver = bsync.receive(view)
+    @property
+    def receiver(self):
+        return None if self.rollout_copy is None else self.rollout_copy.receiver
+
+    @rollout_model.setter
+    def rollout_model(self, value):
+        self._drop_copy(value)
+
+    @receiver.setter
+    def receiver(self, value):
+        self._drop_copy(value)
+
+    def _drop_copy(self, value):
+        # setting either to None releases the copy (what a benchmark does between runs)
+        if value is not None:
+            raise AttributeError("bitmatch: the rollout copy is built by sync_rollout(); set it to None to release it")
+        self.rollout_copy = None
 
     def rollout_weights_source(self):
         """(HF name, tensor) pairs the rollout must hold: merged LoRA weights, the rest as they are."""
@@ -287,20 +286,20 @@ class TrlAdapter:
         step = self.trainer.state.global_step
         if self.engine is None:
             if self.rollout_weights == "copy":
-                self._build_rollout_copy()
-                model = self.rollout_model
+                self.rollout_copy = bsync.RolloutCopy(self.trainer.accelerator.unwrap_model(self.trainer.model),
+                                                      self.compute_dtype)
+                model = self.rollout_copy.model
             else:
                 model = self.trainer.accelerator.unwrap_model(self.trainer.model)
             kw = dict(seed=int(self.trainer.args.seed) + self.trainer.accelerator.process_index)
             kw.update(self.engine_kwargs)
             self.engine = bitmatch.Engine(model, **kw)
         if self.rollout_weights == "copy" and self._synced_step != step:
-            import bitmatch.sync as bsync
-            bsync.publish(self.rollout_weights_source(), step, to=self.receiver, dtype=self.rollout_dtype)
+            self.rollout_copy.publish(step)
         self._synced_step = step
         self.weight_version = step
-        if self.receiver is not None:
-            bitmatch.sync.require_ready(self.rollout_model, step)
+        if self.rollout_copy is not None:
+            self.rollout_copy.require_ready(step)
 
     # -- comparison -----------------------------------------------------------------------
     @property
@@ -356,8 +355,7 @@ class TrlAdapter:
             rollout = self.engine.model if self.engine is not None else None
         else:
             rollout = self.rollout_model
-            weights = weights_sentence(differing_weights(self.rollout_weights_source(), self.rollout_model,
-                                                         self.rollout_dtype))
+            weights = weights_sentence(self.rollout_copy.differing())
         if rollout is None:  # vLLM: its weights live in another engine
             return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
                     "bitmatch.verify.locate against the plugin's model).", weights)
@@ -372,23 +370,6 @@ class TrlAdapter:
                 "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
                 "weights_fingerprint": weights_fingerprint(self.rollout_weights_source(), self.compute_dtype),
                 "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None}
-
-
-def _tie_like(view, lm):
-    """Share in the rollout copy ``view`` every parameter the trainer's ``lm`` shares under several
-    names (tied embeddings: Qwen3-0.6B/1.7B, Llama-3.2-1B), as the trainer does. ``to_empty``
-    gives each name its own tensor, and the publish, which sends a tied tensor once (under its
-    first name), would then leave ``lm_head.weight`` unfilled; tied, the copy has one parameter
-    where the trainer has one, so the update covers it exactly once and the LM head reads the
-    embedding's bits, as the trainer's."""
-    first: dict[int, str] = {}
-    for name, p in lm.named_parameters(remove_duplicate=False):
-        src = first.setdefault(id(p), name)
-        if src == name:
-            continue
-        src, name = plain_name(src), plain_name(name)
-        module, _, attr = name.rpartition(".")
-        setattr(view.get_submodule(module), attr, view.get_parameter(src))
 
 
 # ----------------------------------------------------------------------------- rebound methods

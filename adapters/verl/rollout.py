@@ -2,7 +2,8 @@
 
 ``actor_rollout_ref.rollout.name=bitmatch`` makes ``ActorRolloutRefWorker.init_model`` build
 ``BitmatchRollout`` (worker side, ``_ROLLOUT_REGISTRY``). It holds a rollout copy of the model
-in ``rollout.dtype`` that only ever changes through ``bitmatch.sync``: verl's
+(``bitmatch.sync.RolloutCopy``: ``rollout.dtype``, except the parameters the family reads in fp32)
+that only ever changes through ``bitmatch.sync``: verl's
 ``update_weights`` hands it the actor's per-tensor weights (fp32 masters, HF names) once per step,
 ``publish`` casts them with the one cast, fingerprints every tensor, the receiver re-fingerprints
 what it staged and switches atomically to version ``global_steps``; the engine refuses to sample
@@ -62,9 +63,8 @@ class BitmatchRollout(_base()):
         self.dtype = _DTYPES[cfg.dtype]
         opts = dict((cfg.engine_kwargs or {}).get("bitmatch", None) or {})
         self.engine_kwargs = {k: v for k, v in opts.items() if k not in ("patch_actor",)}
-        self.model = self._build_model()
-        import bitmatch.sync as bsync
-        self.receiver = bsync.receive(self.model)
+        self.copy = self._build_copy()
+        self.model, self.receiver = self.copy.model, self.copy.receiver
         self.engine = None
         self.version = None
         self.actor_engine = None   # set by the actor patch in a hybrid worker (the step check locates with it)
@@ -73,17 +73,11 @@ class BitmatchRollout(_base()):
         from bitmatch.adapters.verl import check
         check.activate()
 
-    def _build_model(self):
-        import transformers
-        from bitmatch.models import check_supported
+    def _build_copy(self):
+        import bitmatch.sync as bsync
 
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        with torch.device("meta"):
-            m = transformers.AutoModelForCausalLM.from_config(self.model_config.hf_config, dtype=self.dtype)
-        check_supported(m)
-        m = m.to_empty(device=dev).eval()
-        m.requires_grad_(False)
-        return m
+        return bsync.RolloutCopy.from_config(self.model_config.hf_config, self.dtype, dev)
 
     # -- verl's control surface ------------------------------------------------------------
     async def resume(self, tags: list[str]):
@@ -102,10 +96,8 @@ class BitmatchRollout(_base()):
         self.receive_weights(weights, kwargs.get("global_steps"))
 
     def receive_weights(self, weights, version=None):
-        import bitmatch.sync as bsync
         v = int(version) if version is not None else (0 if self.version is None else self.version + 1)
-        named = [(n, t) for n, t in weights]
-        bsync.publish(named, v, to=self.receiver, dtype=self.dtype)
+        self.copy.publish(v, [(n, t) for n, t in weights])
         self.version = v
         if self.engine is None:
             import bitmatch
