@@ -23,7 +23,6 @@ from ..patching import patch as bitmatch_patch
 from ..precision import compute_cast
 from .fingerprint import Manifest, fingerprint
 from .receiver import Receiver, require_ready
-from .transport_inprocess import InProcessSender
 
 
 def storage_dtypes(model, compute_dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -105,10 +104,13 @@ class RolloutCopy:
         """Publish ``weights`` (default: the trainer model's merged weights) as ``version``, each
         tensor cast into the dtype the copy stores it in; raises and keeps the previous version
         if any tensor's fingerprint, shape or dtype does not match."""
+        # bitmatch.sync.publish, looked up per call: the package's __init__ (which defines it) imports
+        # this module, and benchmarks/trl_step.py times the publish by wrapping it there
+        from . import publish
         if weights is None:
             weights = self.weights()
             self.copy_buffers()
-        return InProcessSender(self.receiver).send(weights, int(version), self.dtypes)
+        return publish(weights, int(version), to=self.receiver, dtype=self.dtypes)
 
     def require_ready(self, version: int | None = None) -> int | None:
         return require_ready(self.model, version)
