@@ -47,16 +47,16 @@ class RolloutCopy:
     def __init__(self, trainer_model, compute_dtype: torch.dtype, *, patch: bool = True):
         self.source = trainer_model
         lm = unwrap_causal_lm(trainer_model)
-        self._init(lm.config, compute_dtype, lm.lm_head.weight.device, patch, tie_like=lm)
+        self._init(lm.config, compute_dtype, lm.lm_head.weight.device, patch, lm)
 
     @classmethod
     def from_config(cls, config, compute_dtype: torch.dtype, device, *, patch: bool = True) -> "RolloutCopy":
         self = cls.__new__(cls)
         self.source = None
-        self._init(config, compute_dtype, torch.device(device), patch, tie_like=None)
+        self._init(config, compute_dtype, torch.device(device), patch, None)
         return self
 
-    def _init(self, config, compute_dtype, device, patch, tie_like):
+    def _init(self, config, compute_dtype, device, patch, lm):
         import transformers
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"RolloutCopy: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
@@ -71,12 +71,10 @@ class RolloutCopy:
                 setattr(view.get_submodule(module), attr,
                         torch.nn.Parameter(torch.empty_like(p, dtype=self.dtypes[name]), requires_grad=False))
         view = view.to_empty(device=device).eval()
-        if tie_like is not None:
-            tie_parameters_like(view, tie_like)
         view.requires_grad_(False)
-        self.model = view
-        if tie_like is not None:
-            self._lm = tie_like
+        self.model, self._lm = view, lm
+        if lm is not None:
+            tie_parameters_like(view, lm)
             self.copy_buffers()
         if patch:
             bitmatch_patch(view, compute_dtype=compute_dtype)
@@ -86,13 +84,19 @@ class RolloutCopy:
     def copy_buffers(self) -> None:
         """Give the copy the source's buffers, bit for bit and in their own dtype (``to_empty`` left
         them unset; HF may build them in the compute dtype, which would round a router's fp32
-        correction bias)."""
+        correction bias). In place once the dtypes agree: a captured CUDA graph keeps its addresses."""
+        if self._lm is None:
+            raise ValueError("RolloutCopy.copy_buffers: this copy was built from a config and has no source model")
         src = {plain_name(n): b for n, b in self._lm.named_buffers()}
         for name, b in list(self.model.named_buffers()):
             if name not in src:
                 raise ValueError(f"RolloutCopy: the trainer model has no buffer {name!r}")
-            module, _, attr = name.rpartition(".")
-            self.model.get_submodule(module)._buffers[attr] = src[name].detach().clone().to(b.device)
+            s = src[name].detach()
+            if b.dtype == s.dtype and b.shape == s.shape:
+                b.copy_(s)
+            else:
+                module, _, attr = name.rpartition(".")
+                self.model.get_submodule(module)._buffers[attr] = s.clone().to(b.device)
 
     def weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs the copy must hold: merged LoRA weights, the rest as they are."""
