@@ -141,8 +141,9 @@ class Family:
 
     def cuda_graph_safe(self, lm) -> bool:
         """Whether the engine may capture this family's decode step in a CUDA graph: only a forward
-        with no host sync and no data-dependent shapes (MoE expert counts, recurrent state
-        bookkeeping) opts in. Default False: the step runs eagerly."""
+        with no host sync and no data-dependent shapes opts in (dense and Qwen3-MoE do: its routing
+        and grouped GEMM grid are sized by upper bounds on the device). Default False: the step
+        runs eagerly."""
         return False
 
     def tiny_config(self, **overrides):
