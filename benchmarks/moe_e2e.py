@@ -275,24 +275,20 @@ def train(model, hf, a, device):
         model.zero_grad(set_to_none=True)
         (bitmatch.token_logprobs(model, ids, None, temperature=1.0) * w).sum().backward()
     res = {"batch": [B, L], "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None)}
-    try:
-        res["stock_peak_gib"], res["weights_gib"] = gpu_train._peak(hf, stock)
-        res["stock_step_ms"] = gpu_train.cuda_ms(stock, iters=3, warmup=1)
-        res["profile_stock"] = gpu_train.top_kernels(stock, k=10)
-        if a.train_syncs:
-            res["host_syncs_stock"] = gpu_train.host_syncs(stock)
-    finally:
-        hf.zero_grad(set_to_none=True)
-        hf.eval()
-    try:
-        res["ours_peak_gib"], _ = gpu_train._peak(model, ours)
-        res["ours_step_ms"] = gpu_train.cuda_ms(ours, iters=3, warmup=1)
-        res["profile_ours"] = gpu_train.top_kernels(ours, k=10)
-        if a.train_syncs:
-            res["host_syncs_ours"] = gpu_train.host_syncs(ours)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
+    def measure(name, m, step):
+        """Peak memory, step time, top kernels (and host syncs) of one side's training step."""
+        try:
+            res[f"{name}_peak_gib"], weights = gpu_train._peak(m, step)
+            res[f"{name}_step_ms"] = gpu_train.cuda_ms(step, iters=3, warmup=1)
+            res[f"profile_{name}"] = gpu_train.top_kernels(step, k=10)
+            if a.train_syncs:
+                res[f"host_syncs_{name}"] = gpu_train.host_syncs(step)
+            return weights
+        finally:
+            m.zero_grad(set_to_none=True)
+            m.eval()
+    res["weights_gib"] = measure("stock", hf, stock)
+    measure("ours", model, ours)
     res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
                tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))

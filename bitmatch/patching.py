@@ -96,6 +96,13 @@ def _bind(mod, fn, state: PatchState):
     mod.forward = types.MethodType(BoundForward(fn, state, mod.__dict__.get("forward")), mod)
 
 
+def unsupported_param_dtypes(lm) -> list[str]:
+    """The floating dtypes among ``lm``'s parameters that bitmatch cannot compute in (not bf16 or
+    fp32), sorted; empty when every parameter is computable as it is."""
+    return sorted({str(p.dtype) for p in lm.parameters()
+                   if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+
+
 def patch(model, compute_dtype: torch.dtype | None = None):
     """Rebind ``model``'s forwards onto bitmatch kernels (in place); returns ``model``.
 
@@ -110,8 +117,7 @@ def patch(model, compute_dtype: torch.dtype | None = None):
     if compute_dtype is not None and compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"patch: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
     if compute_dtype is None:  # the kernels would meet e.g. fp16 only later, inside a norm: refuse now
-        bad = sorted({str(p.dtype) for p in lm.parameters()
-                      if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+        bad = unsupported_param_dtypes(lm)
         if bad:
             raise ValueError(f"patch: the model's parameters are {', '.join(bad)}, but bitmatch computes in "
                              "bf16 or fp32: load it with dtype=torch.bfloat16 (or torch.float32), call "

@@ -25,6 +25,7 @@ from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
 from bitmatch.models.registry import patch_state
+from bitmatch.patching import unsupported_param_dtypes
 
 _DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -71,8 +72,7 @@ def _check_compute_dtype(lm) -> None:
     st = patch_state(lm)
     if st is not None and st.compute_dtype is not None:
         return
-    bad = sorted({str(p.dtype) for p in lm.parameters()
-                  if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+    bad = unsupported_param_dtypes(lm)
     if bad:
         raise ValueError(f"Engine: the model's parameters are {', '.join(bad)}, but bitmatch computes in bf16 or "
                          "fp32: load it with dtype=torch.bfloat16 (or torch.float32), call model.to(torch.bfloat16), "
