@@ -125,6 +125,30 @@ def top_kernels(fn, k=12):
             "top": [{"ms": round(t, 2), "calls": c, "name": n} for t, c, n in rows[:k]]}
 
 
+def host_profile(fn, k=30):
+    """Where the host spends one call of fn (cProfile, after a warm call): the k functions with the
+    most own time, and the total. A step whose host time exceeds its kernel time is launch-bound."""
+    import cProfile
+    import pstats
+    fn()
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    sync()
+    wall = (time.perf_counter() - t0) * 1e3
+    st = pstats.Stats(prof)
+    rows = sorted(((v[2], v[3], v[1], f"{os.path.basename(f[0])}:{f[1]}({f[2]})") for f, v in st.stats.items()),
+                  reverse=True)
+    return {"wall_ms_profiled": round(wall, 2), "host_ms": round(sum(r[0] for r in rows) * 1e3, 2),
+            "top_own": [{"own_ms": round(t * 1e3, 2), "cum_ms": round(c * 1e3, 2), "calls": n, "fn": name}
+                        for t, c, n, name in rows[:k]],
+            "top_cum": [{"cum_ms": round(c * 1e3, 2), "calls": n, "fn": name}
+                        for _, c, n, name in sorted(rows, key=lambda r: -r[1])[:k]]}
+
+
 def host_syncs(fn, k=8):
     """Host syncs in one call of fn (torch's sync debug mode), with the k most frequent call sites."""
     import collections

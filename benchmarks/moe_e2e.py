@@ -283,6 +283,8 @@ def train(model, hf, a, device):
             res[f"profile_{name}"] = gpu_train.top_kernels(step, k=10)
             if a.train_syncs:
                 res[f"host_syncs_{name}"] = gpu_train.host_syncs(step)
+            if a.host_profile:
+                res[f"host_profile_{name}"] = gpu_train.host_profile(step)
             return weights
         finally:
             m.zero_grad(set_to_none=True)
@@ -321,6 +323,8 @@ def main(argv=None):
     ap.add_argument("--train-shape", default="4x512")
     ap.add_argument("--train-syncs", action="store_true",
                     help="train: also count the host syncs of one step, stock and ours (torch's sync debug mode)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="train: also profile the host side of one step, stock and ours (cProfile)")
     ap.add_argument("--budget-s", type=float, default=200, help="no new section or batch after this many s")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
