@@ -1,6 +1,7 @@
 """bitmatch.kernels: invariant ops. One public function per op; the backend (Triton for
 CUDA tensors, the float64-exact reference for CPU tensors) is chosen per call, never a
-silent fallback. See each module's docstring for its canonical reduction order."""
+silent fallback. See each module's docstring for its canonical reduction order; ``kernels/table.py``
+declares every op (invariance axes, stock counterpart, backends, order version) and ``override``."""
 from ._backend import SUPPORTED_DTYPES, backend_for, check_on_device, host_readable, use_backend
 from .activation import silu_and_mul
 from .compressed_attention import sink_attention
@@ -16,6 +17,8 @@ from .moe import moe_experts, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
 from .sampling import apply_top_k_top_p, categorical_sample, top_k_top_p_mask, uniform_noise
+# last: the op table reads the ops above from their modules; override swaps them on this package
+from .table import OPS, override
 
 __all__ = [
     "linear", "rms_norm", "fused_add_rms_norm", "rotary_cos_sin", "apply_rotary", "silu_and_mul",
@@ -27,4 +30,5 @@ __all__ = [
     "sink_attention", "compress_windows", "indexer_topk", "hc_pre", "hc_post", "hc_head",
     "apply_rotary_interleaved",
     "causal_conv1d", "mamba_chunk_scan", "gated_rms_norm",
+    "OPS", "override",
 ]

@@ -70,6 +70,9 @@ class CanonicalOrder:
         ("activation", 1), ("attention", 1), ("compressed_attention", 1), ("compressor", 1),
         ("indexer", 1), ("linear", 1), ("logprobs", 1), ("mamba", 1), ("mhc", 1), ("moe", 1),
         ("norm", 1), ("rotary", 1), ("rotary_interleaved", 1), ("sampling", 1)))
+    # the ops ``kernels.override`` swapped (a fault, a stock baseline, a call recorder): empty for
+    # the canonical ops, stamped when not, so a stamp cannot claim the canonical order meanwhile
+    overridden_ops: tuple = ()
 
     def __post_init__(self):
         if 2 * self.exact_grid_bits + (self.exact_k_chunk - 1).bit_length() > 53:
@@ -96,6 +99,8 @@ class CanonicalOrder:
         if backend not in ("reference", "triton"):
             raise ValueError(f"canonical order: backend must be 'reference' or 'triton', got {backend!r}")
         skip = _TRITON_ONLY if backend == "reference" else _REFERENCE_ONLY
+        if not self.overridden_ops:  # the canonical ops: the stamp (and its fingerprint) as before
+            skip = skip + ("overridden_ops",)
         # JSON-shaped: tuples become lists, so a stamp read back from a manifest compares equal
         d = json.loads(json.dumps({k: v for k, v in asdict(self).items() if k not in skip}))
         d["backend"] = backend
@@ -141,6 +146,8 @@ def override(order: CanonicalOrder | None = None, **changes):
             raise RuntimeError("order.override: another thread holds an order override; the active "
                                "order is process-wide, so overrides from two threads cannot nest")
         new = replace(order if order is not None else _active, **changes)
+        if order is not None and "overridden_ops" not in changes:  # an explicit order cannot unmark an op override
+            new = replace(new, overridden_ops=_active.overridden_ops)
         _stack.append(_active)
         _owner, _active = me, new
     try:

@@ -1,6 +1,6 @@
 """Golden bits: every op's output bits at fixed inputs, pinned to the canonical order's stamp.
 
-For each op of ``bitmatch.kernels.__all__``, seeded inputs at one or two tiny shapes run on each
+For each op of the op table (``kernels/table.py``), seeded inputs at one or two tiny shapes run on each
 backend (the reference on CPU; Triton in the interpreter, TRITON_INTERPRET=1, which conftest sets:
 the interpreter's dots are float64, so these are its bits, not the GPU's, but every structural
 switch of the order shows in them). ``tests/golden_bits.json`` holds the xxh3 of the outputs'
@@ -189,13 +189,9 @@ CASES = {
     "gated_rms_norm": {"6x32 groups of 16": lambda: K.gated_rms_norm(
         _rn(6, 32, seed=62, dtype=F32), _rn(6, 32, seed=63, dtype=F32), _rn(32, seed=64, dtype=F32), 16, 1e-5)},
 }
-NOT_OPS = {"use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",
-           "SUPPORTED_ROPE_TYPES"}
-
-
 def family(op: str) -> str:
-    """The op family whose version (``ORDER.op_versions``) covers ``op``: its kernels/ module."""
-    return getattr(K, op).__module__.rsplit(".", 1)[-1]
+    """The op family whose version (``ORDER.op_versions``) covers ``op``: its op table entry's."""
+    return K.OPS[op].family
 
 
 def _tensors(out):
@@ -240,7 +236,7 @@ def golden():
 
 
 def test_every_op_has_a_case_and_a_version():
-    ops = set(K.__all__) - NOT_OPS
+    ops = set(K.OPS)  # tests/test_op_table.py: every exported op has an entry
     assert ops == set(CASES), f"ops without a golden case: {sorted(ops - set(CASES))}; " \
                               f"cases of no op: {sorted(set(CASES) - ops)}"
     versions = dict(order.current().op_versions)
