@@ -18,9 +18,26 @@ hc_head (after the last layer): pre of its own fn/base/scale, then the collapse.
 
 Every reduction is a fixed-order fold over one token's own values: a token's bits depend on
 that token alone. Sinkhorn runs in a fixed iteration order (column first, as HF).
-Reference: CPU (forward exact; backward a plain fp32 recompute). hc_post is elementwise plus a
-fixed stream loop, so it is plain torch on every backend. Triton backend (CUDA) for hc_pre /
-hc_head: kernels/triton/mhc.py (fp32, torch.exp, the Triton linear for the mixes).
+
+Reference backend (CPU): the order above, exactly (exp64, the K order of ``kernels.linear``'s
+reference, an exact tree for the sum of squares). Backward (both backends): a plain fp32 torch
+recompute (gradients are held to float64 within tolerance, not to bits).
+
+Triton backend (CUDA; kernels/triton/mhc.py): hc_pre / hc_head in two launches, hc_post in one,
+one token's values per fold. Its canonical order differs from the reference's where a fused
+kernel wants it (DeepSeek's own factoring, ``linear(x, fn) * rsqrt``):
+    K = N*D split into chunks of ``hc_k_chunk`` (the active ``kernels.order``), chunk s covering
+      k in [s*chunk, (s+1)*chunk); in each chunk
+      dot_s[j] = fp32 fused multiply-add chain over k in order, from 0.0, of fp32(x[k]) * fn[j, k]
+      sq_s     = lanes l = 0..hc_block_k-1, lane l the fp32 sum (k order, from 0.0) of x[k]^2
+                 over the chunk's k = l (mod hc_block_k); then the lanes added in lane order
+    dot[j] = dot_0[j] + dot_1[j] + ...;  ssq = sq_0 + sq_1 + ...           (chunk order)
+    r      = 1 / sqrt_rn(ssq / K + norm_eps)                                (IEEE / and sqrt)
+    mix[j] = dot[j] * r
+    gates, softmax, Sinkhorn and collapse as above, in fp32 with tl.exp (sigmoid = 1 / (1 +
+    exp(-z))), every sum over N streams a stream-order fold, no fused multiply-add outside the dot
+hc_post: the reference's formula and rounding points (no exp, no reduction but the stream-order
+fold: the reference's bits). No Triton kernel reads a value back to the host (graph-capturable).
 """
 from __future__ import annotations
 
@@ -145,30 +162,62 @@ def hc_pre(x, fn, base, scale, *, iters: int, eps: float, norm_eps: float):
     return _pre_forward(*args)
 
 
-def hc_post(x, y, post, comb):
-    """x [T, N, D] streams, y [T, D] block output, post [T, N], comb [T, N, N] -> new streams
-    [T, N, D] in x.dtype: post[k] * y + sum_j comb[j, k] * x[j] (HF's roundings, stream order).
-
-    Invariance: elementwise per token with a fixed stream loop (no reduction library call).
-    """
-    op = "hc_post"
-    for name, t in (("x", x), ("y", y), ("post", post), ("comb", comb)):
-        check_float(name, t, op)
-    T, n, d = x.shape
-    if y.shape != (T, d) or post.shape != (T, n) or comb.shape != (T, n, n):
-        raise ValueError(f"{op}: y [T, D], post [T, N], comb [T, N, N] for x {tuple(x.shape)}; got "
-                         f"{tuple(y.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+def hc_post_reference(x, y, post, comb):
     dt = x.dtype
     p = post.to(dt).float()
     c = comb.to(dt).float()
     outs = []
-    for k in range(n):
+    for k in range(x.shape[1]):
         mixed = c[:, 0, k:k + 1] * x[:, 0].float()
-        for j in range(1, n):
+        for j in range(1, x.shape[1]):
             mixed = mixed + c[:, j, k:k + 1] * x[:, j].float()
         expanded = (p[:, k:k + 1] * y.float()).to(dt)
         outs.append((expanded.float() + mixed.to(dt).float()).to(dt))
     return torch.stack(outs, 1)
+
+
+def _hc_post_plain(x, y, post, comb):
+    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), x.float())
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
+
+
+def _post_forward(x, y, post, comb):
+    if backend_for(x) == "reference":
+        return hc_post_reference(x, y, post, comb)
+    return triton_impl("mhc", "hc_post")(x, y, post, comb)
+
+
+class HcPostFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, post, comb):
+        ctx.save_for_backward(x, y, post, comb)
+        return _post_forward(x, y, post, comb)
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(recompute_grads(_hc_post_plain, ctx.saved_tensors, ctx.needs_input_grad, (g,)))
+
+
+def hc_post(x, y, post, comb):
+    """x [T, N, D] streams, y [T, D] block output, post [T, N], comb [T, N, N] -> new streams
+    [T, N, D] in x.dtype: post[k] * y + sum_j comb[j, k] * x[j] (HF's roundings, stream order).
+
+    Invariance: elementwise per token with a fixed stream fold (no reduction library call).
+    """
+    op = "hc_post"
+    for name, t in (("x", x), ("y", y), ("post", post), ("comb", comb)):
+        check_float(name, t, op)
+    if x.dim() != 3:
+        raise ValueError(f"{op}: x must be [T, N, D] (hc_mult streams), got {tuple(x.shape)}")
+    T, n, d = x.shape
+    if y.shape != (T, d) or post.shape != (T, n) or comb.shape != (T, n, n):
+        raise ValueError(f"{op}: y [T, D], post [T, N], comb [T, N, N] for x {tuple(x.shape)}; got "
+                         f"{tuple(y.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+    check_same_device(op, x=x, y=y, post=post, comb=comb)
+    args = (x.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous())
+    if needs_autograd(*args):
+        return HcPostFunction.apply(*args)
+    return _post_forward(*args)
 
 
 def _head_reference(x, fn, base, scale, eps, norm_eps):

@@ -20,7 +20,8 @@ active order's stamp.
   online softmax inside ``kv_partition`` partitions merged in order, row sums of P on the tensor
   core when ``rowsum_mma``; RMSNorm's row sum is one tl.sum whose tree is fixed by the block and
   the warps (``norm_warps``); logprobs keep a per-lane max and sum over ``logprobs_block_v`` lanes
-  on ``logprobs_warps`` warps.
+  on ``logprobs_warps`` warps; mHC folds a token's N*D values over ``hc_k_chunk`` chunks with its
+  squares in ``hc_block_k`` lanes.
 - both: every op family carries a version (``op_versions``, keyed by the ``kernels/`` module that
   defines the op) for what its code alone fixes (the Mamba2 scan on absolute chunks, the
   DeepSeek-V4 compositions on linear's order, rounding points): bump it when that code changes
@@ -38,7 +39,7 @@ import xxhash
 # fields that only the Triton backend reads: the reference stamp leaves them out (a reference
 # receiver accepts a sender whose kv_partition differs: neither side walks KV partitions)
 _TRITON_ONLY = ("kv_block", "kv_partition", "rowsum_mma", "linear_split_table", "linear_chunk_align",
-                "norm_warps", "logprobs_block_v", "logprobs_warps")
+                "norm_warps", "logprobs_block_v", "logprobs_warps", "hc_k_chunk", "hc_block_k")
 _REFERENCE_ONLY = ("reference", "exact_grid_bits", "exact_k_chunk")
 
 
@@ -64,11 +65,17 @@ class CanonicalOrder:
     norm_warps: tuple = field(default=((2048, 4), (8192, 8), (1 << 62, 16)))
     logprobs_block_v: int = 4096
     logprobs_warps: int = 8
+    # mHC (kernels/triton/mhc.py): the mix projection and the sum of squares of a token's N*D
+    # stream values run over fixed K chunks of ``hc_k_chunk`` (a multiple of ``hc_block_k``), the
+    # chunk partials added in chunk order; the squares sit in ``hc_block_k`` lanes, summed in lane
+    # order at the chunk's end
+    hc_k_chunk: int = 1024
+    hc_block_k: int = 64
     # one version per op family (the kernels/ module defining the op), bumped by hand when that
     # family's code changes its bits on either backend
     op_versions: tuple = field(default=(
         ("activation", 1), ("attention", 1), ("compressed_attention", 1), ("compressor", 1),
-        ("indexer", 1), ("linear", 1), ("logprobs", 1), ("mamba", 1), ("mhc", 1), ("moe", 1),
+        ("indexer", 1), ("linear", 1), ("logprobs", 1), ("mamba", 1), ("mhc", 2), ("moe", 1),
         ("norm", 1), ("rotary", 1), ("rotary_interleaved", 1), ("sampling", 1)))
     # the ops ``kernels.override`` swapped (a fault, a stock baseline, a call recorder): empty for
     # the canonical ops, stamped when not, so a stamp cannot claim the canonical order meanwhile
@@ -81,6 +88,9 @@ class CanonicalOrder:
                              "(need 2 * bits + log2(chunk) <= 53)")
         # lookups the launchers make per call, built once per order (not fields: not stamped twice)
         object.__setattr__(self, "split_table", dict(self.linear_split_table))
+        if self.hc_block_k < 16 or self.hc_block_k & (self.hc_block_k - 1) or self.hc_k_chunk % self.hc_block_k:
+            raise ValueError(f"canonical order: hc_block_k={self.hc_block_k} must be a power of 2 >= 16 "
+                             f"dividing hc_k_chunk={self.hc_k_chunk}")
 
     @property
     def min_block_m_cuda(self) -> int:

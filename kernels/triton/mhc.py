@@ -1,38 +1,238 @@
-"""hc_pre / hc_head on the Triton backend: the reference's structure in fp32 with ``torch.exp``
-and the invariant Triton ``linear`` for the mixes (kernels/mhc.py states the order). The norm's
-sum of squares is a fixed fold (``_exact.tree_sum``), the Sinkhorn sums and the collapse are
-stream-order loops of elementwise adds: every token's bits depend on that token alone.
+"""mHC on the Triton backend: hc_pre / hc_head in two launches, hc_post in one (the canonical
+order is stated in kernels/mhc.py, "Triton backend").
+
+- ``_mix_kernel`` (grid: token blocks x K chunks): for each token, over one K chunk of its N*D
+  stream values (``hc_k_chunk`` of the active order): the mix projection dot(x, fn) as one
+  sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused multiply-adds in K
+  order, each row's chain its own), and the squares x^2 in ``hc_block_k`` lanes (lane j holds the
+  chunk's k = j mod hc_block_k, added in K order), the lanes summed in lane order by a dot with
+  ones. Fp32 partials per (chunk, token); the token block size does not change a token's bits.
+- ``_finish_kernel`` (grid: tokens x D blocks): folds the chunk partials in chunk order, the
+  gates, the softmax and the Sinkhorn iterations on the token's N x N matrix (every sum over N a
+  stream-order fold of exact one-element extractions, not a tl.sum tree), then the collapse of
+  its own D block. Every D block recomputes the same gates from the same values: same bits.
+- ``_post_kernel`` (grid: tokens x D blocks): hc_post with the reference's rounding points.
+Every kernel is launched with ``enable_fp_fusion=False`` (a product is rounded, then added, as
+the reference's torch ops do), divisions and square roots IEEE (div_rn / sqrt_rn), exp is tl.exp.
+No host read: launchable inside a CUDA graph.
 """
 import torch
+import triton
+import triton.language as tl
 
-from .._exact import tree_sum
-from ..linear import linear
-from ..mhc import _collapse, _ordered_sum
+from .. import order
+from . import interpreting
+
+BLOCK_T = 16      # tokens per _mix_kernel program (speed only: each row's dot chain is its own)
+BLOCK_D = 1024    # stream channels per _finish / _post program (speed only: elementwise in d)
+ONES_N = 16       # width of the lane-sum dot (tl.dot's smallest N); column 0 is read
 
 
-def _mix(x, fn, norm_eps):
+@triton.jit
+def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, K_CHUNK,
+                BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ONES: tl.constexpr,
+                INTERP: tl.constexpr):
+    s = tl.program_id(1)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    offs_k = tl.arange(0, BK)
+    offs_m = tl.arange(0, BM)
+    mmask = offs_m < M
+    acc = tl.zeros((BT, BM), tl.float32)
+    lanes = tl.zeros((BT, BK), tl.float32)
+    k0 = s * K_CHUNK
+    for kk in range(0, K_CHUNK, BK):
+        k = k0 + kk + offs_k
+        kmask = k < K   # the last chunk may be short: masked values are exact zeros
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(fn_ptr + offs_m[None, :] * K + k[:, None], mask=mmask[None, :] & kmask[:, None],
+                    other=0.0).to(tl.float32)
+        if INTERP:  # the interpreter's dot: float64, rounded (structure, not the GPU's bits)
+            acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        lanes += a * a
+    ones = tl.full((BK, ONES), 1.0, tl.float32)
+    if INTERP:
+        ssq = tl.dot(lanes.to(tl.float64), ones.to(tl.float64)).to(tl.float32)
+    else:
+        ssq = tl.dot(lanes, ones, input_precision="ieee")   # fma(lane, 1, acc): lane order
+    ssq = tl.sum(tl.where(tl.arange(0, ONES)[None, :] == 0, ssq, 0.0), 1)  # column 0: exact
+    base = (s * T + rows).to(tl.int64)
+    tl.store(part_ptr + base[:, None] * M + offs_m[None, :], acc, mask=rmask[:, None] & mmask[None, :])
+    tl.store(sq_ptr + base, ssq, mask=rmask)
+
+
+@triton.jit
+def _pick(v, idx, j):
+    """v[j] of a 1-D block as a scalar: one value plus exact zeros (values here are >= 0)."""
+    return tl.sum(tl.where(idx == j, v, 0.0), 0)
+
+
+@triton.jit
+def _fold(c, idx, AXIS: tl.constexpr, N: tl.constexpr):
+    """Sum of the [BN, BN] block over AXIS in stream order 0..N-1 (c >= 0: extractions exact)."""
+    if AXIS == 1:
+        acc = tl.sum(tl.where(idx[None, :] == 0, c, 0.0), 1)
+        for j in tl.static_range(1, N):
+            acc = acc + tl.sum(tl.where(idx[None, :] == j, c, 0.0), 1)
+    else:
+        acc = tl.sum(tl.where(idx[:, None] == 0, c, 0.0), 0)
+        for j in tl.static_range(1, N):
+            acc = acc + tl.sum(tl.where(idx[:, None] == j, c, 0.0), 0)
+    return acc
+
+
+@triton.jit
+def _sigmoid(z):
+    return tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _round(v, dt: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """v rounded to the dtype dt (nearest even), back in fp32. The interpreter truncates fp32 ->
+    bf16 where the GPU rounds: under INTERP the rounding is done on the bits (finite values), so
+    the interpreter computes the GPU's structure (and hc_post the reference's bits)."""
+    if INTERP and BF16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    return v.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
+                   T, D, K, S, iters, eps, norm_eps,
+                   N: tl.constexpr, BN: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr,
+                   BF16: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pd = tl.program_id(1)
+    if HEAD:
+        M = N
+    else:
+        M = (2 + N) * N
+    i = tl.arange(0, BN)
+    nm = i < N
+    # the K chunks' partials, added in chunk order
+    ssq = tl.load(sq_ptr + t)
+    mpre = tl.load(part_ptr + t * M + i, mask=nm, other=0.0)
+    for s in range(1, S):
+        ssq = ssq + tl.load(sq_ptr + s * T + t)
+        mpre = mpre + tl.load(part_ptr + (s * T + t) * M + i, mask=nm, other=0.0)
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, K.to(tl.float32)) + norm_eps))
+    s0 = tl.load(scale_ptr).to(tl.float32)
+    pre = _sigmoid(mpre * r * s0 + tl.load(base_ptr + i, mask=nm, other=0.0).to(tl.float32)) + eps
+    if not HEAD:
+        cm = nm[:, None] & nm[None, :]
+        cidx = 2 * N + i[:, None] * N + i[None, :]
+        mpost = tl.load(part_ptr + t * M + N + i, mask=nm, other=0.0)
+        mcomb = tl.load(part_ptr + t * M + cidx, mask=cm, other=0.0)
+        for s in range(1, S):
+            mpost = mpost + tl.load(part_ptr + (s * T + t) * M + N + i, mask=nm, other=0.0)
+            mcomb = mcomb + tl.load(part_ptr + (s * T + t) * M + cidx, mask=cm, other=0.0)
+        s1 = tl.load(scale_ptr + 1).to(tl.float32)
+        s2 = tl.load(scale_ptr + 2).to(tl.float32)
+        post = 2.0 * _sigmoid(mpost * r * s1 + tl.load(base_ptr + N + i, mask=nm, other=0.0).to(tl.float32))
+        z = mcomb * r * s2 + tl.load(base_ptr + cidx, mask=cm, other=0.0).to(tl.float32)
+        z = tl.where(cm, z, -float("inf"))
+        e = tl.where(cm, tl.exp(z - tl.max(z, 1)[:, None]), 0.0)
+        comb = tl.where(cm, tl.math.div_rn(e, _fold(e, i, 1, N)[:, None]) + eps, 0.0)
+        comb = tl.where(cm, tl.math.div_rn(comb, _fold(comb, i, 0, N)[None, :] + eps), 0.0)
+        for _ in range(iters - 1):
+            comb = tl.where(cm, tl.math.div_rn(comb, _fold(comb, i, 1, N)[:, None] + eps), 0.0)
+            comb = tl.where(cm, tl.math.div_rn(comb, _fold(comb, i, 0, N)[None, :] + eps), 0.0)
+        if pd == 0:
+            tl.store(post_ptr + t * N + i, post, mask=nm)
+            tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb, mask=cm)
+    # the collapse of this program's D block: sum over streams in order, fp32, one rounding
+    d = pd * BD + tl.arange(0, BD)
+    dm = d < D
+    xrow = x_ptr + t * N * D + d
+    acc = _pick(pre, i, 0) * tl.load(xrow, mask=dm, other=0.0).to(tl.float32)
+    for n in tl.static_range(1, N):
+        acc = acc + _pick(pre, i, n) * tl.load(xrow + n * D, mask=dm, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * D + d, _round(acc, dt, BF16, INTERP).to(dt), mask=dm)
+
+
+@triton.jit
+def _post_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D,
+                 N: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    k = tl.arange(0, BN)
+    km = k < N
+    dt = out_ptr.dtype.element_ty
+    # post and comb rounded to the streams' dtype first (HF multiplies in the model dtype)
+    p = _round(tl.load(post_ptr + t * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+    xrow = x_ptr + t * N * D + d
+    c = _round(tl.load(comb_ptr + t * N * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+    mixed = c[:, None] * tl.load(xrow, mask=dm, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(1, N):   # mixed[k] = sum_j comb[j, k] * x[j], stream order
+        c = _round(tl.load(comb_ptr + t * N * N + j * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+        mixed = mixed + c[:, None] * tl.load(xrow + j * D, mask=dm, other=0.0).to(tl.float32)[None, :]
+    y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+    expanded = _round(p[:, None] * y[None, :], dt, BF16, INTERP)
+    out = _round(expanded + _round(mixed, dt, BF16, INTERP), dt, BF16, INTERP).to(dt)
+    tl.store(out_ptr + t * N * D + k[:, None] * D + d[None, :], out, mask=km[:, None] & dm[None, :])
+
+
+def _kw(interp, warps=4):
+    return {} if interp else dict(num_warps=warps, enable_fp_fusion=False)
+
+
+def _mixes(x, fn, interp):
+    """Chunk partials of dot(x, fn) [S, T, M] and of sum(x^2) [S, T] (fp32)."""
     T, n, d = x.shape
-    f = x.reshape(T, n * d).float()
-    r = 1.0 / torch.sqrt(tree_sum(f * f, -1) / (n * d) + norm_eps)
-    return linear(f * r.unsqueeze(-1), fn.float())
+    M, K = fn.shape
+    o = order.current()
+    chunk = o.hc_k_chunk
+    S = triton.cdiv(K, chunk)
+    part = torch.empty((S, T, M), device=x.device, dtype=torch.float32)
+    sq = torch.empty((S, T), device=x.device, dtype=torch.float32)
+    BM = max(16, triton.next_power_of_2(M))
+    _mix_kernel[(triton.cdiv(T, BLOCK_T), S)](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM,
+                                              BK=o.hc_block_k, ONES=ONES_N, INTERP=interp, **_kw(interp))
+    return part, sq, S
+
+
+def _pre(x, fn, base, scale, iters, eps, norm_eps, head):
+    T, n, d = x.shape
+    interp = interpreting(x)
+    out = torch.empty((T, d), device=x.device, dtype=x.dtype)
+    post = torch.empty((T, n), device=x.device, dtype=torch.float32)
+    comb = torch.empty((T, n, n), device=x.device, dtype=torch.float32)
+    if T == 0:
+        return post, comb, out
+    part, sq, S = _mixes(x, fn, interp)
+    bd = min(BLOCK_D, triton.next_power_of_2(d))
+    _finish_kernel[(T, triton.cdiv(d, bd))](x, part, sq, base, scale, post, comb, out, T, d, n * d, S, iters,
+                                            float(eps), float(norm_eps), N=n, BN=triton.next_power_of_2(n),
+                                            HEAD=head, BD=bd, BF16=x.dtype == torch.bfloat16, INTERP=interp,
+                                            **_kw(interp))
+    return post, comb, out
 
 
 def hc_pre(x, fn, base, scale, iters, eps, norm_eps):
-    T, n, _ = x.shape
-    mix = _mix(x, fn, norm_eps)
-    b, s = base.float(), scale.float()
-    pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + eps
-    post = 2 * torch.sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
-    z = (mix[:, 2 * n:] * s[2] + b[2 * n:]).view(T, n, n)
-    e = torch.exp(z - z.amax(-1, keepdim=True))
-    comb = e / _ordered_sum(e, -1).unsqueeze(-1) + eps
-    comb = comb / (_ordered_sum(comb, -2).unsqueeze(-2) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (_ordered_sum(comb, -1).unsqueeze(-1) + eps)
-        comb = comb / (_ordered_sum(comb, -2).unsqueeze(-2) + eps)
-    return post, comb, _collapse(x, pre)
+    """x [T, N, D] -> (post fp32 [T, N], comb fp32 [T, N, N], block input [T, D] x.dtype)."""
+    return _pre(x, fn, base, scale, iters, eps, norm_eps, head=False)
 
 
 def hc_head(x, fn, base, scale, eps, norm_eps):
-    pre = torch.sigmoid(_mix(x, fn, norm_eps) * scale.float()[0] + base.float()) + eps
-    return _collapse(x, pre)
+    """x [T, N, D] -> [T, D] x.dtype (pre gates of fn [N, N*D] only, then the collapse)."""
+    return _pre(x, fn, base, scale, 1, eps, norm_eps, head=True)[2]
+
+
+def hc_post(x, y, post, comb):
+    """x [T, N, D], y [T, D], post [T, N], comb [T, N, N] -> [T, N, D] x.dtype."""
+    T, n, d = x.shape
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    interp = interpreting(x)
+    bd = min(BLOCK_D, triton.next_power_of_2(d))
+    _post_kernel[(T, triton.cdiv(d, bd))](x, y, post, comb, out, d, N=n, BN=triton.next_power_of_2(n), BD=bd,
+                                          BF16=x.dtype == torch.bfloat16, INTERP=interp, **_kw(interp))
+    return out
