@@ -21,9 +21,10 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
   fused head multiplies by 1/T: other bits), autocast off, weights cast by ``compute_cast``;
 - without vLLM, ``_generate_single_turn`` samples with ``bitmatch.Engine`` (in-process, paged KV
   cache) and returns its per-token logprobs, which TRL stores as ``sampling_per_token_logps``.
-  The engine runs on the policy's own tensors, or (LoRA, or ``rollout_weights="copy"``) on a
-  rollout copy filled through ``bitmatch.sync.publish`` (fingerprint-verified) whenever the step
-  changed: LoRA layers merged with PEFT's own merge arithmetic, as TRL pushes them to vLLM;
+  The engine runs on the policy's own tensors (LoRA layers on their merged weight, kept between
+  steps and refreshed in place when A or B change), or (``rollout_weights="copy"``) on a rollout
+  copy filled through ``bitmatch.sync.publish`` (fingerprint-verified) whenever the step changed:
+  LoRA layers merged with PEFT's own merge arithmetic, as TRL pushes them to vLLM;
 - with ``use_vllm=True`` the rollout is vLLM's, made bitmatched by the bitmatch vLLM plugin
   (``bitmatch.adapters.vllm``, enabled with ``BITMATCH=1``); attach refuses to run without it;
 - after every generation step (``_generate_and_score_completions``) it compares the rollout's
@@ -122,10 +123,9 @@ class TrlAdapter:
         self.is_peft = any(lora.is_lora_layer(m) for m in trainer.model.modules())
         self.compute_dtype = None if check_only else self._pick_dtype(compute_dtype)
         if rollout_weights == "auto":
-            rollout_weights = "copy" if self.is_peft else "shared"
-        if self.is_peft and rollout_weights == "shared":
-            raise ValueError("attach: rollout_weights='shared' cannot serve a PEFT model (the rollout needs the "
-                             "merged weights); use rollout_weights='copy' or 'auto'")
+            # PEFT too: the engine's LoRA layers read kept merged weights (bitmatch.models.lora), the
+            # bits a copy would hold, refreshed in place when A / B change: no per-step publish
+            rollout_weights = "shared"
         self.rollout_weights = rollout_weights
         self.engine_kwargs = dict(engine_kwargs or {})
 
@@ -444,8 +444,8 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
     or "log" (metrics and a warning; training goes on). compute_dtype: the dtype weights are cast
     to at use on both sides (default: bf16 under ``GRPOConfig(bf16=True)`` with fp32 weights, else
     the weights' dtype). rollout_weights (without vLLM): "shared" (the engine reads the policy's
-    own tensors), "copy" (a rollout copy synced through ``bitmatch.sync`` every step; required for
-    PEFT), "auto". repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
+    own tensors; PEFT LoRA layers on kept merged weights), "copy" (a rollout copy synced through
+    ``bitmatch.sync`` every step), "auto" (= "shared"). repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
     engine_kwargs: passed to ``bitmatch.Engine`` (block_size, kv_cache_bytes, max_num_seqs, ...).
 
     Invariance: after attach, every logprob the rollout reports equals the trainer's logprob of

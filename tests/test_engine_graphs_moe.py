@@ -81,11 +81,16 @@ def test_family_opts_into_graphs(model):
     assert not OwnMlp().cuda_graph_safe(unwrap_causal_lm(model))
 
 
-def test_lora_layers_keep_the_moe_family_eager():
+def test_lora_on_linears_keeps_the_moe_family_in_graphs():
+    # LoRA on plain linears reads kept merged weights in the engine (tests/test_engine_graphs_lora.py);
+    # a LoRA layer bitmatch's LoRA linear cannot run keeps the model eager
     peft = pytest.importorskip("peft")
     base = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, **TINY)
     pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
     assert family_of(pm) is family_of(base)
+    assert graph_safe(pm)
+    layer = unwrap_causal_lm(pm).model.layers[0].self_attn.q_proj
+    layer.fan_in_fan_out = True
     assert not graph_safe(pm)
 
 

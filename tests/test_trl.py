@@ -112,11 +112,12 @@ def test_grad_accumulation_and_num_iterations_diff_zero(tmp_path):
 
 # ----------------------------------------------------------------------------- LoRA
 
-def test_lora_grpo_diff_zero(tmp_path):
+@pytest.mark.parametrize("mode", ["auto", "copy"])
+def test_lora_grpo_diff_zero(tmp_path, mode):
     import bitmatch.adapters.trl as bt
 
-    trainer = bt.attach(make_trainer(tmp_path, lora=True))
-    assert trainer._bitmatch.rollout_weights == "copy"
+    trainer = bt.attach(make_trainer(tmp_path, lora=True), rollout_weights=mode)
+    assert trainer._bitmatch.rollout_weights == ("shared" if mode == "auto" else "copy")
     base_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_" not in k}
     lora_before = params_snapshot(trainer.model)
     assert lora_before and all("lora_" in k for k in lora_before)
@@ -127,6 +128,9 @@ def test_lora_grpo_diff_zero(tmp_path):
     for k, v in trainer.model.named_parameters():   # never merged/unmerged in place: base weights untouched
         if k in base_before:
             assert torch.equal(v.detach(), base_before[k]), k
+    if mode == "auto":  # shared: the engine read kept merged weights, no copy
+        assert trainer._bitmatch.rollout_model is None
+        return
     # the rollout copy holds the merged weights of the last step, not the base ones
     view = dict(trainer._bitmatch.rollout_model.named_parameters())
     w = "model.layers.0.self_attn.q_proj.weight"
@@ -136,7 +140,7 @@ def test_lora_grpo_diff_zero(tmp_path):
 def test_fault_in_rollout_copy_raises_and_names_layer(tmp_path):
     import bitmatch.adapters.trl as bt
 
-    trainer = bt.attach(make_trainer(tmp_path, lora=True))
+    trainer = bt.attach(make_trainer(tmp_path, lora=True), rollout_weights="copy")
     bm = trainer._bitmatch
     sync = bm.sync_rollout
 
@@ -194,8 +198,8 @@ def test_errors_name_the_fix(tmp_path):
         bt.attach(make_trainer(tmp_path, steps=1), on_mismatch="explode")
     with pytest.raises(ValueError, match=r"min_p"):
         bt.attach(make_trainer(tmp_path, steps=1, min_p=0.1))
-    with pytest.raises(ValueError, match=r"rollout_weights='shared' cannot serve a PEFT model"):
-        bt.attach(make_trainer(tmp_path, steps=1, lora=True), rollout_weights="shared")
+    with pytest.raises(ValueError, match=r"rollout_weights must be 'auto', 'shared' or 'copy'"):
+        bt.attach(make_trainer(tmp_path, steps=1, lora=True), rollout_weights="merged")
     tr = bt.attach(make_trainer(tmp_path, steps=1))
     with pytest.raises(RuntimeError, match="already attached"):
         bt.attach(tr)

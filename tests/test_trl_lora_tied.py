@@ -1,7 +1,9 @@
 """TRL + PEFT LoRA on tied and untied embeddings (issue 24, item 12): the rollout copy ties its LM
 head to its embedding exactly as the trainer's model does, so the fingerprint-verified publish
 covers every parameter once (a tied model once failed the first step with "weight update must
-cover every parameter exactly once: missing ['lm_head.weight']") and Diff = 0 on every step."""
+cover every parameter exactly once: missing ['lm_head.weight']") and Diff = 0 on every step.
+The default rollout ("shared": the engine on the policy, LoRA layers on kept merged weights
+refreshed when A / B change) likewise, on fp32 masters with bf16-free compute."""
 from __future__ import annotations
 
 import os
@@ -20,8 +22,9 @@ from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer,
 STEPS = 2
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_grpo_lora_diff_zero_with_tied_and_untied_embeddings(tmp_path, tied):
+@pytest.mark.parametrize("tied,mode", [(True, "copy"), (False, "copy"), (True, "auto")],
+                         ids=["tied-copy", "untied-copy", "tied-shared"])
+def test_grpo_lora_diff_zero_with_tied_and_untied_embeddings(tmp_path, tied, mode):
     from peft import LoraConfig
 
     import bitmatch.adapters.trl as bt
@@ -34,11 +37,15 @@ def test_grpo_lora_diff_zero_with_tied_and_untied_embeddings(tmp_path, tied):
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
     trainer = bt.attach(grpo_trainer(policy, tmp_path / "out", STEPS, peft_config=lora, per_device_train_batch_size=8,
-                                     num_generations=4, max_completion_length=6, learning_rate=2e-2))
+                                     num_generations=4, max_completion_length=6, learning_rate=2e-2),
+                       rollout_weights=mode)
     before = params_snapshot(trainer.model)
     trainer.train()
     assert_diff_zero(trainer, STEPS)
     assert_trained(before, trainer.model)
+    if mode == "auto":
+        assert trainer._bitmatch.rollout_weights == "shared" and trainer._bitmatch.rollout_model is None
+        return
     copy = trainer._bitmatch.rollout_model
     assert (copy.lm_head.weight is copy.model.embed_tokens.weight) == tied
     assert trainer._bitmatch.receiver.version == STEPS - 1

@@ -37,7 +37,7 @@ def _trainer(tmp_path, steps, targets=None, **config):
 def test_moe_lora_on_attention_under_bf16_diff_zero(tmp_path):
     import bitmatch.adapters.trl as bt
 
-    trainer = bt.attach(_trainer(tmp_path, 2, ATTENTION, bf16=True))
+    trainer = bt.attach(_trainer(tmp_path, 2, ATTENTION, bf16=True), rollout_weights="copy")
     assert trainer._bitmatch.compute_dtype == torch.bfloat16
     before = params_snapshot(trainer.model)
     trainer.train()

@@ -442,15 +442,20 @@ class DenseFamily(Family):
         overrides the forward or the MLP must opt in by overriding this."""
         cls = type(self)
         return (cls.forward_hidden is DenseFamily.forward_hidden and cls.mlp is DenseFamily.mlp
-                and not any(lora.is_lora_layer(m) for m in lm.modules()))
+                and lora.graph_capturable(lm))
 
     def refresh_derived_weights(self, lm, force: bool = False) -> None:
-        """The fused q/k/v, gate/up copies brought up to date in place (before a graph replay;
-        ``force``: rebuilt whatever the version counters say)."""
+        """The fused q/k/v, gate/up copies and LoRA layers' kept merged weights brought up to date
+        in place (before a graph replay; ``force``: rebuilt whatever the version counters say)."""
         refresh_fused(lm, force)
+        lora.refresh_rollout_weights(lm, force)
 
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
-        K = _kernels()
+        # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
+        with lora.kept_weights(ctx.paged):
+            return self._forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
+
+    def _forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
         h = embed(lm, input_ids, dtype)
         if recorder is not None:
             recorder("embed_tokens", h)

@@ -6,9 +6,16 @@ other roundings, other bits. Here the trainer's forward of a LoRA layer is
 ``kernels.linear(x, compute_cast(merged_weight(layer)))``, where ``merged_weight`` runs the very
 arithmetic of PEFT's merge (``get_delta_weight`` added in place to a copy of the base weight),
 and the rollout copy is filled by the same function. The gradients of A and B (and of W if it
-trains) are computed analytically in backward, from the same merged weight, in fp32:
+trains) are computed analytically in backward, from the same merged weight, in the compute dtype:
 
     y = x Wm^T,  Wm = W + s B A   =>   dx = gy Wm,  dA = s (gy B)^T x,  dB = s gy^T (x A^T)
+
+Rollout (no autograd recording): the cast merged weight is computed once and kept
+(``rollout_weight``), keyed on the data pointers and version counters of W, A and B and on the
+active adapters and their scalings; a change recomputes it IN PLACE, so a CUDA graph that reads
+it stays valid (``refresh_rollout_weights`` runs before a replay, as the dense family's fused
+copies). The kept tensor is the very ``cast(merged_weight)`` the trainer's forward computes: the
+same bits, without re-merging every layer on every decode step.
 
 Supported: PEFT ``lora.Linear`` layers with plain LoRA (no DoRA / other variants, no
 ``lora_bias``, ``fan_in_fan_out=False``) and no active dropout in training (set
@@ -17,9 +24,16 @@ adapter branch has no merged equivalent. Anything else raises an error naming th
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
+
 import torch
 
-__all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer"]
+from bitmatch.precision import cast_param
+
+__all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
+           "refresh_rollout_weights", "graph_capturable", "kept_weights"]
 
 
 def is_lora_layer(mod) -> bool:
@@ -67,6 +81,79 @@ def merged_weight(mod) -> torch.Tensor:
     return w
 
 
+# mod -> {dtype: [key, tensor]}: the kept cast merged weights of the rollout (inference only)
+_ROLLOUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def kept_weights(on: bool = True):
+    """Inside the block, inference forwards of LoRA layers read the kept merged weight. The
+    engine's paged steps only (as the dense family's fused copies): the engine refreshes it
+    (forced) whenever it starts work, so a weight written through ``param.data`` (no version
+    bump) cannot leave a stale copy in a trainer's no-grad forward, which always re-merges."""
+    prev = getattr(_state, "on", False)
+    _state.on = bool(on)
+    try:
+        yield
+    finally:
+        _state.on = prev
+
+
+def _live(mod) -> list[str]:
+    merged = set(getattr(mod, "merged_adapters", []))
+    return [] if mod.disable_adapters else [a for a in _active(mod) if a not in merged]
+
+
+def _rollout_key(mod, live):
+    ps = [mod.get_base_layer().weight] + [t for a in live for t in (mod.lora_A[a].weight, mod.lora_B[a].weight)]
+    return (tuple((p.data_ptr(), p._version) for p in ps), tuple(live), tuple(float(mod.scaling[a]) for a in live))
+
+
+def _fill(entry, mod, dtype, key):
+    with torch.no_grad():
+        w = cast_param(merged_weight(mod), dtype)
+        if entry[1] is not None and entry[1].shape == w.shape and entry[1].dtype == w.dtype:
+            entry[1].copy_(w)  # in place: a captured graph keeps reading this address
+        else:
+            entry[1] = w
+    entry[0] = key
+
+
+def rollout_weight(mod, dtype: torch.dtype, force: bool = False) -> torch.Tensor:
+    """``cast_param(merged_weight(mod), dtype)``, kept between calls and recomputed in place when
+    W, A, B (pointer or version), the active adapters or their scalings change (``force``: always).
+
+    Invariance: the same bits as the trainer's merged forward weight; only when it is computed
+    differs. Inference only (outside inference mode, whose tensors carry no version counter)."""
+    live = _live(mod)
+    key = _rollout_key(mod, live)
+    entry = _ROLLOUT.setdefault(mod, {}).setdefault(dtype, [None, None])
+    if force or entry[0] != key:
+        _fill(entry, mod, dtype, key)
+    return entry[1]
+
+
+def refresh_rollout_weights(lm, force: bool = False) -> None:
+    """Bring every kept rollout weight of ``lm``'s LoRA layers up to date in place (before a CUDA
+    graph replay, which runs no host code)."""
+    for m in lm.modules():
+        for dtype in list(_ROLLOUT.get(m, {})):
+            rollout_weight(m, dtype, force)
+
+
+def graph_capturable(lm) -> bool:
+    """True when every LoRA layer of ``lm`` runs through ``linear`` below (a PEFT ``lora.Linear``
+    that ``check_lora_layer`` accepts), whose inference forward reads only the kept weight."""
+    for n, m in lm.named_modules():
+        if is_lora_layer(m):
+            try:
+                check_lora_layer(m, n)
+            except ValueError:
+                return False
+    return True
+
+
 def _check_dropout(mod) -> None:
     if not mod.training:
         return
@@ -83,7 +170,6 @@ class LoRAMergedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, mod, dtype, *ab):
-        from bitmatch.precision import cast_param
         import bitmatch.kernels as K
 
         wm = merged_weight(mod)
@@ -99,20 +185,23 @@ class LoRAMergedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        # gradients need only be correct, not invariant: fp32 matmuls
+        # gradients need only be correct, not invariant: stock matmuls in the compute dtype (bf16
+        # GEMMs accumulate in fp32 and round once, as kernels.linear's backward; fp32 operands
+        # made every LoRA layer's backward an fp32 GEMM, slower than the whole stock step)
         x2d, wc, *ab = ctx.saved_tensors
-        g = gy.float()
-        x = x2d.float()
+        ct = wc.dtype
+        g = gy.to(ct)
+        x = x2d.to(ct)
         needs = ctx.needs_input_grad
-        gx = (g @ wc.float()).to(x2d.dtype) if needs[0] else None
+        gx = (g @ wc).to(x2d.dtype) if needs[0] else None
         gw = (g.t() @ x).to(ctx.w_dtype) if needs[1] else None
-        gb = g.sum(0).to(ctx.b_dtype) if ctx.has_bias and needs[2] else None
+        gb = gy.float().sum(0).to(ctx.b_dtype) if ctx.has_bias and needs[2] else None
         grads = []
         for i in range(0, len(ab), 2):
             a, b = ab[i], ab[i + 1]
             s = ctx.scalings[i // 2]
-            ga = (s * ((g @ b.float()).t() @ x)).to(a.dtype) if needs[5 + i] else None
-            gbm = (s * (g.t() @ (x @ a.float().t()))).to(b.dtype) if needs[6 + i] else None
+            ga = (s * ((g @ b.to(ct)).t() @ x)).to(a.dtype) if needs[5 + i] else None
+            gbm = (s * (g.t() @ (x @ a.to(ct).t()))).to(b.dtype) if needs[6 + i] else None
             grads += [ga, gbm]
         return (gx, gw, gb, None, None, *grads)
 
@@ -123,19 +212,20 @@ def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Invariance: bit-identical to ``kernels.linear`` on the merged weight PEFT's merge produces,
     so a rollout holding merged weights reports the same logits.
     """
-    from bitmatch.precision import cast_param
     import bitmatch.kernels as K
 
     check_lora_layer(mod)
     base = mod.get_base_layer()
     bias = getattr(base, "bias", None)
-    merged = set(getattr(mod, "merged_adapters", []))
-    live = [] if mod.disable_adapters else [a for a in _active(mod) if a not in merged]
+    live = _live(mod)
     if mod.disable_adapters and mod.merged:
         raise ValueError("bitmatch: LoRA layer has merged adapters but adapters are disabled; unmerge_adapter() "
                          "first (bitmatch never unmerges: W + d - d is not W)")
     if not live:  # merged already, or disabled: the base layer is the whole layer
         return K.linear(x, cast_param(base.weight, dtype), cast_param(bias, dtype))
+    if getattr(_state, "on", False) and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        # the engine's step: the kept merged weight (same bits as LoRAMergedLinearFunction's forward)
+        return K.linear(x, rollout_weight(mod, dtype), cast_param(bias, dtype))
     _check_dropout(mod)
     ab = []
     for a in live:

@@ -93,12 +93,12 @@ class Qwen3MoeFamily(dense.DenseFamily):
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: the dense forward with
-        this MoE block (sync-free on the Triton backend, see the module docstring) and no LoRA
-        layers (their forward is not declared sync-free); a subclass that overrides the forward
-        or the MLP must opt in again."""
+        this MoE block (sync-free on the Triton backend, see the module docstring), LoRA layers only
+        on plain linears (their engine forward reads the kept merged weight: ``lora.graph_capturable``);
+        a subclass that overrides the forward or the MLP must opt in again."""
         cls = type(self)
         return (cls.forward_hidden is dense.DenseFamily.forward_hidden and cls.mlp is Qwen3MoeFamily.mlp
-                and not any(lora.is_lora_layer(m) for m in lm.modules()))
+                and lora.graph_capturable(lm))
 
     def build_spec(self, lm) -> MoeSpec:
         base = super().build_spec(lm)

@@ -1,0 +1,126 @@
+"""PEFT LoRA models in the engine's CUDA-graph decode buckets (bitmatch.models.lora's kept weights).
+
+The engine's paged steps read each LoRA layer's kept ``cast(merged_weight)`` instead of re-merging
+W + s B A on every step; the kept tensor is refreshed in place when W, A or B change (version
+counters, pointers, forced when the engine starts work), so a captured graph reading it stays
+valid. Checked here on CPU (``ModelRunner.simulate_buckets`` runs each pure-decode step eagerly
+on exactly the padded inputs a replay gets; the capture itself runs on the GPU):
+- the family opts in with LoRA on plain linears, and not for layers ``linear`` cannot run;
+- a request's bits do not depend on its bucket, and the engine equals the trainer (which
+  re-merges in its forward) before and after an optimizer-like update of A and B, and after a
+  write through ``.data`` (no version bump) between generate calls;
+- control: a kept weight left stale after the update (the refresh disabled) makes the engine
+  differ from the trainer, so the comparison sees a stale weight.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+import bitmatch  # noqa: E402
+from bitmatch.engine import Engine, SamplingParams  # noqa: E402
+from bitmatch.engine.graphs import graph_safe  # noqa: E402
+from bitmatch.models import lora, unwrap_causal_lm  # noqa: E402
+from bitmatch.precision import cast_param  # noqa: E402
+from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
+from test_engine import assert_bitmatch  # noqa: E402
+from test_engine_graphs import _same  # noqa: E402
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def _peft(dtype=torch.bfloat16, seed=0):
+    base = tiny_model("qwen3-hd64-gqa4-tied", dtype=dtype, seed=seed)
+    torch.manual_seed(seed + 1)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                                   init_lora_weights=False))
+    pm.eval()
+    return bitmatch.patch(pm)
+
+
+def _staggered():
+    prompts = random_prompts(5, 3, 30, seed=11)
+    params = [SamplingParams(temperature=t, max_tokens=2 + i, ignore_eos=True, seed=i)
+              for i, t in enumerate([0.8, 1.0, 0.0, 0.6, 0.8])]
+    return prompts, params
+
+
+def _generate(eng, prompts, params):
+    return eng.generate(prompts, params, use_tqdm=False)
+
+
+def _step_lora(pm, scale):
+    """An optimizer-like in-place update of every A and B (bumps their version counters)."""
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return _peft()
+
+
+def test_lora_models_opt_into_graphs(pm):
+    assert graph_safe(pm)
+    # a layer the LoRA linear cannot run (fan_in_fan_out) keeps the model eager
+    mod = next(m for m in unwrap_causal_lm(pm).modules() if lora.is_lora_layer(m))
+    mod.fan_in_fan_out = True
+    try:
+        assert not graph_safe(pm)
+    finally:
+        mod.fan_in_fan_out = False
+
+
+def test_kept_weight_is_the_merged_cast():
+    pm = _peft(torch.float32)
+    mod = next(m for m in unwrap_causal_lm(pm).modules() if lora.is_lora_layer(m))
+    kept = lora.rollout_weight(mod, torch.bfloat16)
+    assert torch.equal(kept.view(torch.int16), cast_param(lora.merged_weight(mod), torch.bfloat16).view(torch.int16))
+    ptr = kept.data_ptr()
+    _step_lora(pm, 0.05)
+    again = lora.rollout_weight(mod, torch.bfloat16)
+    assert again.data_ptr() == ptr  # refreshed in place: a captured graph keeps reading it
+    assert torch.equal(again.view(torch.int16), cast_param(lora.merged_weight(mod), torch.bfloat16).view(torch.int16))
+    mod.scaling["default"] = mod.scaling["default"] * 2  # a scaling change is part of the key
+    assert torch.equal(lora.rollout_weight(mod, torch.bfloat16).view(torch.int16),
+                       cast_param(lora.merged_weight(mod), torch.bfloat16).view(torch.int16))
+
+
+def test_buckets_and_trainer_across_weight_updates(pm):
+    prompts, params = _staggered()
+    eager = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    graphs = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    graphs.model_runner.simulate_buckets = True
+    for update in (None, "optimizer", "data"):
+        if update == "optimizer":
+            _step_lora(pm, 0.05)
+        elif update == "data":  # behind autograd's back: no version bump; the engine's forced refresh sees it
+            for n, p in pm.named_parameters():
+                if n.endswith("lora_B.default.weight"):
+                    v = p._version
+                    p.data.mul_(1.5)
+                    assert p._version == v
+        a = _generate(eager, prompts, params)
+        b = _generate(graphs, prompts, params)
+        assert graphs.model_runner.num_simulated_steps > 0
+        assert _same(a, b), update
+        assert assert_bitmatch(pm, b, params) > 0, update
+
+
+def test_control_stale_kept_weight_differs(pm, monkeypatch):
+    prompts, params = _staggered()
+    eng = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    _generate(eng, prompts, params)  # the kept weights exist now
+    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
+    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")  # no refresh on use either
+    for m in unwrap_causal_lm(pm).modules():
+        for entry in lora._ROLLOUT.get(m, {}).values():
+            entry[0] = "frozen"
+    _step_lora(pm, 0.5)
+    outs = _generate(eng, prompts, params)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitmatch(pm, outs, params)
