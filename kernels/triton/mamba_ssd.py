@@ -1,0 +1,242 @@
+"""The Mamba2 SSD scan on the Triton backend: a chunked scan whose products run on tensor cores,
+on the canonical chunk schedule of kernels/mamba.py (chunks at ABSOLUTE positions, chunk c holds
+positions [cQ, (c+1)Q), S_c the fp32 state at its start).
+
+Invariance: a token's y has the same bits in a full prefill, any chunked-prefill split, a one-token
+decode, and next to any other sequences in the launch: every call evaluates the token's row of its
+chunk with the same kernel binary, the same tile shapes and the same K order on the same operand
+values, and S_c comes from one formula over the whole chunk.
+
+Canonical order (Triton; ``op_versions["mamba"]``, bump it when anything below changes). One
+program per (sequence, head) walks the chunks the call touches, S_c [P, N] fp32 in registers.
+Per chunk, with t = cQ + l, positions before the call from the cache's open-chunk buffer, positions
+after the call's last token exact zeros:
+- dt_s = clamp(round(softplus(round(dt_raw + dt_bias))), min=dt_min) in fp32 (HF's rounding points);
+  Acum = tl.cumsum(dt * A) over the chunk's Q positions (one [Q] scan: an element sees only the
+  positions before it, so the zeros after the call cannot change it).
+- rows in tiles of BM aligned to the chunk start; for the tile holding l:
+  acc = dot(C_tile, S_c^T) * exp(Acum_l), then for K blocks k = 0 .. ceil((m+1)BM / BK) - 1 in order:
+  acc = dot(W, x_k, acc), W[l, s] = dot(C_tile, B_k^T)[l, s] * exp(min(Acum_l - Acum_s, 0)) * dt_s
+  for s <= l, exact 0 above the diagonal; y_t = acc_l + D * x_t.
+- when the chunk's last position is in the call: S_{c+1} = dot over K blocks in order of
+  (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
+Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
+mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, warps, stages) is fixed per (dtype, P, N,
+Q): never autotuned, since tile shapes and warps pick the MMA instructions a row's bits come from.
+Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
+not value-specialised and misaligned inputs are copied to aligned ones, so no launch compiles a
+variant. The row of a tile that a token reads never depends on the tile's other rows, but a tile's
+unused rows (positions outside the call) are zeros, so a row whose every term is an exact zero can
+differ in the sign of that zero only.
+
+Cache (seq_start / cache / state_slots of kernels.mamba_chunk_scan): the kernel reads S_c and the
+open chunk's x / B / dt before the call's first position, writes S back when a chunk closed, and
+writes x / dt of the call's positions in its open chunk (rows owned by the program's head); B rows
+are shared by a group's heads, so a second launch copies them once every program has read them.
+The CPU interpreter (TRITON_INTERPRET=1) computes each dot in float64: its bits are its own, with
+the same structure.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+# pointers whose alignment must not pick a kernel variant: the cache (an engine's views) and the
+# integer metadata; float inputs are copied when misaligned (see _aligned)
+_NO_ALIGN = ["cu_ptr", "start_ptr", "slot_ptr", "S_ptr", "xb_ptr", "bb_ptr", "db_ptr"]
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
+    if INTERP:  # the interpreter's bf16 dot is unreliable: float64 (exact for bf16 products)
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _dt_value(raw, bias, dt_lo, HAS_BIAS: tl.constexpr):
+    """dt = clamp(round(softplus(round(raw + bias))), min=dt_lo) in fp32, rounding to raw's dtype
+    (dt_lo: dt_min rounded to raw's dtype, by the launcher)."""
+    z = raw.to(tl.float32)
+    if HAS_BIAS:
+        z = (z + bias).to(raw.dtype).to(tl.float32)
+    sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z))).to(raw.dtype).to(tl.float32)
+    return tl.where(sp < dt_lo, dt_lo, sp)
+
+
+@triton.jit
+def _chunk_rows(in_ptr, in_row, in_col, buf_ptr, buf_row, cq, rows, p0, pend, t0, cols):
+    """Values [len(rows), len(cols)] of chunk positions cq + rows: the call's inputs from p0 on, the
+    open-chunk buffer before p0, exact zeros from pend on."""
+    q = cq + rows
+    in_call = (q >= p0) & (q < pend)
+    v = tl.load(in_ptr + (t0 + q - p0)[:, None] * in_row + in_col + cols[None, :], mask=in_call[:, None], other=0.0)
+    vb = tl.load(buf_ptr + rows[:, None] * buf_row + cols[None, :], mask=(q < p0)[:, None], other=0.0)
+    return tl.where(in_call[:, None], v, vb)
+
+
+@triton.jit(do_not_specialize=["has_cache"], do_not_specialize_on_alignment=_NO_ALIGN)
+def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr,
+                S_ptr, xb_ptr, bb_ptr, db_ptr, ws_ptr, dt_lo, has_cache,
+                H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr,
+                INTERP: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // (H // G)
+    cached = has_cache != 0
+    t0 = tl.load(cu_ptr + b).to(tl.int64)
+    n = tl.load(cu_ptr + b + 1).to(tl.int64) - t0
+    p0 = tl.load(start_ptr + b, mask=cached, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + b, mask=cached, other=0).to(tl.int64)
+    pend = p0 + n
+    offs_q = tl.arange(0, Q)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    offs_p = tl.arange(0, P)
+    offs_n = tl.arange(0, N)
+    A = tl.load(A_ptr + h)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    Dh = 0.0
+    if HAS_D:
+        Dh = tl.load(D_ptr + h)
+    s_ptrs = S_ptr + slot * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+    S = tl.load(s_ptrs, mask=(offs_p[:, None] < P) & cached, other=0.0)
+    xb = xb_ptr + slot * (Q * H * P) + h * P
+    bb = bb_ptr + slot * (Q * G * N) + g * N
+    db = db_ptr + slot * (Q * H) + h
+    ws = ws_ptr + (b * H + h) * (2 * Q)  # this program's Acum and dt of the current chunk
+    c_first = p0 // Q
+    c_end = tl.where(n > 0, (pend + Q - 1) // Q, c_first)
+    for c in range(c_first, c_end):
+        cq = c * Q
+        q = cq + offs_q
+        in_call = (q >= p0) & (q < pend)
+        raw = tl.load(dt_ptr + (t0 + q - p0) * H + h, mask=in_call, other=0.0)
+        dtb = tl.load(db + offs_q * H, mask=q < p0, other=0.0)
+        dtc = tl.where(in_call, _dt_value(raw, bias, dt_lo, HAS_BIAS), dtb)
+        acum = tl.cumsum(dtc * A, axis=0)
+        tl.debug_barrier()  # the previous chunk's reads of ws are done
+        tl.store(ws + offs_q, acum)
+        tl.store(ws + Q + offs_q, dtc)
+        tl.debug_barrier()  # ... and this chunk's values visible to every thread
+        lo = (tl.maximum(p0, cq) - cq).to(tl.int32)
+        hi = (tl.minimum(pend, cq + Q) - cq).to(tl.int32)
+        S_op = tl.trans(S).to(x_ptr.dtype.element_ty)
+        for m in range(lo // BM, (hi + BM - 1) // BM):
+            rows = m * BM + offs_m
+            row_in = (rows >= lo) & (rows < hi)
+            tok = t0 + (cq + rows - p0)
+            Cm = tl.load(C_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=row_in[:, None], other=0.0)
+            a_m = tl.load(ws + rows)
+            acc = _dot(Cm, S_op, tl.zeros((BM, P), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
+            for k in range(0, ((m + 1) * BM + BK - 1) // BK):
+                cols = k * BK + offs_k
+                Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
+                xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
+                a_k = tl.load(ws + cols)
+                d_k = tl.load(ws + Q + cols)
+                cb = _dot(Cm, tl.trans(Bk), tl.zeros((BM, BK), tl.float32), INTERP, PREC)
+                w = cb * tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0)) * d_k[None, :]
+                w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
+                acc = _dot(w.to(xk.dtype), xk, acc, INTERP, PREC)
+            if HAS_D:
+                xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
+                acc = acc + Dh * xr.to(tl.float32)
+            tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
+        if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
+            a_last = tl.load(ws + Q - 1)
+            S = S * tl.exp(a_last)
+            for k in range(0, Q // BK):
+                cols = k * BK + offs_k
+                Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
+                xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
+                wk = tl.exp(a_last - tl.load(ws + cols)) * tl.load(ws + Q + cols)
+                xw = (xk.to(tl.float32) * wk[:, None]).to(xk.dtype)
+                S = _dot(tl.trans(xw), Bk, S, INTERP, PREC)
+        else:  # the open chunk: this head's x and dt rows of the call, for the next call's replay
+            keep = in_call & cached
+            xs = tl.load(x_ptr + (t0 + q - p0)[:, None] * (H * P) + h * P + offs_p[None, :], mask=keep[:, None],
+                         other=0.0)
+            tl.store(xb + offs_q[:, None] * (H * P) + offs_p[None, :], xs.to(xb_ptr.dtype.element_ty),
+                     mask=keep[:, None])
+            tl.store(db + offs_q * H, dtc, mask=keep)
+    closed = (pend // Q) > c_first  # a boundary was crossed: the slot's state moves on
+    tl.store(s_ptrs, S, mask=(offs_p[:, None] < P) & (cached & closed))
+
+
+@triton.jit
+def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr, GN: tl.constexpr, BLOCK: tl.constexpr):
+    """B rows of the call's positions in each sequence's open chunk -> its buffer (a plain copy)."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < GN
+    t0 = tl.load(cu_ptr + b).to(tl.int64)
+    n = tl.load(cu_ptr + b + 1).to(tl.int64) - t0
+    p0 = tl.load(start_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    pend = p0 + n
+    open_start = tl.maximum(p0, (pend // Q) * Q)  # pend % Q == 0: the chunk closed, nothing is open
+    for q in range(open_start, pend):
+        v = tl.load(B_ptr + (t0 + q - p0) * GN + offs, mask=m)
+        tl.store(bb_ptr + slot * (Q * GN) + (q % Q) * GN + offs, v, mask=m)
+
+
+def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
+    """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc)."""
+    warps = 8 if (dtype != torch.float32 and P * N >= 8192) else 4
+    return dict(BM=min(64, Q), BK=min(64, Q), num_warps=warps, num_stages=2)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, contiguous and 16-byte aligned (a copy when not): alignment picks a Triton variant."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min, seq_start, cache, state_slots):
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    Q = chunk_size
+    for name, v in (("head_dim", P), ("state", N), ("chunk_size", Q)):
+        if v & (v - 1) or v < 16:
+            raise NotImplementedError(f"mamba_chunk_scan (Triton): {name}={v} must be a power of two >= 16")
+    y = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
+    nb = cu_seqlens.shape[0] - 1
+    if nb == 0 or T == 0:
+        return y
+    interp = interpreting(x)
+    cfg = config_for(x.dtype, P, N, Q)
+    cu = _index(cu_seqlens)
+    xa, Ba = _aligned(x), _aligned(B)
+    has_cache = cache is not None
+    if has_cache:
+        S, xb, bb, db = cache
+        start, slots = _index(seq_start), _index(state_slots)
+    else:  # never read (has_cache = 0 masks the cache off), but of the cache's dtypes: same binary
+        S, xb, bb, db = y, xa, Ba, y
+        start = slots = cu
+    bias = _aligned(dt_bias) if dt_bias is not None else y
+    Dp = _aligned(D) if D is not None else y
+    dt_lo = float(torch.tensor(dt_min).to(dt.dtype))  # HF clamps at dt_min rounded to dt's dtype
+    ws = torch.empty(nb * H * 2 * Q, dtype=torch.float32, device=x.device)
+    _ssd_kernel[(nb, H)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
+                         S, xb, bb, db, ws, dt_lo, int(has_cache),
+                         H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], HAS_BIAS=dt_bias is not None,
+                         HAS_D=D is not None, INTERP=interp, PREC="ieee" if (x.dtype == torch.float32 or interp)
+                         else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if has_cache:  # after the scan: its programs have read the old B rows of the open chunks
+        GN = G * N
+        BLOCK = min(1024, triton.next_power_of_2(GN))
+        _stash_b_kernel[(nb, triton.cdiv(GN, BLOCK))](Ba, cu, start, slots, bb, Q, GN=GN, BLOCK=BLOCK)
+    return y
