@@ -117,9 +117,11 @@ class LayerCall:
 
 
 def _hc(streams, hc, spec):
+    # the mHC parameters go in as stored: the kernels read them in fp32 (a bf16 copy upcasts
+    # exactly in-kernel), so a bf16 model pays no cast launch per layer and step
     K = _kernels()
-    return K.hc_pre(streams, cast_param(hc.fn, F32), cast_param(hc.base, F32), cast_param(hc.scale, F32),
-                    iters=spec.hc_iters, eps=spec.hc_eps, norm_eps=float(hc.input_norm.eps))
+    return K.hc_pre(streams, hc.fn, hc.base, hc.scale, iters=spec.hc_iters, eps=spec.hc_eps,
+                    norm_eps=float(hc.input_norm.eps))
 
 
 def shared_expert(mod, x, dtype, limit):
@@ -302,8 +304,8 @@ class DeepseekV4Family(Family):
             bm = LayerCall(ctx, spec, i, dtype, input_ids, rope, rope_at, seqs, recorder)
             streams = call_layer(layer, decoder_layer, (streams,), bm)
         head = lm.model.hc_head
-        x = K.hc_head(streams, cast_param(head.hc_fn, F32), cast_param(head.hc_base, F32),
-                      cast_param(head.hc_scale, F32), eps=float(head.eps), norm_eps=float(head.input_norm.eps))
+        x = K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=float(head.eps),
+                      norm_eps=float(head.input_norm.eps))
         out = rms_norm(lm.model.norm, x, dtype)
         if recorder is not None:
             recorder("norm", out)
