@@ -7,7 +7,10 @@ weights, ``bf16=True`` mixed precision on CUDA), the same seed and the same toy 
   stock        stock TRL, ``use_vllm=False`` (HF ``generate``)
   attach       ``attach(GRPOTrainer(...))``: ``bitmatch.Engine`` rollouts, Diff checked every step
   stock_lora   stock TRL with a PEFT LoRA config (r 8, all linear projections)
-  attach_lora  ``attach`` with the same LoRA config (a rollout copy updated through ``bitmatch.sync.publish``)
+  attach_lora  ``attach`` with the same LoRA config (default rollout: the engine on the policy, LoRA
+               layers on kept merged weights)
+  attach_lora_copy  the same with ``rollout_weights="copy"`` (a rollout copy updated through
+               ``bitmatch.sync.publish``)
 
 A step is one optimizer step (one generation of prompts x generations completions, then
 fwd+bwd): wall time from the previous step's end (the first: from train begin), the device
@@ -51,8 +54,9 @@ import bitmatch.testing_trl as ttrl
 from bitmatch.testing_models import tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-RUNS = ("stock", "attach", "stock_lora", "attach_lora")
-PAIRS = (("attach", "stock"), ("attach_lora", "stock_lora"), ("attach_lora", "attach"))
+RUNS = ("stock", "attach", "stock_lora", "attach_lora", "attach_lora_copy")
+PAIRS = (("attach", "stock"), ("attach_lora", "stock_lora"), ("attach_lora_copy", "stock_lora"),
+         ("attach_lora", "attach"))
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # model shape and step size: the GPU default, and the CPU smoke
@@ -104,6 +108,37 @@ class StepTimer(TrainerCallback):
         self.t = now
 
 
+class StepProfiler(TrainerCallback):
+    """torch profiler over optimizer step ``at`` (a steady one): the top CUDA kernels by device
+    time and the top host ops by self CPU time, in ``result``."""
+
+    def __init__(self, at: int, k: int = 15):
+        self.at, self.k, self.prof, self.result = at, k, None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.prof is None or self.result is not None:
+            return
+        drain("cuda" if torch.cuda.is_available() else "cpu")
+        self.prof.__exit__(None, None, None)
+        ev = self.prof.key_averages()
+        dev = lambda e: getattr(e, "self_device_time_total", 0) or 0  # noqa: E731
+        gpu = sorted((e for e in ev if dev(e) > 0), key=dev, reverse=True)
+        cpu = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)
+        self.result = {
+            "step": self.at, "kernel_ms": round(sum(dev(e) for e in ev) / 1e3, 2),
+            "host_self_ms": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 2),
+            "top_kernels": [{"ms": round(dev(e) / 1e3, 2), "calls": e.count, "name": e.key[:80]} for e in gpu[:self.k]],
+            "top_host": [{"self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count, "name": e.key[:80]}
+                         for e in cpu[:self.k]]}
+
+
 def per_step(box: dict, steps: int):
     return [round(box.get(i, 0.0), 4) for i in range(steps)]
 
@@ -131,7 +166,7 @@ def use_checkout_examples():
 
 def run_one(name, a, shape, base, workdir):
     """One fresh trainer, ``steps`` optimizer steps; a dict of per-step times and Diff metrics."""
-    lora, attached = name.endswith("_lora"), name.startswith("attach")
+    lora, attached = "_lora" in name, name.startswith("attach")
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -150,7 +185,8 @@ def run_one(name, a, shape, base, workdir):
         per_device_train_batch_size=micro, gradient_accumulation_steps=n_gen // micro,
         num_generations=shape["generations"], max_completion_length=shape["tokens"])
     if attached:
-        trainer = bitmatch.adapters.trl.attach(trainer, on_mismatch="log", engine_kwargs=a.engine_kwargs)
+        trainer = bitmatch.adapters.trl.attach(trainer, on_mismatch="log", engine_kwargs=a.engine_kwargs,
+                                               rollout_weights="copy" if name.endswith("_copy") else "auto")
     build_s = time.perf_counter() - t_build
 
     def step_of():
@@ -159,6 +195,9 @@ def run_one(name, a, shape, base, workdir):
     gen, sync, pub = {}, {}, {}
     timer = StepTimer(a.device)
     trainer.add_callback(timer)
+    profiler = StepProfiler(a.profile_step) if a.profile_step is not None else None
+    if profiler is not None:
+        trainer.add_callback(profiler)
     trainer._generate = timed(trainer._generate, a.device, gen, step_of)   # not one of the methods attach rebinds
     orig_publish = bitmatch.sync.publish
     if attached:
@@ -174,6 +213,8 @@ def run_one(name, a, shape, base, workdir):
         print(f"[{name}] FAILED: {out['error'][:300]}", flush=True)
     finally:
         bitmatch.sync.publish = orig_publish
+    if profiler is not None:
+        out["profile"] = profiler.result
     steps = [round(s, 4) for s in timer.steps]
     out.update(steps_done=len(steps), step_s=steps, first_step_s=steps[0] if steps else None,
                median_step_s=median_after_first(steps), generate_s=per_step(gen, len(steps)))
@@ -274,6 +315,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--engine-kwargs", type=json.loads, default={}, help="JSON dict for bitmatch.Engine via attach")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: benchmarks/results)")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="torch-profile this optimizer step of each run (top kernels and host ops in the JSON)")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("trl_step: --device cuda but no CUDA device (use --device cpu --smoke)")
@@ -298,7 +341,7 @@ def main(argv=None):
             try:
                 r = run_one(name, a, shape, base, workdir)
             except Exception as e:  # building the trainer or attaching failed: recorded, the other runs go on
-                r = {"run": name, "lora": name.endswith("_lora"), "bitmatch": name.startswith("attach"),
+                r = {"run": name, "lora": "_lora" in name, "bitmatch": name.startswith("attach"),
                      "error": f"{type(e).__name__}: {e}"[:2000], "traceback_tail": traceback.format_exc()[-4000:],
                      "steps_done": 0, "first_step_s": None, "median_step_s": None, "median_generate_s": None}
             r["run_wall_s"] = round(time.perf_counter() - t, 2)
