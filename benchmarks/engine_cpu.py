@@ -4,16 +4,15 @@ Same tiny model, same requests, one run; reports generated tokens/s and their ra
 writes benchmarks/results/engine_cpu.json.
 
 The stock variant runs the very same engine schedule (scheduler, paged cache, sampler) with
-the ``bitmatch.kernels`` functions temporarily swapped for stock torch equivalents
-(F.linear, HF-style RMSNorm, SDPA over the gathered cache, torch log_softmax): the model path
-looks the kernels up at call time, so the swap lives in this file only.
+the ``bitmatch.kernels`` ops temporarily swapped for their stock counterparts of the op table
+(F.linear, HF-style RMSNorm, SDPA over the gathered cache, torch log_softmax): ``stock_ops()``
+(benchmarks/stock_ops.py, ``kernels.override``), the same baseline as benchmarks/gpu_e2e.py.
 
     python benchmarks/engine_cpu.py [--requests 16] [--max-tokens 32] [--layers 2] [--hidden 128]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -22,103 +21,7 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-
-
-# ----------------------------------------------------------------------------- stock kernels
-def _linear(x, weight, bias=None):
-    return F.linear(x, weight, bias)
-
-
-def _rms_norm(x, weight, eps):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _fused_add_rms_norm(x, residual, weight, eps):
-    r = x + residual
-    return _rms_norm(r, weight, eps), r
-
-
-def _apply_rotary(q, k, cos, sin):
-    c, s = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
-
-    def rot(x):
-        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-        return (x * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
-    return rot(q), rot(k)
-
-
-def _silu_and_mul(x):
-    g, u = x.chunk(2, -1)
-    return F.silu(g) * u
-
-
-def _sdpa(q, k, v, q_pos, scale, sliding_window):
-    kp = torch.arange(k.shape[0], device=q.device)
-    mask = kp[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        mask &= kp[None, :] > q_pos[:, None] - sliding_window
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
-
-
-def _attention_prefill(q, k, v, cu_seqlens, scale, causal=True, sliding_window=None):
-    out, cu = torch.empty_like(q), cu_seqlens.tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
-        out[a:b] = _sdpa(q[a:b], k[a:b], v[a:b], torch.arange(b - a, device=q.device), scale, sliding_window)
-    return out
-
-
-def _attention_paged(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, sliding_window=None):
-    out, qs, bs = torch.empty_like(q), query_start_loc.tolist(), k_cache.shape[1]
-    for i, (a, b) in enumerate(zip(qs[:-1], qs[1:])):
-        L = int(seq_lens[i])
-        blocks = block_table[i, : -(-L // bs)].long()
-        k, v = k_cache[blocks].flatten(0, 1)[:L], v_cache[blocks].flatten(0, 1)[:L]
-        out[a:b] = _sdpa(q[a:b], k, v, torch.arange(L - (b - a), L, device=q.device), scale, sliding_window)
-    return out
-
-
-def _write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
-
-
-def _rotary_cos_sin(positions, head_dim, base, scaling=None, dtype=torch.float32, max_position_embeddings=None):
-    if scaling is not None:
-        raise ValueError("stock benchmark kernels: rope scaling not implemented (use an unscaled model)")
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    f = positions.float()[:, None] * inv[None]
-    return f.cos().to(dtype), f.sin().to(dtype)
-
-
-def _token_logprobs(logits, token_ids, temperature=1.0):
-    lf = logits.float()
-    lf = lf / (temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature)
-    return torch.log_softmax(lf, -1).gather(-1, token_ids.long()[:, None])[:, 0]
-
-
-STOCK = dict(linear=_linear, rms_norm=_rms_norm, fused_add_rms_norm=_fused_add_rms_norm,
-             apply_rotary=_apply_rotary, silu_and_mul=_silu_and_mul, attention_prefill=_attention_prefill,
-             attention_paged=_attention_paged, write_kv_cache=_write_kv_cache, rotary_cos_sin=_rotary_cos_sin,
-             token_logprobs=_token_logprobs)
-
-
-@contextlib.contextmanager
-def stock_kernels():
-    """Swap bitmatch.kernels' functions for stock torch ops (restored on exit)."""
-    import bitmatch.kernels as K
-    saved = {name: getattr(K, name) for name in STOCK}
-    try:
-        for name, fn in STOCK.items():
-            setattr(K, name, fn)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(K, name, fn)
+from stock_ops import stock_ops  # benchmarks/ (this script's folder) is on sys.path
 
 
 # ----------------------------------------------------------------------------- runs
@@ -178,7 +81,7 @@ def main(argv=None):
     res = {}
     n, dt, outs_bm = run_engine(model, prompts, sp, args)
     res["engine_bitmatch"] = dict(tokens=n, seconds=dt, tokens_per_s=n / dt)
-    with stock_kernels():
+    with stock_ops():
         n, dt, outs_stock = run_engine(model, prompts, sp, args)
     # proof the swap took effect: same seeds, so until the first differing token the only
     # difference is the kernels; count logprobs that differ on that common prefix

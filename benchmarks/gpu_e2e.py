@@ -10,8 +10,8 @@ is rewritten after every measurement, so a run cut short keeps what it measured)
 - controls: the CUDA control rows of `bitmatch check` (bitmatch/cli.py), each must mismatch.
 - rollout: random-weight Qwen3-1.7B / 8B (bf16), prompts of --prompt-len random tokens,
   --new-tokens sampled at T = 1, B in --batches: rollout tokens/s and median decode step of the
-  engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: bitmatch.kernels
-  functions swapped for cuBLAS / torch / SDPA equivalents) vs HF generate (SDPA, DynamicCache),
+  engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: the op table's stock
+  counterparts, cuBLAS / torch / SDPA, swapped in by ``kernels.override``) vs HF generate (SDPA, DynamicCache),
   and the weight + KV read roofline at --hbm-tbps.
 
   python benchmarks/gpu_e2e.py --out DIR [--sections diff,controls,rollout,train] [--models 8b,1.7b]
@@ -29,18 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_train  # noqa: E402
-import stock_ops as _stock  # noqa: E402
 from stock_ops import stock_ops  # noqa: E402
 
 import bitmatch.kernels as K  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-# the stock linear takes the fused projections' segments argument (same GEMM, cuBLAS)
-# and the host bounds the engine passes (ignored: the stock ops read them back themselves)
-_stock.STOCK["linear"] = lambda x, w, b=None, segments=None: F.linear(x, w, b)
-_sp, _sa = _stock.STOCK["attention_prefill"], _stock.STOCK["attention_paged"]
-_stock.STOCK["attention_prefill"] = lambda *a, max_seqlen=None, **kw: _sp(*a, **kw)
-_stock.STOCK["attention_paged"] = lambda *a, max_query_len=None, max_seq_len=None, **kw: _sa(*a, **kw)
 
 
 
@@ -289,11 +280,11 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
                 wall, steps, lp_eager = _engine_run(eager, prompts, params)
                 r.update(eager_wall_s=wall, eager_decode_ms=_decode_ms(steps, n_new),
                          graphs_vs_eager_first_logprob_bits_equal=bool(torch.equal(lp_ours, lp_eager)))
-                with stock_ops() as n_swapped:
+                with stock_ops() as swapped:
                     _engine_run(eager, [p[:16] for p in prompts], warm)
                     wall, steps, lp_stock = _engine_run(eager, prompts, params)
                 # the stock-ops engine runs the same model: first-token logprobs agree to rounding
-                r.update(stock_swapped_refs=n_swapped, stock_wall_s=wall, stock_decode_ms=_decode_ms(steps, n_new),
+                r.update(stock_swapped_ops=sorted(swapped), stock_wall_s=wall, stock_decode_ms=_decode_ms(steps, n_new),
                          stock_prefill_step_ms=steps[0],
                          stock_first_logprob_max_abs_diff=float((lp_ours - lp_stock).abs().max()))
                 if B == 64:  # one decode step: kernel time inside it and its host syncs

@@ -1,6 +1,7 @@
 """The stock controls of ``bitmatch check`` (and ``check --family``, and the GPU benchmark): one
 definition per device of the stock computations the contract replaces, each run through the same
-comparison the invariant ops pass. Every control must find a mismatch on its device; one that
+comparison the invariant ops pass: the op table's stock op (``kernels/stock.py``) swapped in by
+``kernels.override`` under the harness that calls ``K.op``. Every control must find a mismatch on its device; one that
 finds none means the harness did not show, on this machine, that it can fail, and the check fails.
 
 The sizes are where the stock kernels are known to change bits (measured, see docs/design.md section 4),
@@ -24,6 +25,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import bitmatch.kernels as K
+from bitmatch.kernels import stock
+from bitmatch.kernels.table import OPS
+from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal, assert_schedule_invariant
+
+# an engine runs FlashAttention; torch 2.11 chooses cuDNN attention first on the H200, which builds an
+# execution plan per new key length: 90 s for one 2,048-step decode case there, 2 s on flash
+# (benchmarks/results/check_cuda_h200.json). Masked chunks run on the efficient or math backend.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 @dataclass(frozen=True)
 class Control:
@@ -35,64 +49,53 @@ class Control:
 
 
 def _rand(g, device, *shape, scale=1.0, dtype=None):
-    import torch
     x = torch.randn(*shape, generator=g) * scale
     return (x.to(dtype) if dtype is not None else x).to(device)
 
 
 def linear_control(device, n_out, n_in, rows=16, max_batch=4096, dtype=None, cases=20, seed=0) -> int:
-    """Stock ``F.linear``: each of ``rows`` rows alone (M = 1) vs inside random batches of up to
-    ``max_batch`` rows (the batch harness), weights of ``n_out x n_in``."""
-    import torch
-    import torch.nn.functional as F
-
-    from bitmatch import testing as T
+    """The op table's stock ``linear`` (``F.linear``) swapped in by ``kernels.override``, under the
+    batch harness on ``K.linear``: each of ``rows`` rows alone (M = 1) vs inside random batches of up
+    to ``max_batch`` rows, weights of ``n_out x n_in``."""
     g = torch.Generator().manual_seed(seed)
     dtype = dtype or torch.float32
     w = _rand(g, device, n_out, n_in, scale=n_in ** -0.5, dtype=dtype)
     x = _rand(g, device, rows, n_in, dtype=dtype)
-    T.assert_batch_invariant(lambda r: F.linear(r, w), x, max_batch=max_batch, cases=cases, seed=seed)
+    with K.override({"linear": OPS["linear"].stock}):
+        assert_batch_invariant(lambda r: K.linear(r, w), x, max_batch=max_batch, cases=cases, seed=seed)
     return cases
 
 
 def sdpa_control(device, lens, q_heads, kv_heads, head_dim, engine_style, cases=8, seed=1,
                  block_sizes=(8, 16, 32, 64)) -> int:
-    """Stock torch SDPA through the schedule harness (full prefill vs packed, chunked prefill and
-    one-token decode against a paged cache). ``engine_style``: called as an engine calls it
-    (``is_causal`` prefill, unmasked one-token decode), else with boolean masks."""
-    import torch
-
-    from bitmatch import testing as T
+    """Stock torch SDPA (the op table's, per sequence) swapped in for ``attention_prefill`` and
+    ``attention_paged`` by ``kernels.override``, through the schedule harness (full prefill vs packed,
+    chunked prefill and one-token decode against a paged cache). ``engine_style``: called as an
+    engine calls it (``is_causal`` prefill, unmasked one-token decode), else with boolean masks."""
     g = torch.Generator().manual_seed(seed)
     seqs = [tuple(_rand(g, device, n, h, head_dim, dtype=torch.bfloat16) for h in (q_heads, kv_heads, kv_heads))
             for n in lens]
-    # an engine runs FlashAttention; torch 2.11 chooses cuDNN attention first on the H200, which builds an
-    # execution plan per new key length: 90 s for one 2,048-step decode case there, 2 s on flash
-    # (benchmarks/results/check_cuda_h200.json). Masked chunks run on the efficient or math backend.
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    def pre(*a):
-        with sdpa_kernel(allowed):
-            return T.stock_sdpa_prefill(*a, engine_style=engine_style)
+    def prefill(q, k, v, cu, scale, causal=True, sliding_window=None, **_):
+        with sdpa_kernel(_SDPA_BACKENDS):
+            return stock.sdpa_prefill(q, k, v, cu, scale, sliding_window, engine_style=engine_style, causal=causal)
 
-    def dec(*a):
-        with sdpa_kernel(allowed):
-            return T.stock_sdpa_paged(*a, engine_style=engine_style)
-    T.assert_schedule_invariant(seqs, head_dim ** -0.5, prefill_fn=pre, paged_fn=dec, cases=cases, seed=seed,
-                                block_sizes=block_sizes)
+    def paged(q, kc, vc, bt, qsl, lens, scale, sliding_window=None, **_):
+        with sdpa_kernel(_SDPA_BACKENDS):
+            return stock.sdpa_paged(q, kc, vc, bt, qsl, lens, scale, sliding_window, engine_style=engine_style)
+    with K.override({"attention_prefill": prefill, "attention_paged": paged}):
+        assert_schedule_invariant(seqs, head_dim ** -0.5, cases=cases, seed=seed, block_sizes=block_sizes)
     return cases
 
 
 def engine_logprobs(logits, t):
-    """vLLM's sampler: fp32 logits divided by the per-row temperature tensor, full log_softmax."""
-    import torch
-    return torch.log_softmax(logits / t[:, None], -1)
+    """vLLM's sampler: the op table's stock ``full_logprobs``, fp32 logits divided by the per-row
+    temperature tensor (a true division), full log_softmax."""
+    return OPS["full_logprobs"].stock(logits, t)
 
 
 def trainer_logprobs(logits, t):
     """TRL's fused head (``_ChunkedLogProbFunction``): fp32 logits times 1/T, full log_softmax."""
-    import torch
     return torch.log_softmax(logits * (1 / t)[:, None], -1)
 
 
@@ -100,9 +103,6 @@ def temperature_control(device, rows, vocab, logit_std, seed=9) -> int:
     """The two stock temperature formulas on the same rows (the engine axis): every row's full
     logprob row from ``engine_logprobs`` vs ``trainer_logprobs``, per-row temperatures in
     [0.5, 1.0), logits ~ N(0, logit_std) rounded to bf16 (a bf16 lm_head's output)."""
-    import torch
-
-    from bitmatch.testing import assert_bitwise_equal
     g = torch.Generator().manual_seed(seed)
     x = _rand(g, "cpu", rows, vocab, scale=logit_std, dtype=torch.bfloat16).float().to(device)
     t = (0.5 + 0.5 * torch.rand(rows, generator=g)).to(device)
@@ -115,7 +115,6 @@ def temperature_control(device, rows, vocab, logit_std, seed=9) -> int:
 
 def stock_controls(device: str) -> list[Control]:
     """The stock controls for ``device`` ("cpu" or "cuda"); tensors are built when a control runs."""
-    import torch
     if device == "cpu":
         return [
             Control("control: F.linear fp32", "batch", lambda: linear_control("cpu", 256, 512, rows=32, max_batch=512)),
@@ -140,7 +139,6 @@ def stock_controls(device: str) -> list[Control]:
 def run_controls(device: str, controls=None) -> dict:
     """Run ``controls`` (default: ``stock_controls(device)``); {name: {axes, mismatch_found, cases or
     first_mismatch, seconds}} for a benchmark's JSON. Other errors propagate."""
-    from bitmatch.testing import BitMismatch
     res = {}
     for c in controls if controls is not None else stock_controls(device):
         t0 = time.time()

@@ -1,10 +1,26 @@
 """``bitmatch check --family NAME``: the invariance harness on every kernel op a family calls, at
 the family's own (tiny-config) shapes, with controls at the same shapes that must find mismatches.
-The op list is not declared anywhere: it is captured by running the family once (a trainer forward
-and an engine step), so a new family is covered the day it registers. The controls are the device's
-stock controls (``bitmatch.controls``, the same rows as the plain check) and the family's own HF
-forward, batch vs alone."""
+The op list is not declared per family: it is captured by running the family once (a trainer
+forward and an engine step, every op wrapped by ``kernels.override``), so a new family is covered
+the day it registers. Which ops get the batch harness alone is declared once, by the ``rows`` axis
+of the op table (``kernels/table.py``); the others are covered by the model row along the schedule
+axes. The controls are the device's stock controls (``bitmatch.controls``, the same rows as the
+plain check) and the family's own HF forward, batch vs alone."""
 from __future__ import annotations
+
+import importlib
+
+import torch
+import transformers
+
+import bitmatch
+import bitmatch.kernels as K
+from bitmatch import verify
+from bitmatch.controls import stock_controls
+from bitmatch.kernels.table import OPS
+from bitmatch.models import compute_logits, families, forward_hidden, pack
+from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal, assert_schedule_invariant
+from bitmatch.testing_models import TINY_CONFIGS, pad_batch, random_prompts, tiny_model
 
 
 def tiny_model_for(family: str, dtype=None, seed: int = 0):
@@ -12,13 +28,6 @@ def tiny_model_for(family: str, dtype=None, seed: int = 0):
     registered family (its name or a model_type), built by the family's own ``tiny_model`` (on the
     Family, its module, or its ``<module>_tiny`` module), else the first TINY_CONFIGS entry of its
     model types. ValueError naming the registered families otherwise."""
-    import importlib
-
-    import torch
-
-    from bitmatch.models import families
-    from bitmatch.testing_models import TINY_CONFIGS, tiny_model
-
     dtype = dtype or torch.bfloat16
     if family in TINY_CONFIGS:
         return tiny_model(family, dtype=dtype, seed=seed), f"tiny {family}"
@@ -41,7 +50,6 @@ def tiny_model_for(family: str, dtype=None, seed: int = 0):
         raise ValueError(f"family {fam.name!r} has no tiny model: give its module a tiny_model(dtype, seed) or "
                          f"tiny_config(), or add a TINY_CONFIGS entry (model types {sorted(fam.model_types)}); "
                          "or pass a checkpoint") from None
-    import transformers
     cfg._attn_implementation = "eager"
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -53,26 +61,16 @@ def tiny_model_for(family: str, dtype=None, seed: int = 0):
 def _capture_kernel_calls(model, seqs):
     """Every bitmatch.kernels call one trainer forward (packed prefill + token_logprobs) and one
     engine-style forward (paged, chunked) make, as (op, args, kwargs): the op list of the family,
-    at its shapes, derived by running it (no per-family table)."""
-    import torch
-
-    import bitmatch.kernels as K
-    from bitmatch import verify
-    from bitmatch.models import compute_logits, forward_hidden, pack
-    from bitmatch.testing_models import pad_batch
-
+    at its shapes, derived by running it (no per-family table). Each op of the op table is wrapped
+    by a recorder through ``kernels.override``."""
     calls = []
-    names = [n for n in K.__all__ if callable(getattr(K, n)) and n not in ("use_backend", "backend_for")]
-    saved = {n: getattr(K, n) for n in names}
 
-    def wrap(name, fn):
-        def w(*a, **k):
+    def recorder(name, fn):
+        def record(*a, **k):
             calls.append((name, a, k))
             return fn(*a, **k)
-        return w
-    for n, fn in saved.items():
-        setattr(K, n, wrap(n, fn))
-    try:
+        return record
+    with K.override({n: recorder(n, getattr(K, n)) for n in OPS}):
         dev = next(model.parameters()).device
         ids, mask = (t.to(dev) for t in pad_batch(seqs, "right"))
         p = pack(ids, mask)
@@ -81,46 +79,19 @@ def _capture_kernel_calls(model, seqs):
             src = (~p.seq_end).nonzero(as_tuple=True)[0]
             K.token_logprobs(logits[src], p.input_ids[src + 1], 0.7)
             verify._paged_trace(model, seqs, verify.schedule_steps([len(s) for s in seqs], "chunked"))
-    finally:
-        for n, fn in saved.items():
-            setattr(K, n, fn)
     return calls
 
 
 def _signature(op, args, kwargs):
-    import torch
     sig = lambda a: (tuple(a.shape[1:]), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)  # noqa: E731
     return (op, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in sorted(kwargs.items())))
 
 
-def invariance_kind(fn) -> str:
-    """"row" when the op's documented guarantee is per row / token / element (the batch harness
-    applies), else "sequence" (the output depends on other tokens: a causal prefix, keys, windows,
-    a state). A kernel may say so itself with ``fn.invariance``; otherwise the "Invariance:"
-    sentence of its docstring (every public op has one) decides."""
-    import re
-
-    kind = getattr(fn, "invariance", None)
-    if kind in ("row", "sequence"):
-        return kind
-    doc = " ".join((fn.__doc__ or "").split())
-    m = re.search(r"Invariance:(.*?)(\.\s|\.$|$)", doc)
-    text = m.group(1).lower() if m else ""
-    if re.search(r"sequence|predecessor|window|keys|prefix|prefill|block|state", text):
-        return "sequence"
-    return "row" if re.search(r"\brow|token|element", text) else "sequence"
-
-
 def _row_harness(op, args, kwargs, n):
     """assert_batch_invariant on the op's row arguments (tensors whose dim 0 is the first tensor's),
-    the rest held fixed; None when the op is not row-wise (an int tensor that is not rows: a
-    sequence/state op)."""
-    import torch
-
-    import bitmatch.kernels as K
-    from bitmatch import testing as T
-
-    if invariance_kind(getattr(K, op)) != "row":
+    the rest held fixed; None when the op table does not declare it row-wise (the ``rows`` axis) or
+    an int tensor is not rows."""
+    if not OPS[op].row_wise:
         return None
     items = list(enumerate(args)) + list(kwargs.items())
     tens = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
@@ -141,20 +112,12 @@ def _row_harness(op, args, kwargs, n):
             else:
                 kw[k] = v
         return fn(*a, **kw)
-    return lambda: T.assert_batch_invariant(call, tuple(v for _, v in rows), max_batch=64, cases=n) or n
+    return lambda: assert_batch_invariant(call, tuple(v for _, v in rows), max_batch=64, cases=n) or n
 
 
 def _family_cases(family: str, device: str, n: int = 6):
     """(op, axes, fn, is_control) rows for every kernel op ``family`` calls at its tiny shapes, the
     whole model along the schedule axes, the device's stock controls and the family's HF forward."""
-    import torch
-
-    from bitmatch import testing as T
-    from bitmatch import verify
-    from bitmatch.controls import stock_controls
-    from bitmatch.testing_models import random_prompts
-
-    import bitmatch
     model = bitmatch.patch(tiny_model_for(family, torch.bfloat16, seed=0)[0].to(device), compute_dtype=torch.bfloat16)
     # 53 tokens: a prime row count no weight dimension shares, so "rows" are tokens
     seqs = [s[:n_] for s, n_ in zip(random_prompts(3, 23, 23, seed=5), (11, 19, 23))]
@@ -172,7 +135,7 @@ def _family_cases(family: str, device: str, n: int = 6):
             cu_ = cu.tolist()
             sq = [(q[s:e], kk[s:e], v[s:e]) for s, e in zip(cu_[:-1], cu_[1:])]
             out.append((label, f"schedule (prefill/chunked/decode), block size, batch{', window ' + str(win) if win else ''}",
-                        lambda sq=sq, scale=scale, win=win: T.assert_schedule_invariant(
+                        lambda sq=sq, scale=scale, win=win: assert_schedule_invariant(
                             sq, scale, sliding_window=win, cases=n) or n, False))
         elif op in ("attention_paged", "write_kv_cache", "attention_decode"):
             continue  # the attention_prefill rows run these against paged caches
@@ -180,7 +143,8 @@ def _family_cases(family: str, device: str, n: int = 6):
             h = _row_harness(op, a, k, n)
             if h is None and op not in seen_seq:
                 seen_seq.add(op)
-                out.append((f"{op} (every shape)", "sequence op: covered by the model row", lambda: 0, False))
+                out.append((f"{op} (every shape)", f"{', '.join(OPS[op].axes)}: covered by the model row",
+                            lambda: 0, False))
             elif h is None:
                 continue
             else:
@@ -193,7 +157,6 @@ def _family_cases(family: str, device: str, n: int = 6):
 
 
 def _raise_if_diverged(results) -> int:
-    from bitmatch.testing import BitMismatch
     bad = [r for r in results if not r.bitmatched]
     if bad:
         raise BitMismatch("; ".join(r.summary() for r in bad))
@@ -202,13 +165,7 @@ def _raise_if_diverged(results) -> int:
 
 def _hf_batch_control(model, seqs) -> int:
     """HF's own fp32 forward: each sequence alone vs all in one right-padded batch (must differ)."""
-    import torch
-
-    from bitmatch.testing import assert_bitwise_equal
-    from bitmatch.testing_models import pad_batch
-    from bitmatch.verify import fp32_reference
-
-    hf = fp32_reference(model)
+    hf = verify.fp32_reference(model)
     dev = next(hf.parameters()).device
     ids, mask = (t.to(dev) for t in pad_batch(seqs, "right"))
     with torch.no_grad():

@@ -22,6 +22,10 @@ import tempfile
 import torch
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, strategies as st
 
+import bitmatch.kernels as K
+# the controls' stock attention (torch SDPA per sequence): the op table's, kernels/stock.py
+from bitmatch.kernels.stock import sdpa_paged as stock_sdpa_paged, sdpa_prefill as stock_sdpa_prefill
+
 
 class BitMismatch(AssertionError):
     pass
@@ -118,57 +122,11 @@ def assert_batch_invariant(fn, rows, *, max_batch: int = 512, cases: int = 20, s
 
 
 def _bitmatch_prefill(q, k, v, cu, scale, window=None):
-    import bitmatch.kernels as K
     return K.attention_prefill(q, k, v, cu, scale, True, window)
 
 
 def _bitmatch_paged(q, kc, vc, bt, qsl, lens, scale, window=None):
-    import bitmatch.kernels as K
     return K.attention_paged(q, kc, vc, bt, qsl, lens, scale, window)
-
-
-# --- stock versions for the controls: the same harness must find mismatches in them
-
-def _sdpa(q, k, v, scale, offset, window, engine_style=False):
-    import torch.nn.functional as F
-    rep = q.shape[1] // k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-    if engine_style and window is None and (offset == 0 or q.shape[0] == 1):
-        # as a stock engine calls it: is_causal for a prefill (the flash backend on CUDA), no
-        # mask for a one-token decode, which sees every key (flash-decoding's split-KV order)
-        causal = offset == 0 and q.shape[0] > 1
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)[0].transpose(0, 1)
-    i = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + offset
-    j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
-    mask = j <= i
-    if window is not None:
-        mask &= j > i - window
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)
-
-
-def stock_sdpa_prefill(q, k, v, cu, scale, window=None, engine_style=False):
-    """torch SDPA per sequence: a control for ``assert_schedule_invariant(prefill_fn=...)``.
-    ``engine_style``: causal masks by ``is_causal`` (flash on CUDA) instead of a boolean mask."""
-    outs = []
-    for b in range(len(cu) - 1):
-        s, e = int(cu[b]), int(cu[b + 1])
-        outs.append(_sdpa(q[s:e], k[s:e], v[s:e], scale, offset=0, window=window, engine_style=engine_style))
-    return torch.cat(outs)
-
-
-def stock_sdpa_paged(q, kc, vc, bt, qsl, lens, scale, window=None, engine_style=False):
-    """torch SDPA over keys gathered from the paged cache: the control for ``paged_fn``.
-    ``engine_style``: one-token decode rows without a mask (flash-decoding on CUDA)."""
-    bs = kc.shape[1]
-    kf, vf = kc.reshape(-1, *kc.shape[2:]), vc.reshape(-1, *vc.shape[2:])
-    outs = []
-    for b in range(len(lens)):
-        s, e, n = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
-        pos = torch.arange(n, device=q.device)
-        slots = bt[b, pos // bs].long() * bs + pos % bs
-        outs.append(_sdpa(q[s:e], kf[slots], vf[slots], scale, offset=n - (e - s), window=window,
-                          engine_style=engine_style))
-    return torch.cat(outs)
 
 
 def _paged_layout(seqs_kv, block_size, g):

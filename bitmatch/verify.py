@@ -8,13 +8,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bitmatch.faults import (_engine_temperature_fault, kernel_fault, parse_inject, perturb_weight,  # noqa: F401
-                             stock_kernels)
+from bitmatch.faults import _engine_temperature_fault, kernel_fault, parse_inject, perturb_weight  # noqa: F401
 from bitmatch.tracing import (PAIRS, LocateResult, _device, _diff, _dtype, _lp_reciprocal, _merge,  # noqa: F401
                               _merge_traces, _packed_trace, _paged_trace, _Recorder, op_fingerprint, schedule_steps)
 
 __all__ = ["compare", "CompareResult", "locate", "locate_pair", "LocateResult", "op_fingerprint", "float_hex",
-           "format_table", "parse_inject", "perturb_weight", "kernel_fault", "stock_kernels", "schedule_steps", "PAIRS"]
+           "format_table", "parse_inject", "perturb_weight", "kernel_fault", "schedule_steps", "PAIRS"]
 
 
 def float_hex(x: float) -> str:

@@ -81,7 +81,14 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
+_TOKEN_LOGPROBS = K.OPS["token_logprobs"]
+
+
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    # the sampler's rows are validated: skip token_logprobs' argument checks (no check kernels per
+    # step), unless an op override (a fault, the stock baseline) swapped the op: then it runs
+    if K.token_logprobs is not _TOKEN_LOGPROBS.canonical:
+        return K.token_logprobs(logits, tokens, temps)
     return K.logprobs.TokenLogprobsFunction.apply(logits.contiguous(), tokens, temps)
 
 
