@@ -1,0 +1,179 @@
+"""The chunked-SSD Triton scan (kernels/triton/mamba_ssd.py) in Triton's CPU interpreter: a full
+prefill == every two-way chunked-prefill split == token-by-token decode bit for bit (bf16 and fp32,
+the cache's boundary state too), sequences packed with others in shuffled slots == alone, parity
+with the float64 reference; and the controls: the same kernel with chunks aligned 5 positions off
+(a packing offset, as a varlen scan aligned to the packed buffer would) changes the bits, HF's torch
+scan split in two or stepped token by token changes them, and dropping the carried state fails the
+parity tolerance. Tiny shapes (tl.dot needs dims >= 16)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import bitmatch.kernels as K
+from bitmatch.testing import assert_bitwise_equal
+
+pytestmark = pytest.mark.interpreter
+
+H, P, G, N, Q = 4, 16, 2, 16, 16
+DT_MIN = 1e-3
+BF, F32 = torch.bfloat16, torch.float32
+
+
+def _seq(T, seed, dtype=BF):
+    g = torch.Generator().manual_seed(seed)
+    x, dt = torch.randn(T, H, P, generator=g), torch.randn(T, H, generator=g) - 1
+    B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
+    return tuple(t.to(dtype) for t in (x, dt, B, C))
+
+
+def _params(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return -torch.rand(H, generator=g) * 2 - 0.1, torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
+
+
+def _cache(dtype, slots=4):
+    return (torch.zeros(slots, H, P, N), torch.zeros(slots, Q, H, P, dtype=dtype),
+            torch.zeros(slots, Q, G, N, dtype=dtype), torch.zeros(slots, Q, H))
+
+
+def _scan(parts, starts=None, cache=None, slots=None, params=None):
+    """One launch over the packed ``parts`` (tuples x, dt, B, C) continuing at ``starts``."""
+    A, D, db = params or _params()
+    cat = [torch.cat([p[j] for p in parts]) for j in range(4)]
+    cu = torch.tensor([0] + list(torch.tensor([p[0].shape[0] for p in parts]).cumsum(0)))
+    kw = {} if cache is None else dict(seq_start=torch.tensor(starts), cache=cache, state_slots=torch.tensor(slots))
+    return K.mamba_chunk_scan(cat[0], cat[1], A, cat[2], cat[3], Q, cu, D=D, dt_bias=db, dt_min=DT_MIN, **kw)
+
+
+def _in_calls(seq, splits, dtype, slot=2):
+    """The sequence in consecutive calls of ``splits`` tokens through one cache slot."""
+    cache, at, outs = _cache(dtype), 0, []
+    for n in splits:
+        outs.append(_scan([tuple(t[at:at + n] for t in seq)], [at], cache, [slot]))
+        at += n
+    return torch.cat(outs), cache
+
+
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_prefill_equals_every_split_and_decode(dtype):
+    """T = 37 (2 chunks + 5): each two-way split point, token-by-token decode and a few three-way
+    splits give the full prefill's bits; the slot's boundary state and open-chunk rows equal a cached
+    full prefill's."""
+    T = 37
+    seq = _seq(T, seed=3, dtype=dtype)
+    with K.use_backend("triton"):
+        full = _scan([seq])
+        want_y, want_cache = _in_calls(seq, [T], dtype)
+        assert_bitwise_equal(want_y, full, "cached prefill vs uncached")
+        cases = [[p, T - p] for p in range(1, T)] + [[1] * T, [Q - 1, 1, Q, 4, 1, 4], [3, 2 * Q, 2]]
+        for splits in cases:
+            got, cache = _in_calls(seq, splits, dtype)
+            assert_bitwise_equal(got, full, f"splits {splits}")
+            assert_bitwise_equal(cache[0][2], want_cache[0][2], f"splits {splits}: ssm_state")
+            for name, a, b in zip(("x_buf", "B_buf", "dt_buf"), cache[1:], want_cache[1:]):  # the open chunk's rows
+                assert_bitwise_equal(a[2, :T % Q], b[2, :T % Q], f"splits {splits}: {name}")
+
+
+def test_packed_with_others_in_shuffled_slots_equals_alone():
+    """Five sequences advanced in random pieces (decode steps, chunk crossings), packed in one launch
+    in random orders and cache slots: each gets the bits of its own full prefill."""
+    seqs = [_seq(n, seed=10 + n) for n in (3, 17, 9, 1, 26)]
+    rng = random.Random(1)
+    with K.use_backend("triton"):
+        alone = [_scan([s]) for s in seqs]
+        for trial in range(2):
+            slots = rng.sample(range(8), len(seqs))
+            cache, done, outs = _cache(BF, slots=8), [0] * len(seqs), [[] for _ in seqs]
+            while any(done[i] < seqs[i][0].shape[0] for i in range(len(seqs))):
+                live = [i for i in range(len(seqs)) if done[i] < seqs[i][0].shape[0]]
+                rng.shuffle(live)
+                take = [min(rng.choice([1, 1, 2, 7, Q]), seqs[i][0].shape[0] - done[i]) for i in live]
+                parts = [tuple(t[done[i]:done[i] + n] for t in seqs[i]) for i, n in zip(live, take)]
+                y = _scan(parts, [done[i] for i in live], cache, [slots[i] for i in live])
+                at = 0
+                for i, n in zip(live, take):
+                    outs[i].append(y[at:at + n])
+                    at += n
+                    done[i] += n
+            for i in range(len(seqs)):
+                assert_bitwise_equal(torch.cat(outs[i]), alone[i], f"trial {trial} seq {i}")
+
+
+def test_control_chunk_alignment_changes_bits():
+    """The same sequence behind 5 replayed zero positions (x = B = dt = 0: the same mathematics)
+    has its chunks aligned 5 positions off, as a varlen scan aligned to the packed buffer would:
+    close to the aligned result, never equal. Absolute alignment is what makes the bits stable."""
+    seq = _seq(37, seed=3)
+    with K.use_backend("triton"):
+        aligned = _scan([seq])
+        shifted = _scan([seq], [5], _cache(BF), [0])
+    torch.testing.assert_close(shifted, aligned, rtol=0.05, atol=0.05 * float(aligned.abs().max()))
+    assert not torch.equal(shifted, aligned)
+
+
+def test_control_stock_torch_scan_split_or_stepped_differs():
+    """HF's torch SSD (chunks relative to each call, the state handed over) split at 13, and its
+    one-token recurrent step, differ from its own full prefill: the failure the scan removes."""
+    hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    x, dt, B, C = _seq(30, seed=5, dtype=F32)
+    A, D, db = _params()
+
+    def run(a, b, initial=None, final=False):
+        return hf.mamba2_chunk_scan(x[None, a:b], dt[None, a:b], A, B[None, a:b], C[None, a:b], Q, D=D,
+                                    dt_bias=db, dt_softplus=True, dt_limit=(DT_MIN, float("inf")),
+                                    initial_states=initial, return_final_states=final)
+    full = run(0, 30)[0]
+    first, state = run(0, 13, final=True)
+    assert not torch.equal(torch.cat([first[0], run(13, 30, initial=state)[0]]), full)
+    st, rec = torch.zeros(1, H, P, N), []
+    for t in range(30):
+        rec.append(hf.mamba2_selective_state_update(
+            st, x[t][None], dt[t][None, :, None].expand(1, H, P), A[:, None, None].expand(H, P, N), B[t][None],
+            C[t][None], D[:, None].expand(H, P), dt_bias=db[:, None].expand(H, P), dt_softplus=True))
+    assert not torch.equal(torch.cat(rec), full)
+
+
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_parity_with_float64_reference_and_stateless_control(dtype):
+    """Within tolerance of the reference backend (float64 on the same inputs): fp32 to 1e-5, bf16 to
+    2% of the output's scale (bf16 dot operands, as mamba_ssm). Control: each chunk scanned as its
+    own sequence (the carried state dropped) fails the same tolerance."""
+    T = 3 * Q
+    seq = _seq(T, seed=7, dtype=dtype)
+    ref = _scan([seq])
+    with K.use_backend("triton"):
+        got = _scan([seq])
+        stateless = _scan([tuple(t[c:c + Q] for t in seq) for c in range(0, T, Q)])
+    scale = float(ref.abs().max())
+    tol = dict(rtol=1e-5, atol=5e-5) if dtype == F32 else dict(rtol=0.0, atol=0.02 * scale)
+    torch.testing.assert_close(got, ref, **tol)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(stateless, ref, **tol)
+
+
+def test_triton_scan_refuses_shapes_it_cannot_tile():
+    x, dt, B, C = _seq(4, seed=0)
+    A, D, db = _params()
+    with K.use_backend("triton"), pytest.raises(NotImplementedError, match="chunk_size=8 must be a power of two"):
+        K.mamba_chunk_scan(x, dt, A, B, C, 8, torch.tensor([0, 4]), D=D, dt_bias=db)
+
+
+@pytest.mark.slow
+def test_nemotron_h_bf16_engine_equals_trainer_on_triton():
+    """The bf16 model on the Triton backend (bf16 dot operands in the scan): the engine's chunked
+    prefill and decode across chunk boundaries == the trainer's forward, bit for bit."""
+    import bitmatch
+    from bitmatch.engine import Engine, SamplingParams
+    from bitmatch.models import nemotron_h as NH
+    from bitmatch.testing_models import random_prompts
+    from test_engine import assert_bitmatch
+
+    m = bitmatch.patch(NH.tiny_model(torch.bfloat16, seed=0, chunk_size=16), compute_dtype=torch.bfloat16)
+    prompts = random_prompts(2, 13, 18, seed=2)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=i) for i in range(2)]
+    with torch.no_grad(), K.use_backend("triton"):
+        outs = Engine(m, max_num_seqs=2, max_num_batched_tokens=7).generate(prompts, params, use_tqdm=False)
+        assert_bitmatch(m, outs, params)
