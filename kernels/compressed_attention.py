@@ -17,11 +17,20 @@ integer products (``_exact``) over fixed 4096-key chunks from position 0 / entry
 query's bits do not depend on how many later tokens or entries exist, nor on the batch:
 full prefill, chunked prefill and decode agree. The sink is folded into the same max and the
 same normalizer as the keys (never a second softmax).
-Reference: CPU. Backward: a plain fp32 recompute (both backends). Triton backend (CUDA):
-kernels/triton/compressed_attention.py (scores and value sums from the invariant Triton linear,
-the same folds and fold order; no fused flash kernel yet).
+``sink_attention_rows`` is the same attention for every query row of a step in one call: row i
+(absolute position t_i) reads its keys through a ``KeyRows`` address (engine: the paged cache
+through the block table; trainer: the packed step rows), and its compressed entries at the address
+of each window's closing position (c+1)*m - 1 (HCA: every complete window; CSA: the indexer's
+``selected`` entry indices). No per-sequence loop and no host read on the Triton backend.
+Reference: CPU (``sink_attention_rows`` groups the rows by sequence on the host: reads are free
+there, and each row's bits are the per-query exact value above). Backward: a plain fp32 recompute
+(both backends). Triton backend (CUDA): kernels/triton/compressed_attention.py, one fused kernel
+(sink-initialized online softmax over absolute-position key blocks, then entry blocks: its
+docstring states that backend's order); ``sink_attention`` runs the same kernel.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -144,3 +153,222 @@ def sink_attention(q, qpos, kv, entries, entry_mask, sinks, *, scale: float, win
         return SinkAttentionFunction.apply(*args)
     a = args
     return _forward(a[0], a[4], a[1], a[2], a[5], a[3], a[6], a[7])
+
+
+# ---------------------------------------------------------------- every row of a step in one call
+
+@dataclass(frozen=True)
+class KeyRows:
+    """Where position j of query row i's own sequence lives in a per-token store [S, ...]: packed
+    (``row_start[i] + j``: the trainer's step rows, a sequence's rows contiguous from position 0)
+    or paged (``block_table[seq_idx[i], j // block_size] * block_size + j % block_size``: the
+    engine's caches). ``max_len`` is a host bound on every position (a CUDA graph's static
+    shapes are sized by it, never by a value read back)."""
+    max_len: int
+    row_start: torch.Tensor | None = None
+    seq_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    block_size: int = 0
+
+    @classmethod
+    def packed(cls, qpos: torch.Tensor, row_start: torch.Tensor | None = None, max_len: int | None = None):
+        """The step's own rows; ``row_start`` defaults to ``i - qpos[i]`` (sequences from position 0)."""
+        t = qpos.shape[0]
+        if row_start is None:
+            row_start = torch.arange(t, device=qpos.device) - qpos.long()
+        return cls(max_len=max(1, t if max_len is None else int(max_len)), row_start=row_start.long())
+
+    @classmethod
+    def paged(cls, block_table, block_size: int, query_start_loc, num_rows: int, max_len: int | None = None):
+        """The engine's caches; ``max_len`` defaults to the block table's width in positions."""
+        qsl = query_start_loc
+        rows = torch.arange(num_rows, device=qsl.device, dtype=qsl.dtype)
+        seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)  # device op: no read-back
+        bound = block_table.shape[1] * int(block_size)
+        return cls(max_len=max(1, bound if max_len is None else min(int(max_len), bound)), seq_idx=seq.long(),
+                   block_table=block_table, block_size=int(block_size))
+
+    @property
+    def paged_mode(self) -> bool:
+        return self.block_table is not None
+
+    def slots(self, pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 addresses of positions ``pos`` [N, k] of rows ``rows`` [N] (default: every row);
+        positions must be in 0..max_len-1 (callers clamp the ones they mask)."""
+        pos = pos.long()
+        if not self.paged_mode:
+            start = self.row_start if rows is None else self.row_start[rows]
+            return start.view(-1, 1) + pos
+        seq = self.seq_idx if rows is None else self.seq_idx[rows]
+        bt = self.block_table[seq].long()                                   # [N, nb]
+        blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").clamp(max=bt.shape[1] - 1))
+        return blk * self.block_size + pos % self.block_size
+
+    def group_key(self) -> torch.Tensor:
+        """One value per sequence of the step (the reference groups rows by it on the host)."""
+        return self.seq_idx if self.paged_mode else self.row_start
+
+
+def entry_list(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 [n, width]: each row's True columns of ``mask`` [n, C] in ascending order, -1 padded
+    (and cut to ``width``): the entry-list form ``sink_attention_rows`` reads."""
+    n, c = mask.shape
+    col = torch.arange(c, device=mask.device).view(1, -1).expand(n, -1)
+    lst = torch.where(mask, col, c).sort(1).values[:, :width]
+    if lst.shape[1] < width:
+        lst = torch.cat([lst, torch.full((n, width - lst.shape[1]), c, device=mask.device, dtype=lst.dtype)], 1)
+    return torch.where(lst >= c, -1, lst).to(torch.int32)
+
+
+def _entry_mask(sel, n_ent):
+    """bool [n, C] of -1-padded entry indices sel [n, k]."""
+    mask = torch.zeros(sel.shape[0], n_ent + 1, dtype=torch.bool, device=sel.device)
+    mask.scatter_(1, torch.where(sel >= 0, sel.long(), n_ent).clamp(max=n_ent), True)
+    return mask[:, :n_ent]
+
+
+def _rows_reference(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate):
+    """Per sequence of the step: gather its keys 0..L-1 and complete entries, then the one-sequence
+    reference (each row's bits are independent of L and C, so the grouping is free)."""
+    out = torch.empty_like(q)
+    key = rows.group_key()
+    for g in torch.unique(key).tolist():
+        r = (key == g).nonzero()[:, 0]
+        pos = qpos[r].long()
+        n_loc = int(pos.max()) + 1
+        first = r[:1]
+        kv_g = kv[rows.slots(torch.arange(n_loc, device=q.device).view(1, -1), first)[0]]
+        n_ent = n_loc // rate if entries is not None else 0
+        ent_g = q.new_zeros((0, q.shape[2]))
+        mask = torch.zeros(r.shape[0], 0, dtype=torch.bool, device=q.device)
+        if n_ent:
+            ends = ((torch.arange(n_ent, device=q.device) + 1) * rate - 1).view(1, -1)
+            ent_g = entries[rows.slots(ends, first)[0]]
+            if selected is None:  # HCA: every complete window
+                mask = torch.arange(n_ent, device=q.device).view(1, -1) < torch.div(pos.view(-1, 1) + 1, rate,
+                                                                                       rounding_mode="floor")
+            else:
+                mask = _entry_mask(selected[r], n_ent)
+        out[r] = sink_attention_reference(q[r], pos, kv_g, ent_g, mask, sinks, scale, window)
+    return out
+
+
+def _row_keys(q, qpos, kv, entries, selected, rows, window, rate):
+    """(keys [T, W + E, D], valid [T, W + E]) of every row: its window, then its entries."""
+    t = qpos.long().view(-1, 1)
+    j = t - window + 1 + torch.arange(window, device=q.device).view(1, -1)
+    ok = j >= 0
+    keys = kv[rows.slots(j.clamp(min=0)).clamp(0, kv.shape[0] - 1)]
+    if entries is None:
+        return keys, ok
+    if selected is None:
+        c = torch.arange(max(1, rows.max_len // rate), device=q.device).view(1, -1).expand(t.shape[0], -1)
+        c_ok = c < torch.div(t + 1, rate, rounding_mode="floor")
+    else:
+        c, c_ok = selected.long(), selected >= 0
+    addr = rows.slots(((c.clamp(min=0) + 1) * rate - 1).clamp(max=rows.max_len - 1)).clamp(0, entries.shape[0] - 1)
+    return torch.cat([keys, entries[addr]], 1), torch.cat([ok, c_ok], 1)
+
+
+def _rows_plain(q, kv, entries, sinks, qpos, selected, rows, scale, window, rate):
+    keys, valid = _row_keys(q, qpos, kv, entries, selected, rows, window, rate)
+    keys = keys.float()
+    sc = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    sc = sc.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sk = sinks.float().view(1, -1, 1).expand(sc.shape[0], -1, 1)
+    p = torch.cat([sc, sk], -1).softmax(-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", p, keys)
+
+
+class SinkAttentionRowsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, entries, sinks, qpos, selected, rows, scale, window, rate):
+        ctx.save_for_backward(q, kv, entries, sinks, qpos, selected)
+        ctx.args = (rows, scale, window, rate)
+        return _rows_forward(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, kv, entries, sinks, qpos, selected = ctx.saved_tensors
+        rows, scale, window, rate = ctx.args
+        has_ent = entries.shape[0] > 0
+        needs = ctx.needs_input_grad[:4]
+        width = window + (rows.max_len // rate if selected.shape[1] == 0 else selected.shape[1]) if has_ent else window
+        step = max(1, _SCRATCH // max(1, width * max(q.shape[1], q.shape[2])))
+        acc = [None] * 4
+        for s in range(0, q.shape[0], step):  # row chunks bound the recompute's memory, not its value
+            sl = slice(s, s + step)
+            sub = KeyRows(rows.max_len, None if rows.row_start is None else rows.row_start[sl],
+                          None if rows.seq_idx is None else rows.seq_idx[sl], rows.block_table, rows.block_size)
+            sel = selected[sl] if selected.shape[1] else None
+            fn = lambda a, b, c, d: _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub,  # noqa: E731
+                                                scale, window, rate)
+            got = recompute_grads(fn, (q[sl], kv, entries, sinks), needs, (g[sl],))
+            if needs[0]:
+                acc[0] = [got[0]] if acc[0] is None else acc[0] + [got[0]]
+            for i in (1, 2, 3):
+                if needs[i] and got[i] is not None:
+                    acc[i] = got[i] if acc[i] is None else acc[i] + got[i]
+        gq = torch.cat(acc[0]) if acc[0] else None
+        return (gq, acc[1], acc[2], acc[3], None, None, None, None, None, None)
+
+
+def _rows_forward(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate):
+    ent = entries if entries.shape[0] else None
+    sel = selected if selected.shape[1] else None
+    if backend_for(q) == "reference":
+        return _rows_reference(q, qpos, kv, ent, sel, sinks, rows, scale, window, rate)
+    return triton_impl("compressed_attention", "sink_attention_rows")(q, qpos, kv, ent, sel, sinks, rows, scale,
+                                                                      window, rate)
+
+
+def sink_attention_rows(q, qpos, kv, sinks, rows: KeyRows, *, scale: float, window: int, entries=None,
+                        rate: int = 0, selected=None):
+    """Every query row of a step: q [T, H, D] at absolute positions qpos [T]; kv [S, D] the K = V
+    store and entries [S, D] (or None) the compressed-entry store, both addressed through
+    ``rows`` (entry c of a sequence at the address of its position (c+1)*rate - 1); selected
+    [T, k] int (CSA: each row's entry indices, -1 = none) or None (HCA: every complete window
+    c < (t+1) // rate); sinks [H] fp32 -> [T, H, D].
+
+    Invariance: a row's bits depend only on its own q, position, the keys and entries it sees
+    and the sinks: never on the batch, the number of rows, the store's layout or block size.
+    """
+    op = "sink_attention_rows"
+    for n, t in (("q", q), ("kv", kv), ("sinks", sinks)):
+        check_float(n, t, op)
+    check_int("qpos", qpos, op)
+    if not isinstance(rows, KeyRows):
+        raise ValueError(f"{op}: rows must be a KeyRows, got {type(rows).__name__}")
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != q.shape[2] or kv.dtype != q.dtype:
+        raise ValueError(f"{op}: q [T, H, D] and kv [S, D] in q's dtype; got {tuple(q.shape)} {q.dtype}, "
+                         f"{tuple(kv.shape)} {kv.dtype}")
+    tq, h, d = q.shape
+    if qpos.shape != (tq,) or sinks.shape != (h,):
+        raise ValueError(f"{op}: qpos must be [T={tq}] and sinks [H={h}]; got {tuple(qpos.shape)}, {tuple(sinks.shape)}")
+    if entries is not None:
+        check_float("entries", entries, op)
+        if entries.dim() != 2 or entries.shape[1] != d or entries.dtype != q.dtype:
+            raise ValueError(f"{op}: entries must be [S, D={d}] in q's dtype, got {tuple(entries.shape)} {entries.dtype}")
+        if not isinstance(rate, int) or rate < 1:
+            raise ValueError(f"{op}: rate must be a positive int with entries, got {rate!r}")
+    if selected is not None:
+        check_int("selected", selected, op)
+        if entries is None or selected.dim() != 2 or selected.shape[0] != tq:
+            raise ValueError(f"{op}: selected must be [T={tq}, k] and comes with entries")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{op}: window must be a positive int, got {window!r}")
+    check_same_device(op, q=q, qpos=qpos, kv=kv, entries=entries, selected=selected, sinks=sinks)
+    if tq and host_readable(qpos):
+        if int(qpos.max()) >= rows.max_len or int(qpos.min()) < 0:
+            raise ValueError(f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
+    elif tq:
+        check_on_device((qpos < rows.max_len).all() & (qpos >= 0).all(),
+                        f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
+    ent = entries.contiguous() if entries is not None else q.new_zeros((0, d))
+    sel = selected.contiguous() if selected is not None else torch.zeros(tq, 0, dtype=torch.int32, device=q.device)
+    args = (q.contiguous(), kv.contiguous(), ent, sinks.contiguous(), qpos, sel, rows, float(scale), window,
+            int(rate) if entries is not None else 1)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        return SinkAttentionRowsFunction.apply(*args)
+    a = args
+    return _rows_forward(a[0], a[4], a[1], a[2], a[5], a[3], a[6], a[7], a[8], a[9])

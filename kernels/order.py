@@ -24,7 +24,7 @@ active order's stamp.
   squares in ``hc_block_k`` lanes.
 - both: every op family carries a version (``op_versions``, keyed by the ``kernels/`` module that
   defines the op) for what its code alone fixes (the Mamba2 scan on absolute chunks, the
-  DeepSeek-V4 compositions on linear's order, rounding points): bump it when that code changes
+  DeepSeek-V4 sink-attention and indexer kernels' block walks and tiles, rounding points): bump it when that code changes
   the bits (``tests/test_golden_bits.py`` fails until you do).
 """
 from __future__ import annotations
@@ -74,8 +74,8 @@ class CanonicalOrder:
     # one version per op family (the kernels/ module defining the op), bumped by hand when that
     # family's code changes its bits on either backend
     op_versions: tuple = field(default=(
-        ("activation", 1), ("attention", 1), ("compressed_attention", 1), ("compressor", 1),
-        ("indexer", 1), ("linear", 1), ("logprobs", 1), ("mamba", 1), ("mhc", 2), ("moe", 1),
+        ("activation", 1), ("attention", 1), ("compressed_attention", 2), ("compressor", 1),
+        ("indexer", 2), ("linear", 1), ("logprobs", 1), ("mamba", 1), ("mhc", 2), ("moe", 1),
         ("norm", 1), ("rotary", 1), ("rotary_interleaved", 1), ("sampling", 1)))
     # the ops ``kernels.override`` swapped (a fault, a stock baseline, a call recorder): empty for
     # the canonical ops, stamped when not, so a stamp cannot claim the canonical order meanwhile

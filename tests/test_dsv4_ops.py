@@ -385,31 +385,33 @@ def test_triton_compressor_indexer_mhc_invariant_and_close():
 @interpret
 def test_triton_model_rows_alone_equal_packed():
     """The whole DeepSeek-V4 forward on the Triton backend: a sequence alone == the same sequence
-    packed with another, and a prefix == the first rows of the longer sequence; close to the
-    reference backend."""
+    packed with another, and a prefix == the first rows of the longer sequence (bf16); close to
+    the reference backend in fp32 (in bf16 a near-tie in the indexer may pick another entry)."""
     import bitmatch
     from bitmatch.models import forward_hidden
     from bitmatch.context import ForwardContext
     from bitmatch.models.deepseek_v4_tiny import tiny_model
 
+    a, b = torch.randint(3, 128, (12,), generator=_g(23)), torch.randint(3, 128, (8,), generator=_g(24))
+
+    def run(m, *seqs):
+        ids = torch.cat(seqs)
+        cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        with torch.no_grad():
+            return forward_hidden(m, ids, ForwardContext(positions=pos, cu_seqlens=cu))
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         m = bitmatch.patch(tiny_model(torch.bfloat16, seed=4))
-        a, b = torch.randint(3, 128, (12,), generator=_g(23)), torch.randint(3, 128, (8,), generator=_g(24))
-
-        def run(*seqs):
-            ids = torch.cat(seqs)
-            cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
-            pos = torch.cat([torch.arange(len(s)) for s in seqs])
-            with torch.no_grad():
-                return forward_hidden(m, ids, ForwardContext(positions=pos, cu_seqlens=cu))
-        ref = run(a)
+        m32 = bitmatch.patch(tiny_model(torch.float32, seed=4))
+        ref = run(m32, a)
         with K.use_backend("triton"):
-            packed = run(b, a)
-            alone = run(a[:8])
+            packed = run(m, b, a)
+            alone = run(m, a[:8])
+            got32 = run(m32, a)
     finally:
         torch.set_num_threads(n)
     assert_bitwise_equal(packed[8:16], alone, "prefix of a, packed after b")
-    err = (packed[8:].float() - ref.float()).abs().max() / ref.float().abs().max()
-    assert err < 0.05  # bf16 on another backend: close, not equal
+    err = (got32 - ref).abs().max() / ref.abs().max()
+    assert err < 1e-4  # fp32 on another backend: close, not equal

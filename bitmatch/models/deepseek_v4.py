@@ -289,13 +289,9 @@ class DeepseekV4Family(Family):
     def forward_hidden(self, lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=None):
         K = _kernels()
 
-        def rope_at(positions, kind):
-            base, scaling = spec.rope_main if kind == "main" else spec.rope_compress
-            return K.rotary_cos_sin(positions, spec.rope_dim, base, scaling, dtype=F32,
-                                    max_position_embeddings=spec.max_position_embeddings)
-
-        rope = {k: rope_at(ctx.positions, k) for k in ("main", "compress")}
         seqs = A.sequences(ctx, ctx.positions)
+        rope_at = A.rope_lookup(spec, ctx, seqs)  # table rows: no host read (CUDA graphs)
+        rope = {k: rope_at(ctx.positions, k) for k in ("main", "compress")}
         h = embed(lm, input_ids, dtype)
         if recorder is not None:
             recorder("embed_tokens", h)

@@ -6,25 +6,36 @@ Op order of one attention block (x = input_layernorm of the collapsed streams, [
     kv    = rms_norm(linear(x, Wkv), kv_norm)    [T, D]   (the single K = V head)
     q, kv = apply_rotary_interleaved(., cos, sin)         (last rope_dim channels; sliding layers the
                                                             "main" rope, compressed layers "compress")
-    compressor (CSA / HCA): raw projections C = linear(x, Wc), Z = linear(x, Wz) per token; entry w
-        = rope(rms_norm(compress_windows(window w [, w-1])), position w*m), computed ONCE, when its
-        window's last token is computed (engine: stored at that token's slot of the paged cache)
-    CSA: indexer entries likewise at index_head_dim; mask = indexer_topk(q_idx, positions, entries,
-        w = linear(x, Ww) * H_i^-0.5); HCA: mask = entry c complete at t ((c+1)*m <= t+1)
-    o = sink_attention(q, positions, kv[0..L), entries, mask, sinks)    per sequence
+    compressor (CSA / HCA): raw projections C = linear(x, Wc), Z = linear(x, Wz) per token; entry c
+        = rope(rms_norm(compress_windows(window c [, c-1])), position c*m), computed ONCE, in the
+        step that computes its window's last token, and stored at the address of that token
+        (closing_entries: every row's window is pooled from rows read through the step's KeyRows,
+        and only closing rows' entries are ever read, so nothing is picked out on the host)
+    CSA: indexer entries likewise at index_head_dim; selected = indexer_select(q_idx, keys, w =
+        linear(x, Ww) * H_i^-0.5) [T, top_k]; HCA: every entry c complete at t ((c+1)*m <= t+1)
+    o = sink_attention_rows(q, kv store, entry store, selected, sinks)   all rows, one call
     o = apply_rotary_interleaved(o, cos, sin, inverse=True)             (de-rotate: K = V)
     o = linear(cat_g linear(o_g, Woa_g), Wob)                           (grouped output projection)
 
+One code path for both sides: the kv / raw / entry stores are the paged caches (engine, through
+the block table) or the step's own rows (trainer, packed from position 0), the same addressing
+(``KeyRows``), the same kernels. No per-sequence loop and no host read on the Triton backend, so
+a decode step can run in a CUDA graph.
+
 Engine caches (cache groups of kind "paged", per token, at the token's slot): "swa" (kv),
 "hca" (kv, C, Z, entry), "csa" (kv, C, Z, entry, C_idx, Z_idx, entry_idx). A token's state depends
-only on the tokens up to it, so prefix caching stays correct; an entry is read back only for
-complete windows, so the slot's content before completion is never used.
+only on the tokens up to it, so prefix caching stays correct; an entry slot is read back only at a
+window's closing position, so what a non-closing row writes there is never used.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from bitmatch.models.dense import linear, rms_norm
+from bitmatch.kernels.compressed_attention import KeyRows, sink_attention_rows
+from bitmatch.kernels.indexer import indexer_select
+from bitmatch.models.dense import linear, rms_norm, rope_cos_sin
 from bitmatch.precision import cast_param
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -47,77 +58,78 @@ def cache_tensors(spec, group: str, dtype) -> tuple:
     return tuple(((shapes[n],), dtype) for n in CACHE_NAMES[group])
 
 
-def sequences(ctx, positions):
-    """[(start, end, qpos, L, slots)]: this step's rows of each sequence, their positions, the
-    sequence's visible length and (engine) the cache slot of every position 0..L-1."""
-    out = []
+def sequences(ctx, positions) -> KeyRows:
+    """How every row of the step finds the positions of its own sequence (``KeyRows``): the paged
+    caches through the block table (engine), or the packed step rows (trainer: each sequence's
+    rows contiguous from position 0). Device ops only; the bound on positions is a host int
+    (``ctx.max_seq_len``, the block table's width, or T), so a decode step can be a CUDA graph."""
+    T = positions.shape[0]
     if ctx.paged:
-        qsl, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
-        bs = None
-        for group in ctx.caches.values():
-            for entry in group.values():
-                bs = entry[0].shape[1]
-                break
-            break
-        for b, n in enumerate(lens):
-            s, e = qsl[b], qsl[b + 1]
-            p = torch.arange(n, device=positions.device)
-            slots = ctx.block_table[b, p // bs].long() * bs + p % bs
-            out.append((s, e, positions[s:e], n, slots))
-        return out
+        bs = next(iter(next(iter(ctx.caches.values())).values()))[0].shape[1]
+        return KeyRows.paged(ctx.block_table, bs, ctx.query_start_loc, T, max_len=ctx.max_seq_len)
     if ctx.cu_seqlens is None:
         raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
-    cu = ctx.cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s, e = cu[b], cu[b + 1]
-        pos = positions[s:e]
-        # compressed windows sit at absolute positions from the sequence start: a packed row must
-        # be a whole sequence from position 0 (a prefill continuing a cache runs through the engine)
-        if e > s and not torch.equal(pos, torch.arange(e - s, device=pos.device, dtype=pos.dtype)):
-            raise ValueError("bitmatch deepseek_v4: packed sequences must have positions 0..n-1 "
-                             "(compressed windows start at position 0)")
-        out.append((s, e, pos, e - s, None))
-    return out
+    rows = KeyRows.packed(positions)
+    cu = ctx.cu_seqlens.to(positions.device)
+    seq = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=cu.device, dtype=cu.dtype), right=True)
+    # compressed windows sit at absolute positions from the sequence start: a packed row must be a
+    # whole sequence from position 0 (a prefill continuing a cache runs through the engine)
+    ok = (rows.row_start == cu.long()[seq.clamp(max=cu.shape[0] - 2)]).all()
+    msg = "bitmatch deepseek_v4: packed sequences must have positions 0..n-1 (compressed windows start at position 0)"
+    if _kernels().host_readable(positions):
+        if T and not bool(ok):
+            raise ValueError(msg)
+    elif T:
+        _kernels().check_on_device(ok, msg)
+    return rows
+
+
+def rope_lookup(spec, ctx, rows: KeyRows):
+    """rope_at(positions, kind) -> (cos, sin) fp32: rows of a per-config table sized by the step's
+    host bound ``rows.max_len`` (no host read; dense.rope_cos_sin), the same bits as
+    ``kernels.rotary_cos_sin`` of the positions."""
+    def rope_at(positions, kind):
+        base, scaling = spec.rope_main if kind == "main" else spec.rope_compress
+        sub = replace(ctx, positions=positions, max_seq_len=rows.max_len)
+        return rope_cos_sin(sub, spec.rope_dim, base, scaling, spec.max_position_embeddings)
+    return rope_at
 
 
 def _flat(t):
     return t.view(-1, *t.shape[2:])
 
 
-def window_entries(mod, raw_kv, raw_gate, ws, rate, overlap, dtype, rope_at):
-    """Entries of windows ``ws`` [W] from the per-position raw projections [L, C] of one sequence:
-    pooled, RMS-normed, rotated at position w * rate (HF's compressor / indexer compressor)."""
+def closing_entries(mod, raw_kv, raw_gate, rows, positions, rate, overlap, dtype, rope_at):
+    """[T, D]: for every row, the entry of the window ending at its position (pooled from the raw
+    projections ``raw_kv``/``raw_gate`` [S, C] read through ``rows``, RMS-normed, rotated at the
+    window's first position: HF's compressor / indexer compressor). Only rows closing a window
+    ((t+1) % rate == 0) give a real entry; the others are never read (an entry is read at the
+    address of its window's closing position only), so no row is picked out on the host."""
     K = _kernels()
     m = rate
-    idx = ws.view(-1, 1) * m + torch.arange(m, device=ws.device).view(1, -1)
+    t = positions.long().view(-1, 1)
+    win = t - m + 1 + torch.arange(m, device=t.device).view(1, -1)
     kw = dict()
     if overlap:
         d = raw_kv.shape[-1] // 2
-        prev = (ws - 1).clamp(min=0).view(-1, 1) * m + torch.arange(m, device=ws.device).view(1, -1)
-        kw = dict(prev_kv=raw_kv[prev][..., :d], prev_gate=raw_gate[prev][..., :d], has_prev=ws > 0)
+        prev = rows.slots((win - m).clamp(min=0))
+        kw = dict(prev_kv=raw_kv[prev][..., :d], prev_gate=raw_gate[prev][..., :d], has_prev=t[:, 0] >= m)
+    idx = rows.slots(win.clamp(min=0))
     pooled = K.compress_windows(raw_kv[idx], raw_gate[idx], cast_param(mod.position_bias, torch.float32), **kw)
     normed = rms_norm(mod.kv_norm, pooled, dtype)
-    cos, sin = rope_at(ws * m, "compress")
+    cos, sin = rope_at((t[:, 0] + 1 - m).clamp(min=0), "compress")
     return K.apply_rotary_interleaved(normed, cos, sin)
 
 
-def _entries_for(mod, names, step, cache, seq, rate, overlap, dtype, rope_at, s_rows):
-    """All complete entries of a sequence, [L // rate, D]: the trainer computes them all; the
-    engine computes those whose window closes in this step, stores them, and reads every one."""
-    s, e, qpos, n, slots = seq
+def _entry_store(mod, names, store, cache, rows, ctx, rate, overlap, dtype, rope_at):
+    """The entry store [S, D] of this layer: the engine writes every row's entry at the row's slot
+    (closing rows real, the rest never read) and reads the cache; the trainer's store is the step."""
     kv_name, gate_name, entry_name = names
-    n_win = n // rate
-    dev = qpos.device
-    if slots is None:
-        return window_entries(mod, step[kv_name][s_rows], step[gate_name][s_rows],
-                              torch.arange(n_win, device=dev), rate, overlap, dtype, rope_at)
-    raw_kv, raw_gate, ent = (_flat(cache[x]) for x in names)
-    closing = qpos[(qpos + 1) % rate == 0]
-    if closing.numel():
-        ws = torch.div(closing + 1, rate, rounding_mode="floor") - 1
-        new = window_entries(mod, raw_kv[slots], raw_gate[slots], ws, rate, overlap, dtype, rope_at)
-        ent.index_copy_(0, slots[closing], new.detach())
-    return ent[slots[(torch.arange(n_win, device=dev) + 1) * rate - 1]]
+    ent = closing_entries(mod, store[kv_name], store[gate_name], rows, ctx.positions, rate, overlap, dtype, rope_at)
+    if cache is None:
+        return ent
+    _flat(cache[entry_name]).index_copy_(0, ctx.slot_mapping, ent.detach())
+    return _flat(cache[entry_name])
 
 
 def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, seqs, rec=None, prefix="self_attn"):
@@ -145,50 +157,35 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
         iq = linear(idx.q_b_proj, q_res, dtype).view(T, spec.index_n_heads, spec.index_head_dim)
         iq = K.apply_rotary_interleaved(iq, cos, sin)
         iw = linear(idx.scorer.weights_proj, x, dtype).float() * (spec.index_n_heads ** -0.5)
-    cache = None
+    cache, store = None, step
     if ctx.paged:
         group = GROUP_OF[lt]
         cache = dict(zip(CACHE_NAMES[group], ctx.cache(group, layer_idx)))
         for name, val in step.items():
             _flat(cache[name]).index_copy_(0, ctx.slot_mapping, val.detach())
-    sinks = cast_param(attn.sinks, torch.float32)
-    outs, selected = [], []
-    for seq in seqs:
-        s, e, qpos, n, slots = seq
-        rows = slice(s, e)
-        full_kv = kv[rows] if slots is None else _flat(cache["kv"])[slots]
-        entries = kv.new_zeros((0, D))
-        mask = torch.zeros(e - s, 0, dtype=torch.bool, device=x.device)
-        if comp is not None:
-            m = spec.compress_rates[lt]
-            entries = _entries_for(comp, ("ckv", "cgate", "entry"), step, cache, seq, m, lt == CSA, dtype,
-                                   rope_at, rows)
-            if lt == HCA:
-                c = torch.arange(entries.shape[0], device=x.device).view(1, -1)
-                mask = c < torch.div(qpos.view(-1, 1) + 1, m, rounding_mode="floor")
-            elif entries.shape[0]:
-                ient = _entries_for(comp.indexer, ("ikv", "igate", "ientry"), step, cache, seq, m, True, dtype,
-                                    rope_at, rows)
-                mask = K.indexer_topk(iq[rows], qpos, ient, iw[rows], rate=m, top_k=spec.index_topk,
-                                      softmax_scale=spec.index_head_dim ** -0.5)
-        if rec is not None and lt == CSA:
-            # per query token: the selected entry indices in index order, -1 padded to index_topk
-            k = spec.index_topk
-            idx = torch.where(mask, torch.arange(mask.shape[1], device=x.device).view(1, -1), mask.shape[1] + k)
-            idx = torch.cat([idx, torch.full((idx.shape[0], k), mask.shape[1] + k, device=x.device)], 1)
-            idx = idx.sort(1).values[:, :k]
-            selected.append(torch.where(idx >= mask.shape[1], -1, idx))
-        outs.append(K.sink_attention(q[rows], qpos, full_kv, entries, mask, sinks, scale=spec.scale,
-                                     window=spec.sliding_window))
-    o = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
-    if selected:
-        rec(f"{prefix}.indexer", torch.cat(selected, 0))
+        store = {name: _flat(t) for name, t in cache.items()}
+    rows = seqs
+    entries, selected, m = None, None, 0
+    if comp is not None:
+        m = spec.compress_rates[lt]
+        entries = _entry_store(comp, ("ckv", "cgate", "entry"), store, cache, rows, ctx, m, lt == CSA, dtype, rope_at)
+    if lt == CSA:
+        ikeys = _entry_store(comp.indexer, ("ikv", "igate", "ientry"), store, cache, rows, ctx, m, True, dtype,
+                             rope_at)
+        selected = indexer_select(iq, ctx.positions, ikeys, iw, rows, rate=m, top_k=spec.index_topk,
+                                    softmax_scale=spec.index_head_dim ** -0.5)
+        if rec is not None:  # per query token: the selected entry indices ascending, -1 padded
+            rec(f"{prefix}.indexer", selected.long())
+    o = sink_attention_rows(q, ctx.positions, store["kv"], cast_param(attn.sinks, torch.float32), rows,
+                              scale=spec.scale, window=spec.sliding_window, entries=entries, rate=m,
+                              selected=selected)
     o = K.apply_rotary_interleaved(o, cos, sin, inverse=True)
     if rec is not None:
         rec(f"{prefix}.attn", o)
     g = spec.o_groups
     w_a = cast_param(attn.o_a_proj.weight, dtype).view(g, -1, H * D // g)
     og = o.reshape(T, g, H * D // g)
+    # g launches of the invariant linear (no host read): a grouped invariant GEMM is future work
     grouped = torch.cat([K.linear(og[:, i], w_a[i]) for i in range(g)], dim=-1)
     out = linear(attn.o_b_proj, grouped, dtype)
     if rec is not None:
