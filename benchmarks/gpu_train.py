@@ -27,6 +27,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+# the stock ops HF runs, one definition each: the op table's (kernels/stock.py)
+import bitmatch.kernels.stock as KS
+
 BF = torch.bfloat16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script's logic only
 QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
@@ -173,21 +176,6 @@ def _rel_err(g, g64):
     return float((g.double() - g64).abs().max() / g64.abs().max().clamp_min(1e-30))
 
 
-def _stock_rms(x, w, eps=1e-6):  # HF Qwen3RMSNorm
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _stock_rotary(q, k, cos, sin):  # HF apply_rotary_pos_emb with cos/sin [T, D] in the dtype
-    c, s = torch.cat([cos, cos], -1).to(q.dtype)[:, None], torch.cat([sin, sin], -1).to(q.dtype)[:, None]
-
-    def rot(x):
-        h = x.shape[-1] // 2
-        return torch.cat([-x[..., h:], x[..., :h]], -1)
-    return q * c + rot(q) * s, k * c + rot(k) * s
-
-
 def _op_case(name, ours, stock, inputs, grads_out, ref64):
     """fwd+bwd time of ours vs stock, and each one's gradient error vs float64 autograd."""
     def step(fn, leaves):
@@ -223,28 +211,25 @@ def backward_ops(M=8192, H=2048, I=6144, Hq=16, Hkv=8, D=128, V=151936, N_lp=102
     out = {"shapes": dict(M=M, H=H, I=I, Hq=Hq, Hkv=Hkv, D=D, V=V, N_logprob_rows=N_lp)}
     w = (1 + 0.1 * torch.randn(H, device=dev)).to(BF).requires_grad_()
     x, g = r(M, H).requires_grad_(), r(M, H)
-    out["rms_norm"] = _op_case("rms_norm", lambda a, b: K.rms_norm(a, b, 1e-6), _stock_rms, [x, w], [g],
+    out["rms_norm"] = _op_case("rms_norm", lambda a, b: K.rms_norm(a, b, 1e-6), lambda a, b: KS.rms_norm(a, b, 1e-6),
+                               [x, w], [g],
                                lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
     wq = (1 + 0.1 * torch.randn(D, device=dev)).to(BF).requires_grad_()
     xq, gq = r(M, Hq, D).requires_grad_(), r(M, Hq, D)
     out["rms_norm_qk_heads"] = _op_case(
-        "rms_norm_qk_heads", lambda a, b: K.rms_norm(a, b, 1e-6), _stock_rms, [xq, wq], [gq],
+        "rms_norm_qk_heads", lambda a, b: K.rms_norm(a, b, 1e-6), lambda a, b: KS.rms_norm(a, b, 1e-6), [xq, wq], [gq],
         lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
     res, g2 = r(M, H).requires_grad_(), r(M, H)
-
-    def stock_fused(a, b, c):
-        s = a + b
-        return _stock_rms(s, c), s
 
     def ref_fused(a, b, c):
         s = a + b
         return c * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6), s
     out["fused_add_rms_norm"] = _op_case("fused_add_rms_norm", lambda a, b, c: K.fused_add_rms_norm(a, b, c, 1e-6),
-                                         stock_fused, [x, res, w], [g, g2], ref_fused)
+                                         lambda a, b, c: KS.fused_add_rms_norm(a, b, c, 1e-6), [x, res, w], [g, g2],
+                                         ref_fused)
     del xq, gq, res, g2
     gu, ga = r(M, 2 * I).requires_grad_(), r(M, I)
-    out["silu_and_mul"] = _op_case("silu_and_mul", K.silu_and_mul,
-                                   lambda a: F.silu(a[:, :I]) * a[:, I:], [gu], [ga],
+    out["silu_and_mul"] = _op_case("silu_and_mul", K.silu_and_mul, KS.silu_and_mul, [gu], [ga],
                                    lambda a: F.silu(a[:, :I]) * a[:, I:])
     del gu, ga
     q, k = r(M, Hq, D).requires_grad_(), r(M, Hkv, D).requires_grad_()
@@ -255,15 +240,14 @@ def backward_ops(M=8192, H=2048, I=6144, Hq=16, Hkv=8, D=128, V=151936, N_lp=102
         c2, s2 = torch.cat([c, c], -1).to(BF).double()[:, None], torch.cat([s, s], -1).to(BF).double()[:, None]
         h = D // 2
         return tuple(t * c2 + torch.cat([-t[..., h:], t[..., :h]], -1) * s2 for t in (a, b))
-    out["apply_rotary"] = _op_case("apply_rotary", K.apply_rotary, _stock_rotary, [q, k, cos, sin], [gq_, gk_],
+    out["apply_rotary"] = _op_case("apply_rotary", K.apply_rotary, KS.apply_rotary, [q, k, cos, sin], [gq_, gk_],
                                    ref_rot)
     del q, k, gq_, gk_
     lg = r(N_lp, V, scale=3.0).requires_grad_()
     tok = torch.randint(0, V, (N_lp,), device=dev)
     glp = torch.randn(N_lp, device=dev)
     out["token_logprobs"] = _op_case(
-        "token_logprobs", lambda a: K.token_logprobs(a, tok, 0.7),
-        lambda a: torch.log_softmax(a.float() / 0.7, -1).gather(1, tok[:, None])[:, 0], [lg], [glp],
+        "token_logprobs", lambda a: K.token_logprobs(a, tok, 0.7), lambda a: KS.token_logprobs(a, tok, 0.7), [lg], [glp],
         lambda a: torch.log_softmax(a / 0.7, -1).gather(1, tok[:, None])[:, 0])
     return out
 

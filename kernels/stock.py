@@ -80,7 +80,8 @@ def _rope_inv_freq(head_dim, base, scaling, max_pos):
         if sc.get("truncate", True):
             lo, hi = math.floor(lo), math.ceil(hi)
         lo, hi = max(lo, 0), min(hi, head_dim - 1)
-        extrap = 1 - ((torch.arange(head_dim // 2, dtype=F32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo)).clamp(0, 1)
+        hi = hi + 0.001 if lo == hi else hi
+        extrap = 1 - ((torch.arange(head_dim // 2, dtype=F32) - lo) / (hi - lo)).clamp(0, 1)
         return (inv / f) * (1 - extrap) + inv * extrap, float(attn)
     if kind != "default":
         raise NotImplementedError(f"stock rotary_cos_sin: scaling rope_type {kind!r} has no stock version; "
