@@ -32,6 +32,7 @@ import torch
 
 from bitmatch.context import ForwardContext
 from bitmatch.models import deepseek_v4_attention as A
+from bitmatch.models import lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
 from bitmatch.precision import cast_param
@@ -309,6 +310,17 @@ class DeepseekV4Family(Family):
 
     def compute_logits(self, lm, spec, hidden, dtype):
         return lm_head_logits(lm, hidden, dtype)
+
+    def cuda_graph_safe(self, lm) -> bool:
+        """The engine may capture this family's decode steps in CUDA graphs once the whole step
+        reads nothing back to the host. The mHC, MoE and head half is host-read free on the Triton
+        backend (tests/test_engine_graphs_dsv4.py); the attention half opts in by declaring
+        ``deepseek_v4_attention.HOST_READ_FREE = True`` (its batched rewrite; until then the
+        step runs eagerly). A subclass overriding the forward must opt in again;
+        LoRA layers keep the model eager (their forward is not declared sync-free)."""
+        cls = type(self)
+        return (bool(getattr(A, "HOST_READ_FREE", False)) and cls.forward_hidden is DeepseekV4Family.forward_hidden
+                and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm, _norm_forward), (lm.model.hc_head, _inner_forward)]
