@@ -2,6 +2,7 @@
 stock counterpart, backends and order version; ``kernels.override`` changes what every caller
 reaches, is undone on every exit, nests, marks the stamp, and no module binds an op by name."""
 import ast
+import importlib.util
 import threading
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.faults import kernel_fault, parse_inject
 from bitmatch.kernels import order, table
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing_models import random_prompts, tiny_model
 from test_golden_bits import CASES, _tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +170,35 @@ def test_no_module_binds_an_op_by_name(tmp_path):
              for p in (ROOT / d).rglob("*.py")]
     bound = [f"{p.relative_to(ROOT)}:{line} binds {name}" for p in files for line, name in _op_bindings(p)]
     assert not bound, "call these as K.<op> after `import bitmatch.kernels as K`: " + "; ".join(bound)
+
+
+def test_the_engine_sampler_reaches_an_overridden_token_logprobs():
+    """The sampler skips token_logprobs' argument checks by calling its autograd Function, except
+    under an override: a fault or the stock baseline on token_logprobs reaches the engine too."""
+    eng = Engine(tiny_model("qwen3", seed=0), block_size=16, num_gpu_blocks=32, max_num_seqs=2, seed=0)
+    prompts = random_prompts(2, 4, 8, seed=0)
+    sp = SamplingParams(temperature=0.8, max_tokens=3, seed=1, ignore_eos=True)
+    calls = []
+
+    def recorded(*a, **k):
+        calls.append(a[0].shape)
+        return table.OPS["token_logprobs"].canonical(*a, **k)
+    want = [o.outputs[0].logprobs for o in eng.generate(prompts, sp, use_tqdm=False)]
+    with K.override({"token_logprobs": recorded}):
+        got = [o.outputs[0].logprobs for o in eng.generate(prompts, sp, use_tqdm=False)]
+    assert calls and got == want  # the same op behind the recorder: the same bits
+
+
+def test_faults_and_the_stock_baseline_go_through_the_override():
+    assert {parse_inject(f"kernel:{op}")[1] for op in table.OPS} == set(table.OPS)
+    with kernel_fault("rms_norm"):
+        assert K.rms_norm is table.OPS["rms_norm"].stock
+        assert order.stamp("reference")["overridden_ops"] == ["rms_norm"]
+    assert table.overridden() == {}
+    spec = importlib.util.spec_from_file_location("stock_ops", ROOT / "benchmarks" / "stock_ops.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with bench.stock_ops() as replaced:
+        assert set(replaced) == set(bench.BASELINE) == set(table.overridden())
+        assert all(getattr(K, n) is table.OPS[n].stock for n in bench.BASELINE)
+    assert table.overridden() == {} and order.current() is order.ORDER
