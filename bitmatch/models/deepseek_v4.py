@@ -312,14 +312,13 @@ class DeepseekV4Family(Family):
         return lm_head_logits(lm, hidden, dtype)
 
     def cuda_graph_safe(self, lm) -> bool:
-        """The engine may capture this family's decode steps in CUDA graphs once the whole step
-        reads nothing back to the host. The mHC, MoE and head half is host-read free on the Triton
-        backend (tests/test_engine_graphs_dsv4.py); the attention half opts in by declaring
-        ``deepseek_v4_attention.HOST_READ_FREE = True`` (its batched rewrite; until then the
-        step runs eagerly). A subclass overriding the forward must opt in again;
-        LoRA layers keep the model eager (their forward is not declared sync-free)."""
+        """The engine may capture this family's decode steps in CUDA graphs: after the warm-up run
+        (which builds the rope tables) the whole decode step reads nothing back to the host on the
+        Triton backend: the batched attention, the mHC, MoE and head ops
+        (tests/test_engine_graphs_dsv4.py probes it). A subclass overriding the forward must opt in
+        again; LoRA layers keep the model eager (their forward is not declared sync-free)."""
         cls = type(self)
-        return (bool(getattr(A, "HOST_READ_FREE", False)) and cls.forward_hidden is DeepseekV4Family.forward_hidden
+        return (cls.forward_hidden is DeepseekV4Family.forward_hidden
                 and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def patch_modules(self, lm):
