@@ -17,6 +17,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.precision import compute_cast
+from bitmatch.sync import channel as C
 from bitmatch.sync import hash as H
 from bitmatch.sync import transport_tcp as T
 from bitmatch.testing_models import tiny_model
@@ -52,15 +53,15 @@ class RewritingProxy:
         s = socket.create_connection(self.server_addr)
         threading.Thread(target=self._relay, args=(s, c), daemon=True).start()
         try:
-            hs = T._recv_exact(c, 64)  # client nonce + proof
+            hs = C.recv_exact(c, 64)  # client nonce + proof
             s.sendall(hs)
             while True:
-                (n,) = struct.unpack(">I", T._recv_exact(c, 4))
-                h = json.loads(T._recv_exact(c, n))
-                mac = T._recv_exact(c, 32)
+                (n,) = struct.unpack(">I", C.recv_exact(c, 4))
+                h = json.loads(C.recv_exact(c, n))
+                mac = C.recv_exact(c, 32)
                 payload = b""
                 if h.get("type") == "bucket":
-                    payload = bytearray(T._recv_exact(c, sum(x[2] for x in h["segments"]) + 32))
+                    payload = bytearray(C.recv_exact(c, sum(x[2] for x in h["segments"]) + 32))
                     body = payload[:-32]
                     name, off, nb = h["segments"][0]
                     body[off + 10] ^= 0xFF
@@ -112,8 +113,8 @@ def test_impostor_server_gets_nothing_and_publish_fails():
     def impostor():
         c, _ = srv.accept()
         with c:
-            c.sendall(T._MAGIC + secrets.token_bytes(32))
-            got.extend(T._recv_exact(c, 64))
+            c.sendall(C.MAGIC + secrets.token_bytes(32))
+            got.extend(C.recv_exact(c, 64))
             c.sendall(b"\x01" + secrets.token_bytes(32))  # "ok", but it cannot prove the token
             c.settimeout(1.0)
             try:
@@ -172,7 +173,7 @@ def test_tokens_must_be_str_or_bytes(bad):
 
 # ---- 5. crafted frames from a client that holds the token -----------------------------------------------
 
-def crafted_client(address) -> T._Channel:
+def crafted_client(address) -> C.Channel:
     return T.TcpSender(*address, TOKEN)._connect()
 
 

@@ -14,7 +14,8 @@ import torch
 
 from .shared_bucket import SharedBucket
 from .source import iter_buckets
-from .transport_tcp import TcpSender, _raise_reply
+from .channel import raise_reply
+from .transport_tcp import TcpSender
 
 DEFAULT_IPC_BUCKET_BYTES = 256 << 20
 
@@ -48,4 +49,4 @@ class IpcSender(TcpSender):
     def _send_bucket(self, ch, buf, segs, finished) -> None:
         self._bucket.ready()
         ch.send({"type": "bucket", "segments": segs, "finished": finished, "shared": True})
-        _raise_reply(ch.recv())  # copied out: the bucket may be refilled
+        raise_reply(ch.recv())  # copied out: the bucket may be refilled

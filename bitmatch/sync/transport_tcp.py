@@ -22,186 +22,17 @@ lock). If the sender dies mid-update the receiver aborts: the previous version s
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import os
-import secrets
 import socket
-import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .errors import AuthenticationError, FingerprintMismatchError, SyncError
+from .channel import LOOPBACK, Channel, client_handshake, error_reply, raise_reply, server_handshake, token_bytes
+from .errors import FingerprintMismatchError, SyncError
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import Receiver
 from .shared_bucket import OpenedBucket
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
-
-_MAGIC = b"BMSYNC2\n"
-_MAX_HEADER = 64 << 20
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
-_MAC = 32
-
-
-def _token_bytes(token) -> bytes:
-    if isinstance(token, str):
-        b = token.encode()
-    elif isinstance(token, (bytes, bytearray)):
-        b = bytes(token)
-    else:
-        raise TypeError(f"token must be str or bytes (the shared secret), got {type(token).__name__}")
-    if not b:
-        raise ValueError("a non-empty shared token is required")
-    return b
-
-
-def _hmac(key: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        h.update(p)
-    return h.digest()
-
-
-_CHUNK = 4 << 20
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _chunk_digests(pieces) -> bytes:
-    """SHA-256 of each 4 MiB chunk of the concatenated byte pieces, hashed on threads (hashlib
-    releases the GIL): a payload MAC at several GB/s where one core gives 0.4-1.2."""
-    global _POOL
-    plan, cur, room = [], [], _CHUNK
-    for mv in pieces:
-        mv = memoryview(mv).cast("B")
-        while len(mv):
-            take = min(room, len(mv))
-            cur.append(mv[:take])
-            mv, room = mv[take:], room - take
-            if room == 0:
-                plan.append(cur)
-                cur, room = [], _CHUNK
-    if cur:
-        plan.append(cur)
-
-    def digest(parts):
-        h = hashlib.sha256()
-        for p in parts:
-            h.update(p)
-        return h.digest()
-    if len(plan) <= 1:
-        return b"".join(digest(p) for p in plan)
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="bitmatch-mac")
-    return b"".join(_POOL.map(digest, plan))
-
-
-def _payload_mac(key: bytes, direction: bytes, seq: bytes, pieces, nbytes: int) -> bytes:
-    return _hmac(key, direction, seq, b"payload", struct.pack(">Q", nbytes), _chunk_digests(pieces))
-
-
-def _recv_into(sock, mv) -> None:
-    got = 0
-    while got < len(mv):
-        n = sock.recv_into(mv[got:])
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        got += n
-
-
-def _recv_exact(sock, n: int) -> bytes:
-    b = bytearray(n)
-    _recv_into(sock, memoryview(b))
-    return bytes(b)
-
-
-def _send_plain(sock, header: dict) -> None:
-    """An unauthenticated frame: only the refusal of a client that failed the handshake."""
-    h = json.dumps(header).encode()
-    sock.sendall(struct.pack(">I", len(h)) + h)
-
-
-def _recv_plain(sock) -> dict:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > 1 << 16:
-        raise SyncError(f"refusal frame of {n} bytes exceeds the limit")
-    return json.loads(_recv_exact(sock, n))
-
-
-class _Channel:
-    """MAC'd frames over an authenticated socket: header HMACs bind a per-direction sequence
-    number, payload HMACs bind the header's number."""
-
-    def __init__(self, sock, key: bytes, out_dir: bytes, in_dir: bytes):
-        self.sock, self.key, self.out_dir, self.in_dir = sock, key, out_dir, in_dir
-        self.sent = self.received = 0
-        self._seq, self._pieces = b"", []
-
-    def send(self, header: dict, payload=None) -> None:
-        h = json.dumps(header).encode()
-        seq = struct.pack(">Q", self.sent)
-        head = struct.pack(">I", len(h)) + h + _hmac(self.key, self.out_dir, seq, h)
-        if payload is not None and len(payload):
-            mac = _payload_mac(self.key, self.out_dir, seq, [payload], len(payload))
-            if len(payload) <= (1 << 16):
-                self.sock.sendall(head + bytes(payload) + mac)  # one segment: no Nagle stall
-            else:
-                self.sock.sendall(head)
-                self.sock.sendall(payload)
-                self.sock.sendall(mac)
-        else:
-            self.sock.sendall(head)
-        self.sent += 1
-
-    def recv(self) -> dict:
-        (n,) = struct.unpack(">I", _recv_exact(self.sock, 4))
-        if n > _MAX_HEADER:
-            raise SyncError(f"frame header of {n} bytes exceeds the limit")
-        h = _recv_exact(self.sock, n)
-        seq = struct.pack(">Q", self.received)
-        if not hmac.compare_digest(_recv_exact(self.sock, _MAC), _hmac(self.key, self.in_dir, seq, h)):
-            raise AuthenticationError("a frame from the peer failed its MAC: it was changed in transit or does not "
-                                      "come from a holder of the token")
-        self._seq, self._pieces = seq, []
-        self.received += 1
-        d = json.loads(h)
-        if not isinstance(d, dict):
-            raise SyncError("frame header must be a JSON object")
-        return d
-
-    def recv_payload_into(self, mv) -> None:
-        """Receive the next piece of the current frame's payload into ``mv`` (it must stay unchanged
-        until ``end_payload`` has checked the MAC)."""
-        _recv_into(self.sock, mv)
-        self._pieces.append(mv)
-
-    def end_payload(self, what: str) -> None:
-        pieces, self._pieces = self._pieces, []
-        want = _payload_mac(self.key, self.in_dir, self._seq, pieces, sum(len(p) for p in pieces))
-        if not hmac.compare_digest(_recv_exact(self.sock, _MAC), want):
-            raise AuthenticationError(f"the bytes of {what} failed their MAC: changed in transit")
-
-
-def _error_reply(e: BaseException) -> dict:
-    r = {"ok": False, "error": str(e), "kind": type(e).__name__}
-    if isinstance(e, FingerprintMismatchError):
-        r.update(name=e.name, expected=e.expected, got=e.got)
-    return r
-
-
-def _raise_reply(r: dict):
-    if r.get("ok"):
-        return r
-    kind, msg = r.get("kind"), r.get("error", "unknown error")
-    if kind == "FingerprintMismatchError":
-        raise FingerprintMismatchError(r["name"], r["expected"], r["got"], " (reported by the receiver)")
-    if kind == "AuthenticationError":
-        raise AuthenticationError(msg)
-    if kind in ("ValueError", "TypeError"):
-        raise ValueError(msg)
-    raise SyncError(f"receiver refused the update: {msg}")
 
 
 def _int_field(d: dict, key: str, where: str) -> int:
@@ -233,8 +64,8 @@ class TcpReceiverServer:
 
     def __init__(self, receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0, auth_timeout: float = 5.0):
-        self.token = _token_bytes(token)
-        if host not in _LOOPBACK and not host.startswith("127."):
+        self.token = token_bytes(token)
+        if host not in LOOPBACK and not host.startswith("127."):
             import warnings
             warnings.warn(f"bitmatch.sync TCP server listening on non-loopback {host}: frames are authenticated "
                           "but not encrypted (run it over TLS or a private network if the weights are secret)",
@@ -293,37 +124,24 @@ class TcpReceiverServer:
         with self._lock:
             self.refused += 1
 
-    def _handshake(self, conn) -> _Channel | None:
-        nonce_s = secrets.token_bytes(32)
-        conn.sendall(_MAGIC + nonce_s)
-        try:
-            msg = _recv_exact(conn, 32 + _MAC)
-        except (ConnectionError, OSError):  # closed, or silent past auth_timeout
+    def _handshake(self, conn) -> Channel | None:
+        ch = server_handshake(conn, self.token)
+        if ch is None:
             self._refuse()
-            return None
-        transcript = _MAGIC + nonce_s + msg[:32]
-        if not hmac.compare_digest(msg[32:], _hmac(self.token, b"client", transcript)):
-            self._refuse()
-            conn.sendall(b"\x00")
-            _send_plain(conn, _error_reply(AuthenticationError("authentication failed: wrong token")))
-            return None
-        conn.sendall(b"\x01" + _hmac(self.token, b"server", transcript))
-        ch = _Channel(conn, _hmac(self.token, b"key", transcript), b"S", b"C")
-        ch.send({"ok": True})
         return ch
 
-    def _frames(self, ch: _Channel) -> None:
+    def _frames(self, ch: Channel) -> None:
         while True:
             try:
                 h = ch.recv()
             except ConnectionError:
                 return
             if h.get("type") != "begin":
-                ch.send(_error_reply(SyncError(f"expected a 'begin' frame, got {h.get('type')!r}")))
+                ch.send(error_reply(SyncError(f"expected a 'begin' frame, got {h.get('type')!r}")))
                 return
             self._update(ch, h)
 
-    def _update(self, ch: _Channel, h: dict) -> None:
+    def _update(self, ch: Channel, h: dict) -> None:
         rx = self.receiver
         try:
             version = _int_field(h, "version", "begin frame")
@@ -333,7 +151,7 @@ class TcpReceiverServer:
             specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
             upd = rx.begin(version, specs, order=h.get("order"))
         except Exception as e:
-            ch.send(_error_reply(e))
+            ch.send(error_reply(e))
             raise
         ch.send({"ok": True})
         shared = None
@@ -341,7 +159,7 @@ class TcpReceiverServer:
             try:
                 if h.get("bucket") is not None:
                     peer = ch.sock.getpeername()[0]
-                    if peer not in _LOOPBACK and not peer.startswith("127."):
+                    if peer not in LOOPBACK and not peer.startswith("127."):
                         raise SyncError("a shared (IPC) bucket is only accepted from this host")
                     shared = OpenedBucket(h["bucket"])
                 while True:
@@ -363,7 +181,7 @@ class TcpReceiverServer:
             except Exception as e:
                 upd.abort(f"update to version {upd.version} failed: {e}")
                 try:
-                    ch.send(_error_reply(e))
+                    ch.send(error_reply(e))
                 except OSError:
                     pass
                 raise
@@ -381,7 +199,7 @@ class TcpReceiverServer:
         return host
 
     @staticmethod
-    def _bucket(ch: _Channel, upd, f: dict, shared, specs) -> None:
+    def _bucket(ch: Channel, upd, f: dict, shared, specs) -> None:
         segs = _segments(f)
         pos, to_device = 0, []
         for name, off, n in segs:
@@ -418,34 +236,20 @@ class TcpSender:
 
     def __init__(self, host: str, port: int, token, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout: float = 60.0):
-        self.host, self.port, self.token = host, port, _token_bytes(token)
+        self.host, self.port, self.token = host, port, token_bytes(token)
         self.bucket_bytes, self.timeout = bucket_bytes, timeout
 
-    def _connect(self) -> _Channel:
+    def _connect(self) -> Channel:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exact(sock, len(_MAGIC) + 32)
-            if not hello.startswith(_MAGIC):
-                raise SyncError(f"{self.host}:{self.port} is not a bitmatch sync server of this version")
-            nonce_c = secrets.token_bytes(32)
-            transcript = hello + nonce_c
-            sock.sendall(nonce_c + _hmac(self.token, b"client", transcript))
-            status = _recv_exact(sock, 1)
-            if status != b"\x01":
-                _raise_reply(_recv_plain(sock))
-                raise AuthenticationError("the server refused the handshake")
-            if not hmac.compare_digest(_recv_exact(sock, _MAC), _hmac(self.token, b"server", transcript)):
-                raise AuthenticationError(f"the server at {self.host}:{self.port} did not prove it knows the token "
-                                          "(an impostor on that port, or another token); nothing was sent")
-            ch = _Channel(sock, _hmac(self.token, b"key", transcript), b"C", b"S")
-            _raise_reply(ch.recv())
+            ch = client_handshake(sock, self.token, f"{self.host}:{self.port}")
             return ch
         except BaseException:
             sock.close()
             raise
 
-    def _send_bucket(self, ch: _Channel, buf, segs, finished) -> None:
+    def _send_bucket(self, ch: Channel, buf, segs, finished) -> None:
         ch.send({"type": "bucket", "segments": segs, "finished": finished}, memoryview(buf.numpy()))
 
     def _buckets(self, weights, dtype):
@@ -472,7 +276,7 @@ class TcpSender:
         with ch.sock:
             ch.send({"type": "begin", "version": int(version), "hash": HASH_NAME, "order": order,
                      "tensors": {k: v.to_json() for k, v in specs.items()}, **self._begin_extra(weights)})
-            _raise_reply(ch.recv())
+            raise_reply(ch.recv())
             fps, man = {}, None
             try:
                 for buf, segs, finished in self._buckets(weights, dtype):
@@ -482,7 +286,7 @@ class TcpSender:
                 ch.send({"type": "commit", "version": int(version), "order": order, "digest": man.digest()})
             except OSError:
                 pass  # the receiver hung up: its error frame says why
-            r = _raise_reply(ch.recv())
+            r = raise_reply(ch.recv())
             if man is None:
                 raise SyncError("receiver hung up during the update without saying why")
             if r.get("version") != int(version) or r.get("digest") != man.digest():
