@@ -7,6 +7,8 @@ read these, through ``kernels.override`` or directly.
 A stock op agrees with the bitmatch op to rounding, not to the bit: that is the point of a
 control. None of them promises batch or schedule invariance; where the stock engines choose a
 kernel by batch shape (one batched SDPA for an all-decode step), so does ``attention_paged`` here.
+Every op's stock formula sits in this one file on purpose (a little over 400 lines): a copy of one
+elsewhere is what the op table replaced.
 """
 from __future__ import annotations
 
