@@ -29,17 +29,18 @@ window's closing position, so what a non-closing row writes there is never used.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from bitmatch.kernels.compressed_attention import KeyRows, sink_attention_rows
 from bitmatch.kernels.indexer import indexer_select
-from bitmatch.models.dense import linear, rms_norm, rope_cos_sin
+from bitmatch.models.dense import linear, rms_norm
 from bitmatch.precision import cast_param
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 GROUP_OF = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
+# the attention block reads nothing back to the host on the Triton backend (tests/test_dsv4_batched.py
+# probes a decode step): DeepseekV4Family.cuda_graph_safe reads this to opt the family into graphs
+HOST_READ_FREE = True
 CACHE_NAMES = {"swa": ("kv",), "hca": ("kv", "ckv", "cgate", "entry"),
                "csa": ("kv", "ckv", "cgate", "entry", "ikv", "igate", "ientry")}
 
@@ -84,14 +85,28 @@ def sequences(ctx, positions) -> KeyRows:
     return rows
 
 
+_ROPE_TABLES: dict = {}
+
+
 def rope_lookup(spec, ctx, rows: KeyRows):
-    """rope_at(positions, kind) -> (cos, sin) fp32: rows of a per-config table sized by the step's
-    host bound ``rows.max_len`` (no host read; dense.rope_cos_sin), the same bits as
-    ``kernels.rotary_cos_sin`` of the positions."""
+    """rope_at(positions, kind) -> (cos, sin) fp32: rows of a table ``kernels.rotary_cos_sin(
+    arange(n))`` per rope config and device, n >= the step's host bound ``rows.max_len``. The
+    table is built once (its build reads its range back, like dense.rope_cos_sin's) on every
+    backend, so the engine's first prefill builds it and its decode steps read nothing back.
+    Same bits as rotary_cos_sin of the positions (a row depends only on its position). Tables
+    are never dropped (a captured graph may read an older, smaller one)."""
+    K = _kernels()
+
     def rope_at(positions, kind):
         base, scaling = spec.rope_main if kind == "main" else spec.rope_compress
-        sub = replace(ctx, positions=positions, max_seq_len=rows.max_len)
-        return rope_cos_sin(sub, spec.rope_dim, base, scaling, spec.max_position_embeddings)
+        key = (kind, spec.rope_dim, base, repr(scaling), spec.max_position_embeddings, str(positions.device))
+        tables = _ROPE_TABLES.setdefault(key, [])
+        if not tables or tables[-1][0].shape[0] < rows.max_len:
+            n = max(4096, 1 << max(0, rows.max_len - 1).bit_length())
+            tables.append(K.rotary_cos_sin(torch.arange(n, device=positions.device), spec.rope_dim, base, scaling,
+                                           dtype=torch.float32, max_position_embeddings=spec.max_position_embeddings))
+        cos_t, sin_t = tables[-1]
+        return cos_t[positions], sin_t[positions]
     return rope_at
 
 

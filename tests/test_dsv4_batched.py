@@ -1,0 +1,275 @@
+"""DeepSeek-V4's batched attention ops (every row of a step in one call, through ``KeyRows``):
+sink_attention_rows and indexer_select on the Triton backend (interpreter) against the reference;
+bit for bit along every axis (batch composition and padding, packed vs alone, full prefill vs
+chunked prefill vs decode with a window completing mid-chunk, paged at two block sizes, indexer
+ties to the lowest index), each with a control that fails; the whole model engine == trainer on
+the Triton backend; a decode step reads nothing back to the host."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bitmatch
+import bitmatch.kernels as K
+import bitmatch.models as M
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.kernels import stock
+from bitmatch.kernels.compressed_attention import KeyRows, entry_list, sink_attention_rows
+from bitmatch.kernels.indexer import indexer_select
+from bitmatch.models.deepseek_v4_tiny import tiny_model
+from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
+from bitmatch.testing_models import random_prompts
+from host_reads import host_reads
+from test_engine import assert_bitmatch
+
+pytestmark = pytest.mark.interpreter
+H, D, W, RATE = 4, 32, 5, 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _seq(L, dtype, seed, top_k=3, d=D):
+    """One sequence: q [L, H, d], its per-position kv and entry rows (entry c at row (c+1)*RATE-1),
+    sinks, and a random selection of complete entries per position (CSA lists)."""
+    g = _g(seed)
+    q, kv, ent = (torch.randn(*s, generator=g).to(dtype) for s in ((L, H, d), (L, d), (L, d)))
+    pos = torch.arange(L)
+    vis = torch.arange(L // RATE).view(1, -1) < ((pos + 1) // RATE).view(-1, 1)
+    sel = entry_list(vis & (torch.rand(vis.shape, generator=g) < 0.6), top_k)
+    return q, pos, kv, ent, sel, torch.randn(H, generator=g)
+
+
+def _paged(stores, lens, bs, seed):
+    """Per-token stores of several sequences scattered into shuffled blocks of ``bs``."""
+    per = [-(-n // bs) for n in lens]
+    perm = torch.randperm(sum(per) + 3, generator=_g(seed))
+    out = [torch.zeros((perm.numel() * bs, *s[0].shape[1:]), dtype=s[0].dtype) for s in stores]
+    bt = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        for j in range(per[b]):
+            bt[b, j] = int(perm[used])
+            used += 1
+        p = torch.arange(n)
+        slots = bt[b, p // bs].long() * bs + p % bs
+        for o, s in zip(out, stores):
+            o[slots] = s[b]
+    return out, bt
+
+
+def _call(q, pos, kv, ent, sel, sinks, rows, mode):
+    kw = dict(scale=D ** -0.5, window=W)
+    if mode == "hca":
+        kw.update(entries=ent, rate=RATE)
+    elif mode == "csa":
+        kw.update(entries=ent, rate=RATE, selected=sel)
+    return sink_attention_rows(q, pos, kv, sinks, rows, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sink_attention_rows_close_to_reference_paged(mode, dtype):
+    lens = [23, 9, 14]
+    seqs = [_seq(n, dtype, seed=i) for i, n in enumerate(lens)]
+    (kv, ent), bt = _paged([[s[2] for s in seqs], [s[3] for s in seqs]], lens, 4, seed=1)
+    # a step: the last 7 rows of seq 0 (chunk), one decode row of seq 1, all of seq 2
+    take = [(0, range(16, 23)), (1, range(8, 9)), (2, range(14))]
+    q = torch.cat([seqs[b][0][list(r)] for b, r in take])
+    pos = torch.cat([torch.tensor(list(r)) for _, r in take])
+    sel = torch.cat([seqs[b][4][list(r)] for b, r in take])
+    qsl = torch.tensor([0, 7, 8, 22], dtype=torch.int32)
+    rows = KeyRows.paged(bt, 4, qsl, q.shape[0], max_len=24)
+    sinks = seqs[0][5]
+    ref = _call(q, pos, kv, ent, sel, sinks, rows, mode)
+    with K.use_backend("triton"):
+        got = _call(q, pos, kv, ent, sel, sinks, rows, mode)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - ref.float()).abs().max() < tol
+    # the same rows through the one-sequence op (the reference of the reference): equal bits
+    one = K.sink_attention(q[:7], pos[:7], seqs[0][2], seqs[0][3][RATE - 1::RATE], torch.zeros(7, 5, dtype=torch.bool)
+                           if mode == "sliding" else _mask(sel[:7], 5, pos[:7], mode), sinks, scale=D ** -0.5, window=W)
+    assert_bitwise_equal(ref[:7], one, "rows reference vs one-sequence reference")
+
+
+def _mask(sel, n, pos, mode):
+    if mode == "hca":
+        return torch.arange(n).view(1, -1) < ((pos + 1) // RATE).view(-1, 1)
+    m = torch.zeros(sel.shape[0], n + 1, dtype=torch.bool)
+    return m.scatter_(1, torch.where(sel >= 0, sel.long(), n), True)[:, :n]
+
+
+def _packed_fn(kv, ent, sinks, mode, stock_scores=False):
+    """fn(q, pos, start, sel) on one fixed packed store: the harness's rows are query rows."""
+    def fn(q, pos, start, sel):
+        rows = KeyRows.packed(pos, row_start=start, max_len=kv.shape[0])
+        if stock_scores:
+            return _stock_rows(q, pos, start, kv, ent, sinks)
+        with K.use_backend("triton"):
+            return _call(q, pos, kv, ent, sel, sinks, rows, mode)
+    return fn
+
+
+def _stock_rows(q, pos, start, kv, ent, sinks):
+    """A stock batched formula (HCA): every row's scores against the whole store in ONE F.linear
+    over the batch's rows, masked, one fp32 softmax with the sink."""
+    T, S, d = q.shape[0], kv.shape[0], q.shape[2]
+    sc = F.linear(q.reshape(T * H, d).float(), torch.cat([kv, ent]).float()).view(T, H, 2 * S) * d ** -0.5
+    j = torch.arange(S).view(1, -1) - start.view(-1, 1)
+    loc = (j <= pos.view(-1, 1)) & (j > pos.view(-1, 1) - W)
+    c = torch.div(j + 1, RATE, rounding_mode="floor") - 1
+    ents = ((j + 1) % RATE == 0) & (c >= 0) & (c < ((pos + 1) // RATE).view(-1, 1))
+    valid = torch.cat([loc, ents], 1).unsqueeze(1)
+    logits = torch.cat([sc.masked_fill(~valid, float("-inf")), sinks.view(1, -1, 1).expand(T, -1, 1)], -1)
+    p = logits.softmax(-1)[..., :-1]
+    return (p @ torch.cat([kv, ent]).float()).to(q.dtype)
+
+
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_rows_batch_composition_padding_and_packing(mode):
+    """A row alone == inside random batches of other rows and zero padding (the batch harness),
+    and a sequence's rows alone == the same rows packed after another sequence."""
+    q, pos, kv, ent, sel, sinks = _seq(20, torch.bfloat16, seed=3)
+    start = torch.zeros(20, dtype=torch.int64)
+    fn = _packed_fn(kv, ent, sinks, mode)
+    assert_batch_invariant(fn, (q, pos, start, sel), max_batch=6, cases=3, seed=1)
+    q2, pos2, kv2, ent2, sel2, _ = _seq(11, torch.bfloat16, seed=4)
+    rows = KeyRows.packed(torch.cat([pos2, pos]))
+    with K.use_backend("triton"):
+        packed = _call(torch.cat([q2, q]), torch.cat([pos2, pos]), torch.cat([kv2, kv]), torch.cat([ent2, ent]),
+                       torch.cat([sel2, sel]), sinks, rows, mode)
+        alone = _call(q, pos, kv, ent, sel, sinks, KeyRows.packed(pos), mode)
+    assert_bitwise_equal(packed[11:], alone, "packed after another sequence vs alone")
+
+
+def test_control_stock_batched_scores_are_batch_variant():
+    # (head dim 128: CPU BLAS picks its kernel by the number of rows there, as cuBLAS does on the GPU)
+    q, pos, kv, ent, sel, sinks = _seq(20, torch.float32, seed=3, d=128)
+    fn = _packed_fn(kv, ent, sinks, "hca", stock_scores=True)
+    with pytest.raises(BitMismatch):
+        assert_batch_invariant(fn, (q, pos, torch.zeros(20, dtype=torch.int64), sel), max_batch=64, cases=4, seed=2)
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+def test_rows_prefill_chunked_decode_and_block_size_agree(mode):
+    """Full prefill (packed) == chunked prefill (paged, block size 4; a window completes inside
+    the chunk 5:11) == one-row decode steps (paged, block size 16), bit for bit."""
+    L = 19
+    q, pos, kv, ent, sel, sinks = _seq(L, torch.bfloat16, seed=5)
+    with K.use_backend("triton"):
+        full = _call(q, pos, kv, ent, sel, sinks, KeyRows.packed(pos), mode)
+        for bs, cuts in ((4, [0, 5, 11, 12, 19]), (16, list(range(L + 1)))):
+            (kvp, entp), bt = _paged([[kv], [ent]], [L], bs, seed=bs)
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                rows = KeyRows.paged(bt, bs, torch.tensor([0, b - a], dtype=torch.int32), b - a, max_len=L)
+                got = _call(q[a:b], pos[a:b], kvp, entp, sel[a:b], sinks, rows, mode)
+                assert_bitwise_equal(got, full[a:b], f"{mode} block size {bs} rows {a}:{b}")
+
+
+def test_control_stock_attention_prefill_differs_from_decode():
+    """The same comparison on the stock formula (HF's fp32 matmul over every key of the call)."""
+    g = _g(6)
+    L, Hs, Ds = 96, 8, 64
+    q, kv, ent = torch.randn(L, Hs, Ds, generator=g), torch.randn(L, Ds, generator=g), torch.randn(24, Ds, generator=g)
+    pos = torch.arange(L)
+    mask = torch.arange(24).view(1, -1) < ((pos + 1) // 4).view(-1, 1)
+    sinks = torch.randn(Hs, generator=g)
+    full = stock.sink_attention(q, pos, kv, ent, mask, sinks, scale=0.125, window=48)
+    with pytest.raises(BitMismatch):
+        for t in range(L):
+            c = (t + 1) // 4
+            assert_bitwise_equal(stock.sink_attention(q[t:t + 1], pos[t:t + 1], kv[:t + 1], ent[:c], mask[t:t + 1, :c],
+                                                      sinks, scale=0.125, window=48), full[t:t + 1], f"t={t}")
+
+
+# ---------------------------------------------------------------- indexer
+
+def _idx_case(T=21, Hi=4, Di=16, seed=7):
+    g = _g(seed)
+    q = torch.randn(T, Hi, Di, generator=g).to(torch.bfloat16)
+    keys = torch.randn(T, Di, generator=g).to(torch.bfloat16)
+    for c in (3, 4):  # entries 1, 3 and 4 (rows 7, 15, 19) equal: ties for every query
+        keys[(c + 1) * RATE - 1] = keys[2 * RATE - 1]
+    return q, torch.arange(T), keys, torch.rand(T, Hi, generator=g) + 0.1
+
+
+def test_indexer_select_ties_lowest_index_invariant_and_equal_to_reference():
+    q, pos, keys, w = _idx_case()
+    kw = dict(rate=RATE, top_k=2, softmax_scale=0.25)
+    ref = indexer_select(q, pos, keys, w, KeyRows.packed(pos), **kw)
+    with K.use_backend("triton"):
+        full = indexer_select(q, pos, keys, w, KeyRows.packed(pos), **kw)
+        for t in (3, 8, 15, 19, 20):  # alone, as a decode row with a longer static bound
+            one = indexer_select(q[t:t + 1], pos[t:t + 1], keys, w[t:t + 1],
+                                 KeyRows.packed(pos[t:t + 1], row_start=torch.zeros(1, dtype=torch.int64),
+                                                max_len=64), **kw)
+            assert torch.equal(one, full[t:t + 1]), t
+    assert torch.equal(full, ref)
+    tied = [r for r in full.tolist() if {1, 3, 4} & set(r)]
+    assert tied and all(not ({3, 4} & set(r)) or 1 in r for r in tied)  # 3 or 4 only after 1
+
+
+def test_control_torch_topk_breaks_ties_elsewhere():
+    """HF's selection (torch.topk) on tied scores: not the lowest index."""
+    s = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.5, 3.0, 3.0, 3.0] * 4])
+    low = torch.sort(s, descending=True, stable=True).indices[:, :3]
+    assert not torch.equal(s.topk(3).indices.sort(1).values, low.sort(1).values)
+
+
+# ---------------------------------------------------------------- the model
+
+@pytest.fixture(scope="module")
+def model():
+    return bitmatch.patch(tiny_model(torch.bfloat16, seed=1))
+
+
+def test_model_engine_equals_trainer_on_triton(model):
+    """The whole V4 model on the Triton backend: the engine (paged, chunks of 3 tokens: CSA rate 2
+    and HCA rate 4 windows close inside and across chunks, then decode) == token_logprobs."""
+    prompts = [random_prompts(1, 6, 6, seed=9)[0], random_prompts(1, 3, 3, seed=10)[0]]
+    params = [SamplingParams(temperature=t, max_tokens=2, seed=i, ignore_eos=True) for i, t in enumerate([1.0, 0.0])]
+    with K.use_backend("triton"):
+        outs = Engine(model, max_num_seqs=2, max_num_batched_tokens=3, block_size=4,
+                      enforce_eager=True).generate(prompts, params, use_tqdm=False)
+        assert assert_bitmatch(model, outs, params) == 4
+
+
+def _decode_reads(model, backend):
+    reads, seen = [], []
+    orig = M.forward_hidden
+
+    def spy(m, ids, ctx, *a, **kw):
+        if ctx.max_query_len != 1 or seen:
+            return orig(m, ids, ctx, *a, **kw)
+        seen.append(1)
+        with K.use_backend(backend), host_reads(depth=5) as r:
+            orig(m, ids, ctx, *a, **kw)
+        reads.extend(r)
+        return orig(m, ids, ctx, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "forward_hidden", spy)
+        Engine(model, num_gpu_blocks=64, max_num_seqs=4, enforce_eager=True).generate(
+            random_prompts(3, 4, 9, seed=3), SamplingParams(temperature=0.8, max_tokens=2, ignore_eos=True),
+            use_tqdm=False)
+    assert seen, "no pure-decode step ran"
+    return reads
+
+
+def test_decode_step_reads_nothing_on_the_host(model):
+    assert not _decode_reads(model, "triton")
+
+
+def test_control_reference_decode_step_reads_on_the_host(model):
+    # the detector's control: the reference groups rows by sequence on the host (unique, tolist)
+    found = {what for what, _ in _decode_reads(model, "reference")}
+    assert {"aten._unique2", "Tensor.tolist"} <= found, found
