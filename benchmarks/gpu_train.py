@@ -247,7 +247,8 @@ def backward_ops(M=8192, H=2048, I=6144, Hq=16, Hkv=8, D=128, V=151936, N_lp=102
     tok = torch.randint(0, V, (N_lp,), device=dev)
     glp = torch.randn(N_lp, device=dev)
     out["token_logprobs"] = _op_case(
-        "token_logprobs", lambda a: K.token_logprobs(a, tok, 0.7), lambda a: KS.token_logprobs(a, tok, 0.7), [lg], [glp],
+        "token_logprobs", lambda a: K.token_logprobs(a, tok, 0.7), lambda a: KS.token_logprobs(a, tok, 0.7),
+        [lg], [glp],
         lambda a: torch.log_softmax(a / 0.7, -1).gather(1, tok[:, None])[:, 0])
     return out
 
