@@ -27,7 +27,7 @@ METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3"
                "bitmatch/compared_seqs")
 
 __all__ = ["BitmatchMismatchError", "NothingComparedError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH", "METRIC_KEYS",
-           "check_policy", "locate_sentence", "differing_weights", "weights_sentence", "weights_fingerprint",
+           "check_policy", "locate_sentence", "weights_sentence", "weights_fingerprint",
            "versions"]
 
 
@@ -199,16 +199,6 @@ def locate_sentence(trainer_model, rollout_model, ids, mask, *, compute_dtype, b
                 "(sampler / logprob) or from the engine's schedule.")
     lyr = f"layer {r.layer}, op {r.op}" if r.layer is not None else f"op {r.op}"
     return f"First divergent layer: {r.first_divergent} ({lyr})."
-
-
-def differing_weights(source, live_model, compute_dtype) -> list[str]:
-    """Names of the (HF name, tensor) pairs in ``source`` whose compute-dtype bytes differ from the
-    same-named parameter of ``live_model`` (the rollout's copy)."""
-    from bitmatch.precision import compute_cast
-    from bitmatch.sync import fingerprint
-    live = dict(live_model.named_parameters())
-    return [name for name, w in source
-            if name in live and fingerprint(compute_cast(w, compute_dtype)) != fingerprint(live[name].detach())]
 
 
 def weights_sentence(bad: list[str]) -> str:

@@ -100,11 +100,10 @@ def test_grpo_steps_diff_zero(bitmatch_worker):
     assert any(before[k] != after[k] for k in before), "no optimizer step changed an actor weight"
     # the last update left the rollout one version behind; verl's next sync makes it hold exactly
     # the actor's weights (bf16 casts, fingerprint-verified) under the next version
-    from bitmatch.adapters.stepcheck import differing_weights
 
     def stale():
         params, _ = worker.actor.engine.get_per_tensor_param()
-        return differing_weights(list(params), worker.rollout.model, worker.rollout.dtype)
+        return worker.rollout.copy.differing(list(params))
 
     assert stale()
     asyncio.run(worker.update_weights(global_steps=STEPS + 1, mode="naive"))

@@ -24,7 +24,7 @@ import torch
 
 from bitmatch import switch
 
-from bitmatch.adapters.stepcheck import (Divergence, StepCheck, StepChecker, differing_weights, locate_sentence,
+from bitmatch.adapters.stepcheck import (Divergence, StepCheck, StepChecker, locate_sentence,
                                          weights_sentence)
 
 _CHECKER: StepChecker | None = None
@@ -117,7 +117,8 @@ def _locate(ids, mask):
     weights = ""
     try:
         src, _ = actor.get_per_tensor_param()
-        weights = weights_sentence(differing_weights(list(src), rollout.model, rollout.dtype))
+        # per tensor in the copy's own storage dtype (fp32 routers / SSM decay stay fp32 there)
+        weights = weights_sentence(rollout.copy.differing(list(src)))
     except Exception as e:  # the weight comparison is a hint; the layer sentence below still stands
         weights = f" (Rollout weights not compared: {e!r}.)"
     block = rollout.engine.block_size if rollout.engine is not None else None
