@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _exact
+from . import _exact, stock
 from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
                        recompute_grads, triton_impl)
 from .activation import silu_and_mul_reference
@@ -57,13 +57,8 @@ def scores_reference(logits, scoring):
     return sp.float().sqrt()
 
 
-def _scores_plain(logits, scoring):
-    z = logits.float()
-    if scoring == "softmax":
-        return torch.softmax(z, -1)
-    if scoring == "sigmoid":
-        return torch.sigmoid(z)
-    return torch.nn.functional.softplus(z).sqrt()
+# the differentiable fp32 scores the backward recomputes: the stock router's (one definition)
+_scores_plain = stock.moe_scores
 
 
 def _finish_weights(w, renormalize, scaling):

@@ -253,7 +253,8 @@ def uniform_noise(seeds, index):
 
 
 # ---------------------------------------------------------------- MoE (HF's routing and expert loop)
-def _scores(logits, scoring):
+def moe_scores(logits, scoring):
+    """fp32 router scores as HF computes them: softmax, sigmoid or sqrt(softplus) (DeepSeek-V4)."""
     z = logits.float()
     if scoring == "softmax":
         return torch.softmax(z, -1)
@@ -263,7 +264,7 @@ def _scores(logits, scoring):
 
 
 def moe_route(router_logits, top_k, *, scoring="softmax", renormalize=False, correction_bias=None, scaling=1.0):
-    p = _scores(router_logits, scoring)
+    p = moe_scores(router_logits, scoring)
     _, ids = torch.topk(p if correction_bias is None else p + correction_bias.float(), top_k, dim=-1)
     w = p.gather(1, ids)
     return (w / w.sum(-1, keepdim=True) if renormalize else w) * scaling, ids
@@ -422,6 +423,6 @@ def gated_rms_norm(y, z, weight, group_size, eps):
 __all__ = ["linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_cos_sin", "apply_rotary",
            "apply_rotary_interleaved", "sdpa_prefill", "sdpa_paged", "attention_prefill", "attention_paged",
            "attention_decode", "write_kv_cache", "full_logprobs", "token_logprobs", "top_k_top_p_mask",
-           "apply_top_k_top_p", "categorical_sample", "uniform_noise", "moe_route", "moe_experts",
+           "apply_top_k_top_p", "categorical_sample", "uniform_noise", "moe_scores", "moe_route", "moe_experts",
            "sink_attention", "compress_windows", "indexer_topk", "hc_pre", "hc_post", "hc_head", "causal_conv1d",
            "mamba_chunk_scan", "gated_rms_norm"]
