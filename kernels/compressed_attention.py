@@ -204,6 +204,12 @@ class KeyRows:
         blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").clamp(max=bt.shape[1] - 1))
         return blk * self.block_size + pos % self.block_size
 
+    def rows_slice(self, start: int, stop: int) -> "KeyRows":
+        """The addressing of rows start..stop-1 (a chunk of the step's rows)."""
+        sl = slice(start, stop)
+        return KeyRows(self.max_len, None if self.row_start is None else self.row_start[sl],
+                       None if self.seq_idx is None else self.seq_idx[sl], self.block_table, self.block_size)
+
     def group_key(self) -> torch.Tensor:
         """One value per sequence of the step (the reference groups rows by it on the host)."""
         return self.seq_idx if self.paged_mode else self.row_start
@@ -298,8 +304,7 @@ class SinkAttentionRowsFunction(torch.autograd.Function):
         acc = [None] * 4
         for s in range(0, q.shape[0], step):  # row chunks bound the recompute's memory, not its value
             sl = slice(s, s + step)
-            sub = KeyRows(rows.max_len, None if rows.row_start is None else rows.row_start[sl],
-                          None if rows.seq_idx is None else rows.seq_idx[sl], rows.block_table, rows.block_size)
+            sub = rows.rows_slice(s, s + step)
             sel = selected[sl] if selected.shape[1] else None
             fn = lambda a, b, c, d: _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub,  # noqa: E731
                                                 scale, window, rate)

@@ -244,6 +244,18 @@ def test_model_engine_equals_trainer_on_triton(model):
         assert assert_bitmatch(model, outs, params) == 4
 
 
+def test_compressor_row_chunks_do_not_change_bits(model, monkeypatch):
+    """closing_entries pools its rows in chunks (memory): 10-row chunks give the same bits."""
+    from bitmatch.context import ForwardContext
+    from bitmatch.models import deepseek_v4_attention as A
+    ids = torch.tensor(random_prompts(1, 23, 23, seed=12)[0])
+    ctx = ForwardContext(positions=torch.arange(23), cu_seqlens=torch.tensor([0, 23], dtype=torch.int32))
+    with torch.no_grad():
+        whole = M.forward_hidden(model, ids, ctx)
+        monkeypatch.setattr(A, "_POOL_SCRATCH", 10 * 2 * 4 * 32)  # 10 rows: 2m x C = 2 * 4 * 32 (HCA), 2 * 2 * 64 (CSA)
+        assert_bitwise_equal(M.forward_hidden(model, ids, ctx), whole, "row chunks")
+
+
 def _decode_reads(model, backend):
     reads, seen = [], []
     orig = M.forward_hidden

@@ -86,6 +86,7 @@ def sequences(ctx, positions) -> KeyRows:
 
 
 _ROPE_TABLES: dict = {}
+_POOL_SCRATCH = 1 << 26  # gathered window elements per chunk of rows (memory, not bits)
 
 
 def rope_lookup(spec, ctx, rows: KeyRows):
@@ -122,17 +123,26 @@ def closing_entries(mod, raw_kv, raw_gate, rows, positions, rate, overlap, dtype
     address of its window's closing position only), so no row is picked out on the host."""
     K = _kernels()
     m = rate
-    t = positions.long().view(-1, 1)
-    win = t - m + 1 + torch.arange(m, device=t.device).view(1, -1)
-    kw = dict()
-    if overlap:
-        d = raw_kv.shape[-1] // 2
-        prev = rows.slots((win - m).clamp(min=0))
-        kw = dict(prev_kv=raw_kv[prev][..., :d], prev_gate=raw_gate[prev][..., :d], has_prev=t[:, 0] >= m)
-    idx = rows.slots(win.clamp(min=0))
-    pooled = K.compress_windows(raw_kv[idx], raw_gate[idx], cast_param(mod.position_bias, torch.float32), **kw)
+    t_all = positions.long().view(-1, 1)
+    bias = cast_param(mod.position_bias, torch.float32)
+    # rows in chunks: the gathered windows are [rows, m or 2m, C]; a row's entry is its own window's
+    # (compress_windows is per window), so the chunking bounds memory and never changes a bit
+    step = max(1, _POOL_SCRATCH // (2 * m * raw_kv.shape[-1]))
+    pooled = []
+    for s in range(0, t_all.shape[0], step):
+        t = t_all[s:s + step]
+        sub = rows.rows_slice(s, s + step)
+        win = t - m + 1 + torch.arange(m, device=t.device).view(1, -1)
+        kw = dict()
+        if overlap:
+            d = raw_kv.shape[-1] // 2
+            prev = sub.slots((win - m).clamp(min=0))
+            kw = dict(prev_kv=raw_kv[prev][..., :d], prev_gate=raw_gate[prev][..., :d], has_prev=t[:, 0] >= m)
+        idx = sub.slots(win.clamp(min=0))
+        pooled.append(K.compress_windows(raw_kv[idx], raw_gate[idx], bias, **kw))
+    pooled = torch.cat(pooled, 0) if len(pooled) > 1 else pooled[0]
     normed = rms_norm(mod.kv_norm, pooled, dtype)
-    cos, sin = rope_at((t[:, 0] + 1 - m).clamp(min=0), "compress")
+    cos, sin = rope_at((t_all[:, 0] + 1 - m).clamp(min=0), "compress")
     return K.apply_rotary_interleaved(normed, cos, sin)
 
 
