@@ -1,208 +1,374 @@
-"""The bitmatch Mamba2 SSD scan (kernels.mamba_chunk_scan, Triton, canonical chunk schedule) against
-HF's torch path (transformers' Nemotron-H ``mamba2_selective_state_update`` for one-token decode,
-``mamba2_chunk_scan`` for prefill), side by side in one run on CUDA, plus the invariance checks there.
+"""The Mamba2 SSM core of one layer: bitmatch's chunked-SSD Triton scan (kernels.mamba_chunk_scan)
+against mamba_ssm's Triton kernels, side by side in one run, plus the invariance checks there.
 
-  python benchmarks/mamba_layer.py --out DIR [--batches 1,64,256] [--contexts 1024,4096,8192]
-      [--prefill 1024,4096,8192] [--heads 128 --head-dim 64 --state 128 --groups 8 --chunk 128]
+  python benchmarks/mamba_layer.py --out DIR --mamba-src .whl/mamba_ssm-2.3.2.post1
+      [--shapes nemotron_h_8b,small] [--prefill 2048,8192] [--batches 1,64] [--context 4096]
+      [--reps 20] [--device cuda|cpu] [--commit SHA]
 
-What is timed: the SSM core of one Mamba2 layer (the part whose prefill and decode disagree on the
-stock path): our decode = one launch per step (open-chunk replay from the buffer, the boundary state
-advanced when a chunk closes, the open-chunk buffer copy), averaged over the Q consecutive positions
-of one chunk starting at the context length, so every fill level of the buffer and one chunk close
-are in the mean; HF's decode = its recurrent update on the same shapes (fp32 state, bf16 inputs).
-in_proj / conv1d / gated norm / out_proj are not in the timing (conv1d and the gated norm have no
-Triton kernel yet). Ratios: ours / HF for decode (target <= 2), HF / ours for prefill (target >= 0.8).
-Checks on CUDA: prefill == chunked prefill == token-by-token decode bit for bit at full shapes,
-sequences packed vs alone, and the control (HF's chunked scan vs its recurrent step differ).
+Timed (bf16 inputs, fp32 SSM state, dt_softplus with dt_bias, D, no z):
+- prefill: ours (trainer path: no cache; engine path: with the cache, which also stores the open
+  chunk and the state) vs mamba_ssm's ``mamba_chunk_scan_combined`` (ssd_combined.py). Ratio
+  mamba_ssm / ours (target >= 0.8).
+- decode step at B sequences: ours = one call with the cache (open-chunk replay from the buffer,
+  the boundary state advanced when a chunk closes), averaged over the Q consecutive positions of
+  one chunk starting at --context, so every buffer fill level and one chunk close are in the mean;
+  mamba_ssm = ``selective_state_update`` on the same shapes (fp32 state, vLLM's stride-0 expansion
+  of dt / A / D / dt_bias). Eager (host launch costs included) and in one CUDA graph per Q steps
+  (device time). Ratio ours / mamba_ssm (target <= 1.5).
+- causal_conv1d: ours vs the ``causal_conv1d`` package's (prefill, and the one-token update) when
+  it is importable (it needs its compiled extension; the sdist alone does not give it).
+Checks on the device, bit for bit at each shape: full prefill == chunked prefill == token-by-token
+decode, sequences packed vs alone; parity (max abs error) of ours and mamba_ssm's output against
+HF's fp32 torch scan. Writes DIR/mamba_layer.json (command, machine, versions, what ran) after
+every step.
+
+mamba_ssm is imported from its unpacked sdist (--mamba-src) without running mamba_ssm/__init__.py,
+which imports the compiled selective_scan_cuda: stub package modules for ``mamba_ssm``,
+``mamba_ssm.ops`` and ``mamba_ssm.ops.triton`` carry the right __path__, then the Triton
+submodules import as usual (they need torch, triton, einops). --device cpu runs tiny shapes under
+TRITON_INTERPRET=1: a check that the script runs, no timings worth reading.
 """
 import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+import traceback
+import types
 
-import torch
+SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chunk=128),
+          "small": dict(heads=32, head_dim=64, groups=2, state=64, chunk=128),
+          "tiny": dict(heads=4, head_dim=16, groups=2, state=16, chunk=16)}
 
 
-def machine_info():
+def load_mamba_ssm(src):
+    """(ssd_combined, selective_state_update modules, note); modules None when not importable."""
+    if not src:
+        return None, None, "no --mamba-src given"
+    root = os.path.abspath(src)
+    pkg = os.path.join(root, "mamba_ssm")
+    if not os.path.isdir(pkg):
+        return None, None, f"{pkg} is not a directory"
+    sys.path.insert(0, root)
+    for name, path in (("mamba_ssm", pkg), ("mamba_ssm.ops", os.path.join(pkg, "ops")),
+                       ("mamba_ssm.ops.triton", os.path.join(pkg, "ops", "triton"))):
+        if name not in sys.modules:  # a stub: its __init__ (compiled extensions) never runs
+            mod = types.ModuleType(name)
+            mod.__path__ = [path]
+            sys.modules[name] = mod
+    try:
+        import mamba_ssm.ops.triton.selective_state_update as ssu
+        import mamba_ssm.ops.triton.ssd_combined as ssd
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the rest still runs
+        return None, None, f"import failed: {exc!r}"
+    info = os.path.join(root, "PKG-INFO")
+    lines = []
+    if os.path.exists(info):
+        with open(info) as f:
+            lines = f.read().splitlines()
+    ver = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Version:")), "?")
+    return ssd, ssu, f"mamba_ssm {ver} from {root}"
+
+
+def machine_info(device):
+    import torch
     import triton
     import transformers
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
-    if torch.cuda.is_available():
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "host": platform.node()}
+    if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count)
     return info
 
 
-def timed(fn, reps, sync):
-    fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
+class Bench:
+    def __init__(self, a):
+        import torch
+        import bitmatch.kernels as K
+        from bitmatch.kernels.triton import mamba_ssd
+        self.torch, self.K, self.ssd_mod, self.a = torch, K, mamba_ssd, a
+        self.dev = a.device
+        self.bf = torch.bfloat16
+
+    # ------------------------------------------------------------- inputs
+    def inputs(self, T, s, seed):
+        torch = self.torch
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, s["heads"], s["head_dim"], generator=g)
+        dt = torch.randn(T, s["heads"], generator=g) - 2
+        B = torch.randn(T, s["groups"], s["state"], generator=g)
+        C = torch.randn(T, s["groups"], s["state"], generator=g)
+        return tuple(t.to(self.dev, self.bf) for t in (x, dt, B, C))
+
+    def params(self, s):
+        torch = self.torch
+        g = torch.Generator().manual_seed(1)
+        A = (-torch.rand(s["heads"], generator=g) * 4 - 0.5).to(self.dev)
+        D = torch.randn(s["heads"], generator=g).to(self.dev)
+        db = (torch.randn(s["heads"], generator=g) * 0.1).to(self.dev, self.bf)
+        return A, D, db
+
+    def cache(self, nb, s):
+        torch, dev = self.torch, self.dev
+        return (torch.zeros(nb, s["heads"], s["head_dim"], s["state"], device=dev),
+                torch.zeros(nb, s["chunk"], s["heads"], s["head_dim"], device=dev, dtype=self.bf),
+                torch.zeros(nb, s["chunk"], s["groups"], s["state"], device=dev, dtype=self.bf),
+                torch.zeros(nb, s["chunk"], s["heads"], device=dev))
+
+    def ours(self, seq, s, p, cu=None, start=None, cache=None, slots=None):
+        x, dt, B, C = seq
+        A, D, db = p
+        torch = self.torch
+        if cu is None:
+            cu = torch.tensor([0, x.shape[0]], device=self.dev, dtype=torch.int32)
+        kw = {} if cache is None else dict(seq_start=start, cache=cache, state_slots=slots)
+        return self.K.mamba_chunk_scan(x, dt, A, B, C, s["chunk"], cu, D=D, dt_bias=db, dt_min=1e-3, **kw)
+
+    # ------------------------------------------------------------- timing
+    def timed(self, fn):
+        torch = self.torch
         fn()
-    sync()
-    return (time.perf_counter() - t) / reps
+        if self.dev != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.a.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1))
+        return statistics.median(times)
 
+    def graphed(self, fn):
+        """Median ms of one replay of a CUDA graph of fn (None off CUDA)."""
+        torch = self.torch
+        if self.dev != "cuda":
+            return None
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return self.timed(g.replay)
 
-def inputs(T, a, dev, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    bf = torch.bfloat16
-    x = torch.randn(T, a.heads, a.head_dim, generator=g).to(dev, bf)
-    dt = (torch.randn(T, a.heads, generator=g) - 2).to(dev, bf)
-    B = torch.randn(T, a.groups, a.state, generator=g).to(dev, bf)
-    C = torch.randn(T, a.groups, a.state, generator=g).to(dev, bf)
-    return x, dt, B, C
+    # ------------------------------------------------------------- checks
+    def checks(self, s, ssd):
+        torch = self.torch
+        p = self.params(s)
+        Q = s["chunk"]
+        lens = (2 * Q + 37, Q + 1, 45)
+        seqs = [self.inputs(n, s, seed=10 + i) for i, n in enumerate(lens)]
+        out = {}
+        alone = [self.ours(q, s, p) for q in seqs]
+        cat = tuple(torch.cat([q[j] for q in seqs]) for j in range(4))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=self.dev, dtype=torch.int32)
+        packed = self.ours(cat, s, p, cu=cu)
+        out["packed_vs_alone_equal"] = all(bool(torch.equal(packed[int(cu[i]):int(cu[i + 1])], alone[i]))
+                                           for i in range(3))
+        seq, n = seqs[0], lens[0]
+        cuts = [n // 5, n // 3, 1, n // 3]
+        for name, splits in (("decode", [n - 40] + [1] * 40), ("chunked", cuts + [n - sum(cuts)]),
+                             ("token_by_token", [1] * n)):
+            cache, at, parts = self.cache(4, s), 0, []
+            for k in splits:
+                part = tuple(t[at:at + k] for t in seq)
+                parts.append(self.ours(part, s, p, start=torch.tensor([at], device=self.dev), cache=cache,
+                                       slots=torch.tensor([2], device=self.dev)))
+                at += k
+            y = torch.cat(parts)
+            out[f"prefill_vs_{name}_equal"] = bool(torch.equal(y, alone[0]))
+            out[f"prefill_vs_{name}_max_abs"] = float((y - alone[0]).abs().max())
+        # parity against a plain fp32 torch SSD on the same bf16 inputs (kernels.mamba.scan_plain; not
+        # HF's mamba2_chunk_scan, which dispatches to mamba_ssm's kernel once mamba_ssm is importable)
+        from bitmatch.kernels.mamba import scan_plain
+        A, D, db = p
+        f32 = [t.float() for t in seq]
+        dtp = torch.nn.functional.softplus(f32[1] + db.float()).clamp(min=1e-3)
+        ref = scan_plain(f32[0], dtp, A, f32[2], f32[3], D, Q, torch.tensor([0, n], device=self.dev))
+        out["fp32_output_max_abs"] = float(ref.abs().max())
+        out["ours_vs_fp32_max_abs"] = float((alone[0] - ref).abs().max())
+        if ssd is not None and self.dev == "cuda":
+            y = ssd.mamba_chunk_scan_combined(seq[0][None], seq[1][None], A, seq[2][None], seq[3][None], Q, D=D,
+                                              dt_bias=db, dt_softplus=True, dt_limit=(1e-3, float("inf")))[0]
+            out["mamba_ssm_vs_fp32_max_abs"] = float((y.float() - ref).abs().max())
+        return out
 
+    # ------------------------------------------------------------- benches
+    def prefill(self, s, T, ssd):
+        torch = self.torch
+        p = self.params(s)
+        seq = self.inputs(T, s, seed=4)
+        cache, start, slots = self.cache(1, s), torch.zeros(1, dtype=torch.int32, device=self.dev), \
+            torch.zeros(1, dtype=torch.int32, device=self.dev)
+        r = {"tokens": T, "ours_ms": self.timed(lambda: self.ours(seq, s, p)),
+             "ours_cached_ms": self.timed(lambda: self.ours(seq, s, p, start=start, cache=cache, slots=slots))}
+        if ssd is not None and self.dev == "cuda":  # mamba_ssm enters torch.cuda.device(x.device.index)
+            A, D, db = p
+            args = (seq[0][None], seq[1][None], A, seq[2][None], seq[3][None], s["chunk"])
+            kw = dict(D=D, dt_bias=db, dt_softplus=True, dt_limit=(1e-3, float("inf")))
+            r["mamba_ssm_ms"] = self.timed(lambda: ssd.mamba_chunk_scan_combined(*args, **kw))
+            r["mamba_ssm_final_state_ms"] = self.timed(
+                lambda: ssd.mamba_chunk_scan_combined(*args, return_final_states=True, **kw))
+            r["ratio_mamba_ssm_over_ours"] = r["mamba_ssm_ms"] / r["ours_ms"]
+        return r
 
-def params(a, dev):
-    g = torch.Generator(device="cpu").manual_seed(1)
-    A = (-torch.rand(a.heads, generator=g) * 4 - 0.5).to(dev)
-    D = torch.randn(a.heads, generator=g).to(dev)
-    db = (torch.randn(a.heads, generator=g) * 0.1).to(dev, torch.bfloat16)
-    return A, D, db
+    def decode(self, s, nb, ssu):
+        torch = self.torch
+        Q, H, P, N = s["chunk"], s["heads"], s["head_dim"], s["state"]
+        p = self.params(s)
+        A, D, db = p
+        seq = self.inputs(nb, s, seed=3)
+        cache = self.cache(nb, s)
+        cache[0].normal_(0, 0.1)
+        cache[1].normal_(0, 1.0)
+        cache[2].normal_(0, 1.0)
+        cache[3].uniform_(0.01, 0.1)
+        cu = torch.arange(nb + 1, device=self.dev, dtype=torch.int32)
+        slots = torch.arange(nb, device=self.dev, dtype=torch.int32)
+        starts = [torch.full((nb,), self.a.context + i, device=self.dev, dtype=torch.int32) for i in range(Q)]
 
+        def ours():
+            for st in starts:
+                self.ours(seq, s, p, cu=cu, start=st, cache=cache, slots=slots)
+        g = self.graphed(ours)
+        r = {"batch": nb, "context": self.a.context, "ours_ms": self.timed(ours) / Q,
+             "ours_graph_ms": g / Q if g else None}
+        if ssu is not None and self.dev == "cuda":
+            state = torch.zeros(nb, H, P, N, device=self.dev).normal_(0, 0.1)
+            x, dt, B, C = seq
+            dte, Ae = dt[:, :, None].expand(nb, H, P), A[:, None, None].expand(H, P, N)
+            De, dbe = D[:, None].expand(H, P), db[:, None].expand(H, P)
 
-def cache_for(nb, a, dev):
-    bf = torch.bfloat16
-    return (torch.zeros(nb, a.heads, a.head_dim, a.state, device=dev),
-            torch.zeros(nb, a.chunk, a.heads, a.head_dim, device=dev, dtype=bf),
-            torch.zeros(nb, a.chunk, a.groups, a.state, device=dev, dtype=bf),
-            torch.zeros(nb, a.chunk, a.heads, device=dev))
+            def stock():
+                for _ in range(Q):
+                    ssu.selective_state_update(state, x, dte, Ae, B, C, De, dt_bias=dbe, dt_softplus=True,
+                                               state_batch_indices=slots)
+            r["mamba_ssm_ms"] = self.timed(stock) / Q
+            g = self.graphed(stock)
+            r["mamba_ssm_graph_ms"] = g / Q if g else None
+            r["ratio_ours_over_mamba_ssm"] = r["ours_ms"] / r["mamba_ssm_ms"]
+            if r["ours_graph_ms"]:
+                r["ratio_graph_ours_over_mamba_ssm"] = r["ours_graph_ms"] / r["mamba_ssm_graph_ms"]
+        return r
 
+    def conv(self, s, T, nb):
+        """Our causal_conv1d vs the causal_conv1d package (prefill of T tokens, an update of nb)."""
+        torch, K = self.torch, self.K
+        Cd = s["heads"] * s["head_dim"] + 2 * s["groups"] * s["state"]
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(T, Cd, generator=g).to(self.dev, self.bf)
+        w = (torch.randn(Cd, 4, generator=g) * 0.3).to(self.dev, self.bf)
+        b = torch.randn(Cd, generator=g).to(self.dev, self.bf)
+        cu = torch.tensor([0, T], device=self.dev, dtype=torch.int32)
+        xs = torch.randn(nb, Cd, generator=g).to(self.dev, self.bf)
+        st = torch.zeros(nb, 3, Cd, device=self.dev, dtype=self.bf)
+        cu1, sl = torch.arange(nb + 1, device=self.dev, dtype=torch.int32), torch.arange(nb, device=self.dev)
+        r = {"tokens": T, "batch": nb, "channels": Cd,
+             "ours_prefill_ms": self.timed(lambda: K.causal_conv1d(x, w, b, cu)),
+             "ours_update_ms": self.timed(lambda: K.causal_conv1d(xs, w, b, cu1, conv_state=st, state_slots=sl))}
+        try:
+            import causal_conv1d as cc
+        except Exception as exc:  # noqa: BLE001
+            r["causal_conv1d"] = f"not importable: {exc!r}"
+            return r
+        xt = x.t()[None]  # [1, C, T], channel-last storage like mamba_ssm's layer
+        stc = torch.zeros(nb, Cd, 3, device=self.dev, dtype=self.bf)
+        r["causal_conv1d"] = getattr(cc, "__version__", "?")
+        r["stock_prefill_ms"] = self.timed(lambda: cc.causal_conv1d_fn(xt, w, b, activation="silu"))
+        r["stock_update_ms"] = self.timed(lambda: cc.causal_conv1d_update(xs, stc, w, b, activation="silu"))
+        r["ratio_prefill_stock_over_ours"] = r["stock_prefill_ms"] / r["ours_prefill_ms"]
+        r["ratio_update_ours_over_stock"] = r["ours_update_ms"] / r["stock_update_ms"]
+        return r
 
-def checks(K, hf, a, dev):
-    """Bitwise schedule and batch invariance of our scan at the benchmark shapes; the HF control."""
-    A, D, db = params(a, dev)
-    lens = (a.chunk * 2 + 37, a.chunk + 1, 45)
-    seqs = [inputs(n, a, dev, seed=10 + i) for i, n in enumerate(lens)]
-    out = {}
-
-    def one(s, start=None, cache=None, slot=0):
-        n = s[0].shape[0]
-        kw = {} if cache is None else dict(seq_start=torch.tensor([start], device=dev), cache=cache,
-                                           state_slots=torch.tensor([slot], device=dev))
-        return K.mamba_chunk_scan(s[0], s[1], A, s[2], s[3], a.chunk, torch.tensor([0, n], device=dev), D=D,
-                                  dt_bias=db, dt_min=1e-3, **kw)
-    alone = [one(s) for s in seqs]
-    cat = [torch.cat([s[j] for s in seqs]) for j in range(4)]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
-    packed = K.mamba_chunk_scan(cat[0], cat[1], A, cat[2], cat[3], a.chunk, cu, D=D, dt_bias=db, dt_min=1e-3)
-    out["packed_vs_alone_equal"] = all(torch.equal(packed[int(cu[i]):int(cu[i + 1])], alone[i]) for i in range(3))
-    s, n = seqs[0], lens[0]
-    cuts = [n // 5, n // 3, 1, n // 3]
-    for name, splits in (("decode", [n - 40] + [1] * 40), ("chunked", cuts + [n - sum(cuts)])):
-        cache, at, parts = cache_for(4, a, dev), 0, []
-        for k in splits:
-            parts.append(one(tuple(t[at:at + k] for t in s), at, cache, slot=2))
-            at += k
-        y = torch.cat(parts)
-        out[f"prefill_vs_{name}_equal"] = bool(torch.equal(y, alone[0]))
-        out[f"prefill_vs_{name}_max_abs"] = float((y - alone[0]).abs().max())
-    # parity with HF's chunked scan (fp32 math on bf16 inputs), and the control
-    ref = hf.mamba2_chunk_scan(s[0][None], s[1][None], A, s[2][None], s[3][None], a.chunk, D=D, dt_bias=db,
-                               dt_softplus=True, dt_limit=(1e-3, float("inf")))[0]
-    out["parity_vs_hf_max_abs"] = float((alone[0] - ref).abs().max())
-    out["hf_output_max_abs"] = float(ref.abs().max())
-    st = torch.zeros(1, a.heads, a.head_dim, a.state, device=dev)
-    rec = [hf_step(hf, st, tuple(t[i:i + 1] for t in s), A, D, db, a) for i in range(n)]
-    out["control_hf_chunked_vs_recurrent_equal"] = bool(torch.equal(torch.cat(rec).float(), ref.float()))
-    out["control_hf_max_abs"] = float((torch.cat(rec).float() - ref.float()).abs().max())
-    return out
-
-
-def hf_step(hf, state, tok, A, D, db, a):
-    x, dt, B, C = tok
-    Bn, H, P, N = x.shape[0], a.heads, a.head_dim, a.state
-    return hf.mamba2_selective_state_update(
-        state, x, dt[:, :, None].expand(Bn, H, P), A[:, None, None].expand(H, P, N), B, C,
-        D[:, None].expand(H, P), dt_bias=db[:, None].expand(H, P), dt_softplus=True)
-
-
-def bench_decode(K, hf, a, dev, nb, ctx, sync):
-    A, D, db = params(a, dev)
-    x, dt, B, C = inputs(nb, a, dev, seed=3)
-    cache = cache_for(nb, a, dev)
-    cache[0].normal_(0, 0.1)
-    for t in cache[1:]:
-        t.normal_(0, 1.0)
-    cache[3].uniform_(0.01, 0.1)
-    cu = torch.arange(nb + 1, device=dev)
-    slots = torch.arange(nb, device=dev)
-    starts = [torch.full((nb,), ctx + i, device=dev, dtype=torch.long) for i in range(a.chunk)]
-
-    def ours():
-        for st in starts:
-            K.mamba_chunk_scan(x, dt, A, B, C, a.chunk, cu, D=D, dt_bias=db, dt_min=1e-3, seq_start=st,
-                               cache=cache, state_slots=slots)
-    state = torch.zeros(nb, a.heads, a.head_dim, a.state, device=dev).normal_(0, 0.1)
-
-    def stock():
-        for _ in range(a.chunk):
-            hf_step(hf, state, (x, dt, B, C), A, D, db, a)
-    t_ours = timed(ours, a.reps, sync) / a.chunk
-    t_hf = timed(stock, a.reps, sync) / a.chunk
-    return {"batch": nb, "context": ctx, "ours_ms_per_token": t_ours * 1e3, "hf_recurrent_ms_per_token": t_hf * 1e3,
-            "ratio_ours_over_hf": t_ours / t_hf}
-
-
-def bench_prefill(K, hf, a, dev, T, sync):
-    A, D, db = params(a, dev)
-    x, dt, B, C = inputs(T, a, dev, seed=4)
-    cu = torch.tensor([0, T], device=dev)
-    t_ours = timed(lambda: K.mamba_chunk_scan(x, dt, A, B, C, a.chunk, cu, D=D, dt_bias=db, dt_min=1e-3), a.reps,
-                   sync)
-    t_hf = timed(lambda: hf.mamba2_chunk_scan(x[None], dt[None], A, B[None], C[None], a.chunk, D=D, dt_bias=db,
-                                              dt_softplus=True, dt_limit=(1e-3, float("inf"))), a.reps, sync)
-    return {"tokens": T, "ours_ms": t_ours * 1e3, "hf_chunked_ms": t_hf * 1e3, "ratio_hf_over_ours": t_hf / t_ours}
+    def kernel_info(self, s):
+        """The fixed config and, on CUDA, registers / spills of the compiled scan kernels."""
+        cfg = self.ssd_mod.config_for(self.bf, s["head_dim"], s["state"], s["chunk"])
+        info = {"config": cfg, "compiled": []}
+        try:
+            for caches in self.ssd_mod._ssd_kernel.device_caches.values():
+                for k in caches[0].values():
+                    info["compiled"].append({"n_regs": getattr(k, "n_regs", None),
+                                             "n_spills": getattr(k, "n_spills", None),
+                                             "shared": getattr(k.metadata, "shared", None)})
+        except Exception as exc:  # noqa: BLE001 - interpreter or another Triton layout
+            info["compiled"] = f"unavailable: {exc!r}"
+        return info
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,64,256")
-    ap.add_argument("--contexts", default="1024,4096,8192")
-    ap.add_argument("--prefill", default="1024,4096,8192")
-    ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--state", type=int, default=128)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mamba-src", default=None, help="unpacked mamba-ssm sdist (e.g. .whl/mamba_ssm-2.3.2.post1)")
+    ap.add_argument("--shapes", default="nemotron_h_8b,small")
+    ap.add_argument("--prefill", default="2048,8192")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=4096, help="decode positions start here (a chunk boundary)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
-    import bitmatch.kernels as K
-    from transformers.models.nemotron_h import modeling_nemotron_h as hf
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    if a.device == "cpu":  # Triton's interpreter: before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("mamba_layer: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
+    ssd, ssu, note = load_mamba_ssm(a.mamba_src)
     os.makedirs(a.out, exist_ok=True)
-    res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "machine": machine_info(),
-           "commit": a.commit, "shapes": {k: getattr(a, k) for k in ("heads", "head_dim", "state", "groups", "chunk")},
-           "mamba_ssm": "not installed on the device (no selective_state_update baseline)", "checks": None,
-           "decode": [], "prefill": []}
     path = os.path.join(a.out, "mamba_layer.json")
+    res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": a.commit,
+           "machine": machine_info(a.device), "mamba_ssm": note,
+           "kernels": {"ours_scan": "bitmatch.kernels.triton.mamba_ssd._ssd_kernel (+ _stash_b_kernel with a cache)",
+                       "ours_conv": "bitmatch.kernels.triton.mamba._conv_kernel",
+                       "mamba_ssm_prefill": "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"
+                       if ssd else None,
+                       "mamba_ssm_decode": "mamba_ssm.ops.triton.selective_state_update.selective_state_update"
+                       if ssu else None},
+           "shapes": {}}
 
     def dump():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
-    t0 = time.time()
-    res["checks"] = checks(K, hf, a, dev)
-    print("checks", res["checks"], f"{time.time() - t0:.1f}s", flush=True)
-    dump()
-    for nb in map(int, a.batches.split(",")):
-        for ctx in map(int, a.contexts.split(",")):
-            r = bench_decode(K, hf, a, dev, nb, ctx, sync)
-            res["decode"].append(r)
-            print("decode", r, flush=True)
+    b = Bench(a)
+    import bitmatch.kernels as K
+    cpu = a.device == "cpu"  # the interpreter: tiny shapes, few calls
+    names = ["tiny"] if cpu else a.shapes.split(",")
+    prefill = [40] if cpu else [int(t) for t in a.prefill.split(",")]
+    batches = [1, 3] if cpu else [int(nb) for nb in a.batches.split(",")]
+    with K.use_backend("triton"):
+        for name in names:
+            s = SHAPES[name]
+            out = res["shapes"][name] = {"shape": s, "checks": None, "prefill": [], "decode": [], "conv": []}
+            steps = [("checks", lambda s=s: b.checks(s, ssd))] if not a.no_checks else []
+            steps += [("prefill", lambda s=s, T=T: b.prefill(s, T, ssd)) for T in prefill]
+            steps += [("decode", lambda s=s, nb=nb: b.decode(s, nb, ssu)) for nb in batches]
+            steps += [("conv", lambda s=s, nb=nb: b.conv(s, prefill[0], nb)) for nb in batches]
+            for key, fn in steps:
+                t0 = time.time()
+                try:
+                    r = fn()
+                except Exception as exc:  # noqa: BLE001 - one failing step must not lose the others
+                    r = {"error": repr(exc), "traceback": traceback.format_exc(limit=6)}
+                if key == "checks":
+                    out["checks"] = r
+                else:
+                    out[key].append(r)
+                print(name, key, json.dumps(r), f"({time.time() - t0:.1f}s)", flush=True)
+                dump()
+            out["kernel_info"] = b.kernel_info(s)
             dump()
-    for T in map(int, a.prefill.split(",")):
-        r = bench_prefill(K, hf, a, dev, T, sync)
-        res["prefill"].append(r)
-        print("prefill", r, flush=True)
-        dump()
-    print("wall", time.time() - t0)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

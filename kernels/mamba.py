@@ -29,8 +29,10 @@ gated_rms_norm: h = fp32(y * fp32(silu(z))); per group of ``group_size`` channel
 inv = 1 / sqrt(tree_sum(h^2) / group_size + eps); out = fp32(weight * fp32(h * inv)).
 
 Backward (trainer): gradients by re-running a plain differentiable fp32 version (correct, not
-invariant) in torch, on either backend. Triton (CUDA): kernels/triton/mamba.py, with its own
-fp32 canonical order (documented there); both backends share the schedule above.
+invariant) in torch, on either backend. Triton (CUDA): the scan in kernels/triton/mamba_ssd.py
+(a chunked SSD with tensor-core products, bf16 dot operands for bf16 inputs), with its own
+canonical order documented there; both backends share the schedule above (absolute chunks, the
+open-chunk replay), each is bit-exact with itself across schedules, and they agree to rounding.
 """
 from __future__ import annotations
 
@@ -255,8 +257,9 @@ def scan_reference(x, dt, A, B, C, D, Q, cu, seq_start, cache, slots):
     return y
 
 
-def _scan_plain(x, dt, A, B, C, D, Q, cu):
-    """Differentiable fp32 SSD (per sequence, per chunk, the same recurrence): the backward."""
+def scan_plain(x, dt, A, B, C, D, Q, cu):
+    """Differentiable fp32 SSD in torch (per sequence, per chunk, the same recurrence; dt after
+    softplus): the backward, and a device-side parity reference for benchmarks. Not invariant."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     rep = H // G
@@ -305,7 +308,7 @@ class _ScanFunction(torch.autograd.Function):
         def plain(x_, dr, A_, B_, C_, D_, db):
             z = dr.float() + (0.0 if db is None else db.float())
             dt = F.softplus(z).clamp(min=dt_min)
-            return _scan_plain(x_, dt, A_, B_, C_, D_, Q, cu)
+            return scan_plain(x_, dt, A_, B_, C_, D_, Q, cu)
         grads = recompute_grads(plain, (x, dt_raw, A, B, C, D, dt_bias), ctx.needs_input_grad[:7], (g,))
         return (*grads, None, None, None)
 

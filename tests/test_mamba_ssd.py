@@ -12,8 +12,13 @@ import random
 import pytest
 import torch
 
+import bitmatch
 import bitmatch.kernels as K
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.models import nemotron_h as NH
 from bitmatch.testing import assert_bitwise_equal
+from bitmatch.testing_models import random_prompts
+from test_engine import assert_bitmatch
 
 pytestmark = pytest.mark.interpreter
 
@@ -165,12 +170,6 @@ def test_triton_scan_refuses_shapes_it_cannot_tile():
 def test_nemotron_h_bf16_engine_equals_trainer_on_triton():
     """The bf16 model on the Triton backend (bf16 dot operands in the scan): the engine's chunked
     prefill and decode across chunk boundaries == the trainer's forward, bit for bit."""
-    import bitmatch
-    from bitmatch.engine import Engine, SamplingParams
-    from bitmatch.models import nemotron_h as NH
-    from bitmatch.testing_models import random_prompts
-    from test_engine import assert_bitmatch
-
     m = bitmatch.patch(NH.tiny_model(torch.bfloat16, seed=0, chunk_size=16), compute_dtype=torch.bfloat16)
     prompts = random_prompts(2, 13, 18, seed=2)
     params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=i) for i in range(2)]
