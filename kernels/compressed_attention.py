@@ -35,8 +35,16 @@ from dataclasses import dataclass
 import torch
 
 from . import _exact
-from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
-                       recompute_grads, triton_impl)
+from ._backend import (
+    backend_for,
+    check_float,
+    check_int,
+    check_on_device,
+    check_same_device,
+    host_readable,
+    recompute_grads,
+    triton_impl,
+)
 
 F64 = torch.float64
 _SCRATCH = 1 << 22  # float64 score elements per query chunk: bounds memory, not bits
@@ -111,7 +119,7 @@ class SinkAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, kv, entries, sinks, qpos, entry_mask = ctx.saved_tensors
-        fn = lambda a, b, c, d: _sink_plain(a, b, c, d, qpos, entry_mask, *ctx.args)  # noqa: E731
+        fn = lambda a, b, c, d: _sink_plain(a, b, c, d, qpos, entry_mask, *ctx.args)
         grads = recompute_grads(fn, (q, kv, entries, sinks), ctx.needs_input_grad[:4], (g,))
         return (*grads, None, None, None, None)
 
@@ -204,7 +212,7 @@ class KeyRows:
         blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").clamp(max=bt.shape[1] - 1))
         return blk * self.block_size + pos % self.block_size
 
-    def rows_slice(self, start: int, stop: int) -> "KeyRows":
+    def rows_slice(self, start: int, stop: int) -> KeyRows:
         """The addressing of rows start..stop-1 (a chunk of the step's rows)."""
         sl = slice(start, stop)
         return KeyRows(self.max_len, None if self.row_start is None else self.row_start[sl],
@@ -306,8 +314,9 @@ class SinkAttentionRowsFunction(torch.autograd.Function):
             sl = slice(s, s + step)
             sub = rows.rows_slice(s, s + step)
             sel = selected[sl] if selected.shape[1] else None
-            fn = lambda a, b, c, d: _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub,  # noqa: E731
-                                                scale, window, rate)
+
+            def fn(a, b, c, d, sl=sl, sel=sel, sub=sub):
+                return _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub, scale, window, rate)
             got = recompute_grads(fn, (q[sl], kv, entries, sinks), needs, (g[sl],))
             if needs[0]:
                 acc[0] = [got[0]] if acc[0] is None else acc[0] + [got[0]]

@@ -27,7 +27,14 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_int, check_on_device, check_same_device, triton_impl
+from ._backend import (
+    backend_for,
+    check_float,
+    check_int,
+    check_on_device,
+    check_same_device,
+    triton_impl,
+)
 from .compressed_attention import KeyRows, entry_list
 
 F64 = torch.float64

@@ -145,7 +145,7 @@ def sink_attention_rows(q, qpos, kv, entries, selected, sinks, rows, scale, wind
 def sink_attention(q, qpos, kv, entries, entry_mask, sinks, scale, window):
     """One sequence (keys at rows 0..L-1, entries at rows 0..C-1, any entry mask): the rows kernel
     on a packed store whose every row starts at 0, the mask as each row's ascending entry list."""
-    tq, n_ent = entry_mask.shape
+    n_ent = entry_mask.shape[1]
     rows = KeyRows.packed(qpos, row_start=torch.zeros_like(qpos, dtype=torch.int64), max_len=kv.shape[0])
     if n_ent == 0:
         return sink_attention_rows(q, qpos, kv, None, None, sinks, rows, scale, window, 1)
