@@ -352,6 +352,18 @@ def r_trl_step(d):
     return out
 
 
+def r_mhc(d):
+    rows = []
+    for n, r in sorted(d.get("runs", {}).items(), key=lambda kv: int(kv[0])):
+        for op, t in r.get("ms", {}).items():
+            q = t.get("ratio_vs_fused", {})
+            rows.append([n, op, t.get("fused"), q.get("composed"), q.get("hf")])
+    inv = {k: v for r in d.get("runs", {}).values() for k, v in r.get("invariance_cases_differing", {}).items()}
+    return header(d) + ["ms of the fused Triton kernels; ratio = other ms / fused ms (> 1: fused faster). "
+                        f"Batch-invariance cases differing: {fmt(inv)}.", ""] + \
+        table(["tokens", "op", "fused ms", "previous composition / fused", "HF modules / fused"], rows)
+
+
 def r_cpu_ops(d):
     g = d.get("geomean_ratio_by_op", {})
     return header(d) + ["Ratio = stock time / bitmatch time (the exact CPU reference; < 1: slower).", ""] + \
@@ -385,6 +397,7 @@ RENDERERS = {
     "sampler_h200": ("Sampler (`benchmarks/sampler.py`)", r_sampler),
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
+    "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),
     "cpu": ("Ops on the CPU reference (`benchmarks/cpu_ops.py`)", r_cpu_ops),
     "engine_cpu": ("Embedded engine on the CPU (`benchmarks/engine_cpu.py`)", r_engine_cpu),
     "deepseek_v4_tiny_cpu": ("DeepSeek-V4 tiny config on the CPU (`benchmarks/deepseek_v4_layer.py`)",
