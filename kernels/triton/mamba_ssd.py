@@ -38,6 +38,8 @@ the same structure.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -172,26 +174,34 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
 
 
 @triton.jit
-def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr, GN: tl.constexpr, BLOCK: tl.constexpr):
-    """B rows of the call's positions in each sequence's open chunk -> its buffer (a plain copy)."""
+def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr, GN: tl.constexpr,
+                    RB: tl.constexpr, BLOCK: tl.constexpr):
+    """B rows of the call's positions in each sequence's open chunk -> its buffer (a plain copy);
+    program (sequence, row block, column block)."""
     b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < GN
+    rows = tl.program_id(1) * RB + tl.arange(0, RB)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     t0 = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.load(cu_ptr + b + 1).to(tl.int64) - t0
     p0 = tl.load(start_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     pend = p0 + n
-    open_start = tl.maximum(p0, (pend // Q) * Q)  # pend % Q == 0: the chunk closed, nothing is open
-    for q in range(open_start, pend):
-        v = tl.load(B_ptr + (t0 + q - p0) * GN + offs, mask=m)
-        tl.store(bb_ptr + slot * (Q * GN) + (q % Q) * GN + offs, v, mask=m)
+    q = (pend // Q) * Q + rows  # the open chunk (none when pend % Q == 0: then q >= pend)
+    m = ((q >= p0) & (q < pend))[:, None] & (offs < GN)[None, :]
+    v = tl.load(B_ptr + (t0 + q - p0)[:, None] * GN + offs[None, :], mask=m)
+    tl.store(bb_ptr + slot * (Q * GN) + rows[:, None] * GN + offs[None, :], v, mask=m)
 
 
 def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
     """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc)."""
     warps = 8 if (dtype != torch.float32 and P * N >= 8192) else 4
     return dict(BM=min(64, Q), BK=min(64, Q), num_warps=warps, num_stages=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _rounded(v: float, dtype: torch.dtype) -> float:
+    """v rounded to dtype (HF clamps dt at dt_min in dt's dtype); cached: a host op per call otherwise."""
+    return float(torch.tensor(v).to(dtype))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -228,7 +238,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
         start = slots = cu
     bias = _aligned(dt_bias) if dt_bias is not None else y
     Dp = _aligned(D) if D is not None else y
-    dt_lo = float(torch.tensor(dt_min).to(dt.dtype))  # HF clamps at dt_min rounded to dt's dtype
+    dt_lo = _rounded(dt_min, dt.dtype)
     ws = torch.empty(nb * H * 2 * Q, dtype=torch.float32, device=x.device)
     _ssd_kernel[(nb, H)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
                          S, xb, bb, db, ws, dt_lo, int(has_cache),
@@ -237,6 +247,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                          else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if has_cache:  # after the scan: its programs have read the old B rows of the open chunks
         GN = G * N
-        BLOCK = min(1024, triton.next_power_of_2(GN))
-        _stash_b_kernel[(nb, triton.cdiv(GN, BLOCK))](Ba, cu, start, slots, bb, Q, GN=GN, BLOCK=BLOCK)
+        RB, BLOCK = 16, min(256, triton.next_power_of_2(GN))
+        _stash_b_kernel[(nb, Q // RB, triton.cdiv(GN, BLOCK))](Ba, cu, start, slots, bb, Q=Q, GN=GN, RB=RB,
+                                                                BLOCK=BLOCK)
     return y
