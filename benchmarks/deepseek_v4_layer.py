@@ -114,10 +114,10 @@ def _diff_on_device(model, outs, device):
         n += c
     return {"tokens": n, "mismatches": bad}
 
-def _attn_ctx(device, B, n_ctx, n_new, caches, bs):
-    """A paged ForwardContext for B sequences holding n_ctx tokens, computing the next n_new each."""
+def _attn_ctx(device, B, n_ctx, n_new, caches, bs, nb):
+    """A paged ForwardContext for B sequences holding n_ctx tokens, computing the next n_new each;
+    sequence b owns blocks b*nb .. b*nb + nb - 1 (the same table for every step of a sequence)."""
     from bitmatch.context import ForwardContext
-    nb = -(-(n_ctx + n_new) // bs)
     bt = torch.arange(B * nb, device=device, dtype=torch.int32).view(B, nb)
     pos = (torch.arange(n_new, device=device) + n_ctx).repeat(B)
     seq = torch.arange(B, device=device).repeat_interleave(n_new)
@@ -161,8 +161,8 @@ def attention_section(a, model, device, res):
                     train = call(x.reshape(B * n, -1), tctx).view(B, n, -1)[:, -1]
                     nb = -(-n // bs)
                     caches = allocate_caches(fam.cache_groups(spec, dt), B * nb, bs, device)
-                    call(x[:, :-1].reshape(B * a.seq, -1), _attn_ctx(device, B, 0, a.seq, caches, bs))
-                    dctx = _attn_ctx(device, B, a.seq, 1, caches, bs)
+                    call(x[:, :-1].reshape(B * a.seq, -1), _attn_ctx(device, B, 0, a.seq, caches, bs, nb))
+                    dctx = _attn_ctx(device, B, a.seq, 1, caches, bs, nb)
                     dec = call(x[:, -1], dctx)
                     # re-running the step rewrites the same slots with the same values: timing is safe
                     t_dec = _timed(lambda: call(x[:, -1], dctx), a.reps, device)
