@@ -159,11 +159,18 @@ def test_parity_with_float64_reference_and_stateless_control(dtype):
         torch.testing.assert_close(stateless, ref, **tol)
 
 
-def test_triton_scan_refuses_shapes_it_cannot_tile():
+def test_triton_scan_refuses_untileable_shapes_and_a_misaligned_cache():
+    """Errors name the argument and the fix: a chunk_size the tiles cannot cover, and a cache tensor
+    off 16-byte alignment (alignment picks the kernel variant, and the cache cannot be copied)."""
     x, dt, B, C = _seq(4, seed=0)
     A, D, db = _params()
-    with K.use_backend("triton"), pytest.raises(NotImplementedError, match="chunk_size=8 must be a power of two"):
-        K.mamba_chunk_scan(x, dt, A, B, C, 8, torch.tensor([0, 4]), D=D, dt_bias=db)
+    with K.use_backend("triton"):
+        with pytest.raises(NotImplementedError, match="chunk_size=8 must be a power of two"):
+            K.mamba_chunk_scan(x, dt, A, B, C, 8, torch.tensor([0, 4]), D=D, dt_bias=db)
+        cache = _cache(BF)
+        off = torch.zeros(cache[0].numel() + 1)[1:].view(cache[0].shape)  # 4 bytes past an aligned start
+        with pytest.raises(ValueError, match="ssm_state must be contiguous and 16-byte aligned"):
+            _scan([(x, dt, B, C)], [0], (off,) + cache[1:], [0])
 
 
 @pytest.mark.slow

@@ -46,9 +46,10 @@ import triton.language as tl
 
 from . import interpreting
 
-# pointers whose alignment must not pick a kernel variant: the cache (an engine's views) and the
-# integer metadata; float inputs are copied when misaligned (see _aligned)
-_NO_ALIGN = ["cu_ptr", "start_ptr", "slot_ptr", "S_ptr", "xb_ptr", "bb_ptr", "db_ptr"]
+# Triton specialises a pointer on 16-byte alignment, which picks vector widths and so layouts:
+# every float pointer is aligned in every call (inputs copied when not, the cache refused when not,
+# see mamba_chunk_scan); the integer metadata is read as scalars and never specialised
+_NO_ALIGN = ["cu_ptr", "start_ptr", "slot_ptr"]
 
 
 @triton.jit
@@ -75,10 +76,10 @@ def _chunk_rows(in_ptr, in_row, in_col, buf_ptr, buf_row, cq, rows, p0, pend, t0
     """Values [len(rows), len(cols)] of chunk positions cq + rows: the call's inputs from p0 on, the
     open-chunk buffer before p0, exact zeros from pend on."""
     q = cq + rows
-    in_call = (q >= p0) & (q < pend)
-    v = tl.load(in_ptr + (t0 + q - p0)[:, None] * in_row + in_col + cols[None, :], mask=in_call[:, None], other=0.0)
-    vb = tl.load(buf_ptr + rows[:, None] * buf_row + cols[None, :], mask=(q < p0)[:, None], other=0.0)
-    return tl.where(in_call[:, None], v, vb)
+    # one load through a selected pointer: a merge of two loads would hold both tiles in registers
+    src = tl.where((q >= p0)[:, None], in_ptr + (t0 + q - p0)[:, None] * in_row + in_col + cols[None, :],
+                   buf_ptr + rows[:, None] * buf_row + cols[None, :])
+    return tl.load(src, mask=(q < pend)[:, None], other=0.0)
 
 
 @triton.jit(do_not_specialize=["has_cache"], do_not_specialize_on_alignment=_NO_ALIGN)
@@ -193,9 +194,13 @@ def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr,
 
 
 def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
-    """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc)."""
-    warps = 8 if (dtype != torch.float32 and P * N >= 8192) else 4
-    return dict(BM=min(64, Q), BK=min(64, Q), num_warps=warps, num_stages=2)
+    """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc).
+    From sm_90 compiles (ptxas -v) at Nemotron-H shapes: bf16 64-row tiles with 32-position K
+    blocks on 8 warps spill ~50 bytes (64-position blocks ~280); fp32 "ieee" dots run on FMAs
+    and keep their operands in registers, so 32-row tiles."""
+    if dtype == torch.float32:
+        return dict(BM=min(32, Q), BK=min(32, Q), num_warps=8 if P * N >= 4096 else 4, num_stages=2)
+    return dict(BM=min(64, Q), BK=min(32, Q), num_warps=8 if P * N >= 8192 else 4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,6 +237,10 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     has_cache = cache is not None
     if has_cache:
         S, xb, bb, db = cache
+        for name, t in zip(("ssm_state", "x_buf", "B_buf", "dt_buf"), cache):
+            if t.data_ptr() % 16 or not t.is_contiguous():
+                raise ValueError(f"mamba_chunk_scan (Triton): cache {name} must be contiguous and 16-byte aligned "
+                                 "(it is updated in place, so it cannot be copied); allocate it on its own")
         start, slots = _index(seq_start), _index(state_slots)
     else:  # never read (has_cache = 0 masks the cache off), but of the cache's dtypes: same binary
         S, xb, bb, db = y, xa, Ba, y
