@@ -147,20 +147,25 @@ class Bench:
             times.append(e0.elapsed_time(e1))
         return statistics.median(times)
 
-    def graphed(self, fn):
-        """Median ms of one replay of a CUDA graph of fn (None off CUDA)."""
+    def graphed(self, fn, errors):
+        """Median ms of one replay of a CUDA graph of fn (None off CUDA, or when capture fails:
+        the reason goes to ``errors``)."""
         torch = self.torch
         if self.dev != "cuda":
             return None
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self.timed(g.replay)
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return self.timed(g.replay)
+        except Exception as exc:  # noqa: BLE001 - the eager timings still stand
+            errors.append(repr(exc))
+            return None
 
     # ------------------------------------------------------------- checks
     def checks(self, s, ssd):
@@ -241,9 +246,10 @@ class Bench:
         def ours():
             for st in starts:
                 self.ours(seq, s, p, cu=cu, start=st, cache=cache, slots=slots)
-        g = self.graphed(ours)
+        errors = []
+        g = self.graphed(ours, errors)
         r = {"batch": nb, "context": self.a.context, "ours_ms": self.timed(ours) / Q,
-             "ours_graph_ms": g / Q if g else None}
+             "ours_graph_ms": g / Q if g else None, "graph_errors": errors}
         if ssu is not None and self.dev == "cuda":
             state = torch.zeros(nb, H, P, N, device=self.dev).normal_(0, 0.1)
             x, dt, B, C = seq
@@ -255,7 +261,7 @@ class Bench:
                     ssu.selective_state_update(state, x, dte, Ae, B, C, De, dt_bias=dbe, dt_softplus=True,
                                                state_batch_indices=slots)
             r["mamba_ssm_ms"] = self.timed(stock) / Q
-            g = self.graphed(stock)
+            g = self.graphed(stock, errors)
             r["mamba_ssm_graph_ms"] = g / Q if g else None
             r["ratio_ours_over_mamba_ssm"] = r["ours_ms"] / r["mamba_ssm_ms"]
             if r["ours_graph_ms"]:
