@@ -24,10 +24,10 @@ Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 acc
 mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, warps, stages) is fixed per (dtype, P, N,
 Q): never autotuned, since tile shapes and warps pick the MMA instructions a row's bits come from.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
-not value-specialised and misaligned inputs are copied to aligned ones, so no launch compiles a
-variant. The row of a tile that a token reads never depends on the tile's other rows, but a tile's
-unused rows (positions outside the call) are zeros, so a row whose every term is an exact zero can
-differ in the sign of that zero only.
+not value-specialised, misaligned inputs are copied to aligned ones and a misaligned cache is
+refused, so no launch compiles a variant. A token's row never depends on the tile's other rows;
+the positions after the token (real in a prefill, zeros in a decode) reach it only through exact
+zeros of W, so only a row whose every term is zero could differ, in the sign of that zero.
 
 Cache (seq_start / cache / state_slots of kernels.mamba_chunk_scan): the kernel reads S_c and the
 open chunk's x / B / dt before the call's first position, writes S back when a chunk closed, and
