@@ -297,9 +297,37 @@ def r_deepseek_v4(d):
     out = header(first) + ["Ratio = bitmatch tokens/s / HF's own implementation's tokens/s (< 1: slower).", ""]
     out += table(["run", "config", "train fwd+bwd", "engine decode vs HF generate", "Diff mismatches", "tokens"],
                  [_dsv4_rows(k, r) for k, r in runs.items()])
+    blocks = [(k, r) for k, r in runs.items() if get(r, "results", "attention_block")]
+    for k, r in blocks:
+        rows = [[lt, b.get("decode_us_per_token"), b.get("prefill_us_per_token"), b.get("engine_vs_trainer_rows_differing")]
+                for lt, b in get(r, "results", "attention_block").items()]
+        out += ["", f"Attention block alone ({k}: one layer of each type, trainer prefill vs engine decode):", ""]
+        out += table(["layer type / decode batch", "decode us per token", "prefill us per token",
+                      "engine vs trainer rows differing"], rows)
     if d.get("note"):
         out += ["", f"Note: {fmt(d['note'])}"]
     return out
+
+
+def r_mamba_ssd(d):
+    out = header(d) + [f"Kernels: {fmt(d.get('kernels'))}", ""]
+    rows, checks = [], []
+    for name, s in d.get("shapes", {}).items():
+        c = s.get("checks", {})
+        checks.append([name, c.get("prefill_vs_chunked_equal"), c.get("prefill_vs_decode_equal"),
+                       c.get("prefill_vs_token_by_token_equal"), c.get("packed_vs_alone_equal")])
+        for r in s.get("prefill", []):
+            rows.append([name, f"prefill {r.get('tokens')} tokens", r.get("ours_ms"), r.get("mamba_ssm_ms"),
+                         r.get("ratio_mamba_ssm_over_ours")])
+        for r in s.get("decode", []):
+            rows.append([name, f"decode step B = {r.get('batch')} (eager / graph)",
+                         f"{fmt(r.get('ours_ms'))} / {fmt(r.get('ours_graph_ms'))}",
+                         f"{fmt(r.get('mamba_ssm_ms'))} / {fmt(r.get('mamba_ssm_graph_ms'))}",
+                         f"{fmt(r.get('ratio_ours_over_mamba_ssm'))} / {fmt(r.get('ratio_graph_ours_over_mamba_ssm'))}"])
+    out += table(["shape", "what", "bitmatch ms", "mamba_ssm ms", "ratio (prefill: theirs / ours; decode: ours / theirs)"],
+                 rows)
+    return out + [""] + table(["shape", "prefill == chunked", "prefill == decode", "prefill == token by token",
+                               "packed == alone"], checks)
 
 
 def r_mamba(d):
@@ -394,6 +422,8 @@ RENDERERS = {
     "deepseek_v4_flash4_h200": ("DeepSeek-V4, 4-layer Flash truncation (`benchmarks/deepseek_v4_layer.py`)",
                                 r_deepseek_v4),
     "mamba_h200": ("Mamba2 SSM scan, one layer (`benchmarks/mamba_layer.py`)", r_mamba),
+    "mamba_ssd_h200": ("Mamba2 chunked-SSD scan vs mamba_ssm's Triton kernels (`benchmarks/mamba_layer.py`)",
+                       r_mamba_ssd),
     "sampler_h200": ("Sampler (`benchmarks/sampler.py`)", r_sampler),
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
