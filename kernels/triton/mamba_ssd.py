@@ -84,7 +84,7 @@ def _chunk_rows(in_ptr, in_row, in_col, buf_ptr, buf_row, cq, rows, p0, pend, t0
 
 @triton.jit(do_not_specialize=["has_cache"], do_not_specialize_on_alignment=_NO_ALIGN)
 def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr,
-                S_ptr, xb_ptr, bb_ptr, db_ptr, ws_ptr, dt_lo, has_cache,
+                S_ptr, xb_ptr, bb_ptr, db_ptr, dt_lo, has_cache,
                 H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr,
                 INTERP: tl.constexpr, PREC: tl.constexpr):
@@ -114,7 +114,6 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
     xb = xb_ptr + slot * (Q * H * P) + h * P
     bb = bb_ptr + slot * (Q * G * N) + g * N
     db = db_ptr + slot * (Q * H) + h
-    ws = ws_ptr + (b * H + h) * (2 * Q)  # this program's Acum and dt of the current chunk
     c_first = p0 // Q
     c_end = tl.where(n > 0, (pend + Q - 1) // Q, c_first)
     for c in range(c_first, c_end):
@@ -125,10 +124,6 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
         dtb = tl.load(db + offs_q * H, mask=q < p0, other=0.0)
         dtc = tl.where(in_call, _dt_value(raw, bias, dt_lo, HAS_BIAS), dtb)
         acum = tl.cumsum(dtc * A, axis=0)
-        tl.debug_barrier()  # the previous chunk's reads of ws are done
-        tl.store(ws + offs_q, acum)
-        tl.store(ws + Q + offs_q, dtc)
-        tl.debug_barrier()  # ... and this chunk's values visible to every thread
         lo = (tl.maximum(p0, cq) - cq).to(tl.int32)
         hi = (tl.minimum(pend, cq + Q) - cq).to(tl.int32)
         S_op = tl.trans(S).to(x_ptr.dtype.element_ty)
@@ -137,14 +132,14 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
             row_in = (rows >= lo) & (rows < hi)
             tok = t0 + (cq + rows - p0)
             Cm = tl.load(C_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=row_in[:, None], other=0.0)
-            a_m = tl.load(ws + rows)
+            a_m = tl.gather(acum, rows, 0)
             acc = _dot(Cm, S_op, tl.zeros((BM, P), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
             for k in range(0, ((m + 1) * BM + BK - 1) // BK):
                 cols = k * BK + offs_k
                 Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
                 xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
-                a_k = tl.load(ws + cols)
-                d_k = tl.load(ws + Q + cols)
+                a_k = tl.gather(acum, cols, 0)
+                d_k = tl.gather(dtc, cols, 0)
                 cb = _dot(Cm, tl.trans(Bk), tl.zeros((BM, BK), tl.float32), INTERP, PREC)
                 w = cb * tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0)) * d_k[None, :]
                 w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
@@ -154,16 +149,17 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 acc = acc + Dh * xr.to(tl.float32)
             tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
         if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
-            a_last = tl.load(ws + Q - 1)
+            a_last = tl.sum(tl.where(offs_q == Q - 1, acum, 0.0), axis=0)
             S = S * tl.exp(a_last)
             for k in range(0, Q // BK):
                 cols = k * BK + offs_k
                 Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
                 xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
-                wk = tl.exp(a_last - tl.load(ws + cols)) * tl.load(ws + Q + cols)
+                wk = tl.exp(a_last - tl.gather(acum, cols, 0)) * tl.gather(dtc, cols, 0)
                 xw = (xk.to(tl.float32) * wk[:, None]).to(xk.dtype)
                 S = _dot(tl.trans(xw), Bk, S, INTERP, PREC)
         else:  # the open chunk: this head's x and dt rows of the call, for the next call's replay
+            tl.debug_barrier()  # every thread's reads of this program's older buffer rows are done
             keep = in_call & cached
             xs = tl.load(x_ptr + (t0 + q - p0)[:, None] * (H * P) + h * P + offs_p[None, :], mask=keep[:, None],
                          other=0.0)
@@ -248,9 +244,8 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     bias = _aligned(dt_bias) if dt_bias is not None else y
     Dp = _aligned(D) if D is not None else y
     dt_lo = _rounded(dt_min, dt.dtype)
-    ws = torch.empty(nb * H * 2 * Q, dtype=torch.float32, device=x.device)
     _ssd_kernel[(nb, H)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
-                         S, xb, bb, db, ws, dt_lo, int(has_cache),
+                         S, xb, bb, db, dt_lo, int(has_cache),
                          H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], HAS_BIAS=dt_bias is not None,
                          HAS_D=D is not None, INTERP=interp, PREC="ieee" if (x.dtype == torch.float32 or interp)
                          else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
