@@ -297,6 +297,33 @@ class Bench:
         r["ratio_update_ours_over_stock"] = r["ours_update_ms"] / r["stock_update_ms"]
         return r
 
+    def variant(self, s, override, prefill, batches):
+        """Our prefill / decode timings and bitwise prefill == decode under another config."""
+        base = self.ssd_mod.config_for
+        self.ssd_mod.config_for = lambda *args: {**base(*args), **override}
+        try:
+            r = {"override": override, "prefill": [], "decode": []}
+            p, Q = self.params(s), s["chunk"]
+            seq = self.inputs(2 * Q + 5, s, seed=6)
+            full = self.ours(seq, s, p)
+            cache = self.cache(1, s)
+            parts = []
+            for at, k in ((0, Q + 3), *((Q + 3 + i, 1) for i in range(Q + 2))):
+                parts.append(self.ours(tuple(t[at:at + k] for t in seq), s, p,
+                                       start=self.torch.tensor([at], device=self.dev), cache=cache,
+                                       slots=self.torch.tensor([0], device=self.dev)))
+            r["prefill_vs_decode_equal"] = bool(self.torch.equal(self.torch.cat(parts), full))
+            for T in prefill:
+                r["prefill"].append({k: v for k, v in self.prefill(s, T, None).items() if "ours" in k or k == "tokens"})
+            for nb in batches:
+                r["decode"].append({k: v for k, v in self.decode(s, nb, None).items()
+                                    if "ours" in k or k in ("batch", "graph_errors")})
+            return r
+        except Exception as exc:  # noqa: BLE001
+            return {"override": override, "error": repr(exc), "traceback": traceback.format_exc(limit=6)}
+        finally:
+            self.ssd_mod.config_for = base
+
     def kernel_info(self, s):
         """The fixed config and, on CUDA, registers / spills of the compiled scan kernels."""
         cfg = self.ssd_mod.config_for(self.bf, s["head_dim"], s["state"], s["chunk"])
@@ -323,6 +350,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--variants", default=None,
+                    help='JSON list of scan config overrides timed beside the canonical one, ours only, e.g. '
+                         '\'[{"num_warps": 8}]\' (other bits: data for choosing the next order, not a result)')
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     if a.device == "cpu":  # Triton's interpreter: before triton is imported
@@ -374,6 +404,10 @@ def main(argv=None):
                 dump()
             out["kernel_info"] = b.kernel_info(s)
             dump()
+            for v in json.loads(a.variants) if a.variants else []:
+                out.setdefault("variants", []).append(b.variant(s, v, prefill, batches))
+                print(name, "variant", json.dumps(out["variants"][-1]), flush=True)
+                dump()
     print("wrote", path)
 
 

@@ -191,12 +191,14 @@ def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr,
 
 def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
     """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc).
-    From sm_90 compiles (ptxas -v) at Nemotron-H shapes: bf16 64-row tiles with 32-position K
-    blocks on 8 warps spill ~50 bytes (64-position blocks ~280); fp32 "ieee" dots run on FMAs
-    and keep their operands in registers, so 32-row tiles."""
+    From sm_90 compiles (ptxas -v) at Nemotron-H 8B shapes: bf16 64-row tiles (wgmma) with
+    32-position K blocks use 255 registers (~150 bytes of spills on 4 warps, ~50 on 8; 64-position
+    blocks ~280-600). 4 warps: two programs fit an SM, so a decode launch of thousands of
+    (sequence, head) programs overlaps their latencies; a long prefill has one program per head
+    either way. fp32 "ieee" dots run on FMAs with their operands in registers: 32-row tiles."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), num_warps=8 if P * N >= 4096 else 4, num_stages=2)
-    return dict(BM=min(64, Q), BK=min(32, Q), num_warps=8 if P * N >= 8192 else 4, num_stages=2)
+    return dict(BM=min(64, Q), BK=min(32, Q), num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
