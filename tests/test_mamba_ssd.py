@@ -39,35 +39,34 @@ def _params(seed=1):
     return -torch.rand(H, generator=g) * 2 - 0.1, torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
 
 
-def _cache(dtype, slots=4):
-    return (torch.zeros(slots, H, P, N), torch.zeros(slots, Q, H, P, dtype=dtype),
-            torch.zeros(slots, Q, G, N, dtype=dtype), torch.zeros(slots, Q, H))
+def _cache(dtype, slots=4, q=Q):
+    return (torch.zeros(slots, H, P, N), torch.zeros(slots, q, H, P, dtype=dtype),
+            torch.zeros(slots, q, G, N, dtype=dtype), torch.zeros(slots, q, H))
 
 
-def _scan(parts, starts=None, cache=None, slots=None, params=None):
+def _scan(parts, starts=None, cache=None, slots=None, params=None, q=Q):
     """One launch over the packed ``parts`` (tuples x, dt, B, C) continuing at ``starts``."""
     A, D, db = params or _params()
     cat = [torch.cat([p[j] for p in parts]) for j in range(4)]
     cu = torch.tensor([0] + list(torch.tensor([p[0].shape[0] for p in parts]).cumsum(0)))
     kw = {} if cache is None else dict(seq_start=torch.tensor(starts), cache=cache, state_slots=torch.tensor(slots))
-    return K.mamba_chunk_scan(cat[0], cat[1], A, cat[2], cat[3], Q, cu, D=D, dt_bias=db, dt_min=DT_MIN, **kw)
+    return K.mamba_chunk_scan(cat[0], cat[1], A, cat[2], cat[3], q, cu, D=D, dt_bias=db, dt_min=DT_MIN, **kw)
 
 
-def _in_calls(seq, splits, dtype, slot=2):
+def _in_calls(seq, splits, dtype, slot=2, q=Q):
     """The sequence in consecutive calls of ``splits`` tokens through one cache slot."""
-    cache, at, outs = _cache(dtype), 0, []
+    cache, at, outs = _cache(dtype, q=q), 0, []
     for n in splits:
-        outs.append(_scan([tuple(t[at:at + n] for t in seq)], [at], cache, [slot]))
+        outs.append(_scan([tuple(t[at:at + n] for t in seq)], [at], cache, [slot], q=q))
         at += n
     return torch.cat(outs), cache
 
 
-@pytest.mark.parametrize("dtype", [BF, F32])
-def test_prefill_equals_every_split_and_decode(dtype):
-    """T = 37 (2 chunks + 5): each two-way split point, token-by-token decode and a few three-way
-    splits give the full prefill's bits; the slot's boundary state and open-chunk rows equal a cached
-    full prefill's."""
-    T = 37
+@pytest.mark.parametrize(("T", "dtype"), [(37, BF), (37, F32), (2 * Q, BF)])
+def test_prefill_equals_every_split_and_decode(T, dtype):
+    """T = 37 (2 chunks + 5) and 32 (ending on a boundary): each two-way split point, token-by-token
+    decode and a few three-way splits give the full prefill's bits; the slot's boundary state and
+    open-chunk rows equal a cached full prefill's."""
     seq = _seq(T, seed=3, dtype=dtype)
     with K.use_backend("triton"):
         full = _scan([seq])
@@ -80,6 +79,24 @@ def test_prefill_equals_every_split_and_decode(dtype):
             assert_bitwise_equal(cache[0][2], want_cache[0][2], f"splits {splits}: ssm_state")
             for name, a, b in zip(("x_buf", "B_buf", "dt_buf"), cache[1:], want_cache[1:]):  # the open chunk's rows
                 assert_bitwise_equal(a[2, :T % Q], b[2, :T % Q], f"splits {splits}: {name}")
+
+
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_chunk_128_several_row_tiles_and_k_blocks(dtype):
+    """Chunk 128 (bf16: two 64-row tiles over 32-position K blocks; fp32: four 32-row tiles): a row
+    tile's K loop, the tiles after the first and the multi-block state update, with full prefill ==
+    chunked calls crossing boundaries mid-tile == decode over a boundary, and parity with the
+    reference."""
+    q, T = 128, 2 * 128 + 21
+    seq = _seq(T, seed=13, dtype=dtype)
+    with K.use_backend("triton"):
+        full = _scan([seq], q=q)
+        for splits in ([70, 100, 29, 1, 1, 76], [T - 40] + [1] * 40, [5, 59, 1, 63, 1, 148]):
+            got, _ = _in_calls(seq, splits, dtype, q=q)
+            assert_bitwise_equal(got, full, f"chunk 128 splits {splits}")
+    ref = _scan([seq], q=q)
+    tol = {"rtol": 1e-5, "atol": 5e-5} if dtype == F32 else {"rtol": 0.0, "atol": 0.02 * float(ref.abs().max())}
+    torch.testing.assert_close(full, ref, **tol)
 
 
 def test_packed_with_others_in_shuffled_slots_equals_alone():
