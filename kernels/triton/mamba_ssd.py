@@ -45,19 +45,12 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .attention import _dot  # the interpreter's exact-dot switch, shared with attention and MoE
 
 # Triton specialises a pointer on 16-byte alignment, which picks vector widths and so layouts:
 # every float pointer is aligned in every call (inputs copied when not, the cache refused when not,
 # see mamba_chunk_scan); the integer metadata is read as scalars and never specialised
 _NO_ALIGN = ["cu_ptr", "start_ptr", "slot_ptr"]
-
-
-@triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
-    if INTERP:  # the interpreter's bf16 dot is unreliable: float64 (exact for bf16 products)
-        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.jit
