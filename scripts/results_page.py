@@ -392,6 +392,14 @@ def r_mhc(d):
         table(["tokens", "op", "fused ms", "previous composition / fused", "HF modules / fused"], rows)
 
 
+def r_golden_gpu(d):
+    out = header(d) + [f"{fmt(d.get('cases'))} cases of every op in the op table on CUDA, each run twice; not repeating: "
+                       f"{fmt(d.get('not_repeating'))}; errors: {fmt(d.get('errors'))}; stamp "
+                       f"{fmt(get(d, 'stamp', 'fingerprint'))}.", ""]
+    return out + table(["op", "case", "xxh3 of the output bytes"],
+                       [[op, s, h] for op, v in sorted(d.get("bits", {}).items()) for s, h in v.items()])
+
+
 def r_cpu_ops(d):
     g = d.get("geomean_ratio_by_op", {})
     return header(d) + ["Ratio = stock time / bitmatch time (the exact CPU reference; < 1: slower).", ""] + \
@@ -428,6 +436,7 @@ RENDERERS = {
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
     "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),
+    "golden_gpu_h200": ("Golden bits on the GPU (`benchmarks/golden_gpu.py`)", r_golden_gpu),
     "cpu": ("Ops on the CPU reference (`benchmarks/cpu_ops.py`)", r_cpu_ops),
     "engine_cpu": ("Embedded engine on the CPU (`benchmarks/engine_cpu.py`)", r_engine_cpu),
     "deepseek_v4_tiny_cpu": ("DeepSeek-V4 tiny config on the CPU (`benchmarks/deepseek_v4_layer.py`)",

@@ -1,0 +1,103 @@
+"""Golden bits on the GPU: tests/test_golden_bits.py's fixed inputs, every op of the op table run
+on CUDA (the Triton backend), the xxh3 of each output's bytes beside the CUDA stamp.
+
+The interpreter's golden file (tests/golden_bits.json) pins the structure of the canonical order;
+these hashes pin the GPU's own bits (real tensor-core dots, fp32 exp): a change of a kernel that
+keeps the stamp shows here as an op whose hash moved. Each case runs twice in the run (the bits
+must repeat), and ``--expect FILE`` compares with an earlier run's JSON: an op whose hash changed
+while the stamp did not is reported (exit status 1), and so is a stamp change (the file to commit
+next).
+
+  python benchmarks/golden_gpu.py --out DIR [--expect benchmarks/results/golden_gpu_h200.json]
+  python benchmarks/golden_gpu.py --out DIR --device cpu    # the interpreter: a smoke test
+
+The test module builds its inputs with CPU factories (seeded CPU generators); a TorchFunctionMode
+moves every tensor a factory returns to the device, for calls made from the test module's own
+code only (the ops' internal host tensors stay where the op puts them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--expect", default=None, help="an earlier golden_gpu JSON to compare with")
+    a = ap.parse_args(argv)
+    if a.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    import test_golden_bits as G
+
+    import bitmatch.kernels as K
+    from bitmatch.kernels import order
+
+    factories = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.tensor, torch.zeros, torch.ones,
+                 torch.full, torch.arange, torch.empty}
+    dev = torch.device(a.device)
+
+    class InputsOnDevice(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in factories and isinstance(out, torch.Tensor) and out.device != dev:
+                f = sys._getframe(1)
+                while f is not None and f.f_globals.get("__name__", "").startswith("torch"):
+                    f = f.f_back
+                if f is not None and f.f_globals.get("__name__") == G.__name__:
+                    return out.to(dev)
+            return out
+
+    def run(op, shape):
+        torch.manual_seed(0)
+        with torch.no_grad(), K.use_backend("triton"), InputsOnDevice():
+            return G.bits_hash(G.CASES[op][shape]())
+
+    t0 = time.time()
+    bits, errors, unstable = {}, {}, []
+    for op in sorted(G.CASES):
+        for shape in G.CASES[op]:
+            try:
+                h1, h2 = run(op, shape), run(op, shape)
+            except Exception as e:  # recorded per op: the others still run
+                errors[f"{op} / {shape}"] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            bits.setdefault(op, {})[shape] = h1
+            if h1 != h2:
+                unstable.append(f"{op} / {shape}")
+    stamp = order.stamp("triton")
+    res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)"},
+           "stamp": stamp, "bits": bits, "errors": errors, "not_repeating": unstable,
+           "cases": sum(len(v) for v in bits.values()), "seconds": round(time.time() - t0, 1)}
+    bad = bool(errors or unstable)
+    if a.expect:
+        old = json.load(open(a.expect))
+        moved = sorted(f"{op} / {s}" for op, v in bits.items() for s, h in v.items()
+                       if old.get("bits", {}).get(op, {}).get(s) not in (None, h))
+        same_stamp = old.get("stamp", {}).get("fingerprint") == stamp["fingerprint"]
+        res["compared_with"] = {"file": a.expect, "same_stamp": same_stamp, "changed": moved}
+        bad |= bool(moved) and same_stamp
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"golden_gpu_{'h200' if dev.type == 'cuda' else 'cpu'}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, sort_keys=True)
+    print(json.dumps({k: res[k] for k in ("cases", "errors", "not_repeating", "seconds")}), res.get("compared_with"))
+    print("wrote", path)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
