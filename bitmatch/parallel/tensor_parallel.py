@@ -1,0 +1,308 @@
+"""Gather-only tensor parallelism for the dense family: TP = N gives TP = 1's bits.
+
+Stock TP (Megatron, vLLM) is not TP-invariant: a row-parallel layer (o_proj, down_proj) splits
+K over the ranks and an all-reduce adds their partials in the collective's order. Here no rank
+ever adds another rank's numbers, so no kernel's canonical order changes:
+
+- column-parallel (q/k/v by heads, KV heads sharded or replicated; gate/up by intermediate
+  columns; the LM head by vocab rows): each output element is computed on one rank by the same
+  kernel with the full K reduction (``shard_linear``; ``kernels.linear``'s contract: a column's
+  bits depend only on its row of x, its weight row and bias). Attention, q/k norms, RoPE and
+  silu_and_mul work per head / per element, so they run on the rank's heads / columns.
+- row-parallel by gather (``gathered_row_parallel_linear``): all-gather the layer's input (each
+  rank's heads' outputs or MLP intermediate columns) in rank order, i.e. in K order; each rank
+  computes its hidden/N output columns with the full K; all-gather the columns.
+- vocab-parallel head: each rank's vocab slice of the logits, all-gathered to full rows, then the
+  same ``kernels.token_logprobs`` / sampler as TP = 1.
+
+The all-gathers move raw bytes (``bitmatch.parallel.collectives``); norms and the residual stream
+run replicated on full rows. ``allreduce_row_parallel_linear`` is the stock layer, kept as the
+control that differs. Forward only: the gathers carry no gradients (the TP trainer is not built).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bitmatch.kernels as K
+from bitmatch.context import ForwardContext
+from bitmatch.kernels.linear import LinearFunction
+from bitmatch.logprobs import check_temperature, pack_rows
+from bitmatch.models import CacheGroup, compute_dtype_of, family_of, unwrap_causal_lm
+from bitmatch.models import dense, lora
+from bitmatch.precision import cast_param
+
+from .collectives import TPGroup, all_gather_cat
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+class CanonicalSplitLinear(LinearFunction):
+    """``kernels.linear``'s Function on the Triton backend with an explicit K split (its backward)."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, split):
+        from bitmatch.kernels.triton import linear as triton_linear  # optional: triton
+
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return triton_linear.linear(x2d, weight, bias, split=split)
+
+
+def shard_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, full_n: int) -> torch.Tensor:
+    """``kernels.linear(x, weight, bias)`` where ``weight`` is a row slice of a weight of ``full_n``
+    rows. Invariance: bit for bit those columns of the full layer's ``kernels.linear``.
+
+    The reference backend is exact (any column split, same bits). On Triton the canonical K split is
+    a function of the weight's (N, K) (``linear_split_table``: Qwen3-8B's o_proj 4096 x 4096 runs 2 K
+    chunks, a 2048 x 4096 slice would run 1), so the slice runs the full weight's split.
+    """
+    if K.backend_for(x) == "reference":
+        return K.linear(x, weight, bias)
+    from bitmatch.kernels.triton import linear as triton_linear  # optional: triton
+
+    k = weight.shape[1]
+    split = triton_linear.split_for(full_n, k)
+    if split == triton_linear.split_for(weight.shape[0], k):
+        return K.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    out = CanonicalSplitLinear.apply(x.reshape(-1, k).contiguous(), weight.contiguous(), bias, split)
+    return out.reshape(*lead, weight.shape[0])
+
+
+def gathered_row_parallel_linear(x_shard, weight_rows, bias_rows, full_n: int, tp: TPGroup) -> torch.Tensor:
+    """A row-parallel layer with no cross-rank sum: ``x_shard`` [T, K/N] is this rank's K columns
+    (rank order = K order), ``weight_rows`` [full_n/N, K] this rank's output rows with the full K.
+    Invariance: bit for bit ``kernels.linear(x, W, b)`` at TP = 1, for any N."""
+    x = all_gather_cat(x_shard, tp, dim=-1)
+    return all_gather_cat(shard_linear(x, weight_rows, bias_rows, full_n), tp, dim=-1)
+
+
+def allreduce_row_parallel_linear(x_shard, weight_kcols, bias, tp: TPGroup) -> torch.Tensor:
+    """The stock row-parallel layer (Megatron, vLLM): this rank's partial ``x_shard @ W[:, K/N]^T``
+    in x's dtype, all-reduced (summed in the collective's order), then + bias. Not TP-invariant:
+    the control of tests/test_tensor_parallel.py."""
+    y = K.linear(x_shard, weight_kcols)
+    if tp.world > 1:
+        dist.all_reduce(y, group=tp.group)
+    return y if bias is None else y + bias
+
+
+@dataclass
+class ColumnShard:
+    """This rank's rows [lo, hi) of a linear of ``full_n`` output columns (column-parallel)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    full_n: int
+
+    def __call__(self, x):
+        return shard_linear(x, self.weight, self.bias, self.full_n)
+
+
+@dataclass
+class GatherRowShard(ColumnShard):
+    """A row-parallel layer run by gather: this rank's output rows, full K."""
+    tp: TPGroup = None
+
+    def __call__(self, x_shard):
+        return gathered_row_parallel_linear(x_shard, self.weight, self.bias, self.full_n, self.tp)
+
+
+@dataclass
+class Norm:
+    """An RMSNorm run replicated (full rows on every rank): the model's own module, cast at use."""
+    module: torch.nn.Module
+    dtype: torch.dtype
+
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return dense.rms_norm(self.module, x, self.dtype)
+        return dense.fused_add_rms_norm(self.module, x, residual, self.dtype)
+
+
+# ----------------------------------------------------------------------------- the sharded model
+
+@dataclass
+class LayerShard:
+    input_norm: Norm
+    post_norm: Norm
+    q: ColumnShard
+    k: ColumnShard
+    v: ColumnShard
+    q_norm: Norm | None
+    k_norm: Norm | None
+    o: GatherRowShard
+    gate: ColumnShard
+    up: ColumnShard
+    down: GatherRowShard
+
+
+@dataclass
+class DenseShard:
+    """One rank's share of a dense-family model (``shard_dense_model``): replicated embedding and
+    norms (the model's modules), copies of its column slices of every linear."""
+    tp: TPGroup
+    spec: dense.DenseSpec
+    dtype: torch.dtype
+    embed: torch.Tensor
+    layers: list
+    norm: Norm
+    lm_head: ColumnShard
+    kv_heads: int  # this rank's KV heads (sharded, or one replicated head when N > num_kv_heads)
+
+
+def _plain(mod, what: str):
+    if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
+        raise ValueError(f"shard_dense_model: {what} is a PEFT adapter layer; merge the adapters "
+                         "(peft merge_and_unload) before sharding")
+    return mod.weight, getattr(mod, "bias", None)
+
+
+def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
+    w, b = _plain(mod, what)
+    take = (lambda t: None if t is None else cast_param(t.detach()[lo:hi], dtype).clone())
+    return cls(take(w), take(b), w.shape[0], **kw)
+
+
+def _even(n: int, world: int, what: str) -> int:
+    if n % world:
+        raise ValueError(f"shard_dense_model: {what} = {n} is not divisible by the TP degree {world}; "
+                         f"use a degree that divides it")
+    return n // world
+
+
+def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DenseShard:
+    """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral).
+
+    Heads are split evenly (num_heads % N == 0); KV heads are sharded when num_kv_heads % N == 0,
+    else replicated (N % num_kv_heads == 0, as vLLM does), so a rank's queries find their KV head
+    locally. Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` on the shard
+    give every rank TP = 1's bits.
+    """
+    lm = unwrap_causal_lm(model)
+    fam = family_of(lm)
+    if type(fam) is not dense.DenseFamily:
+        raise ValueError(f"shard_dense_model: family {fam.name!r} is not the dense family (qwen2, qwen3, llama, "
+                         "mistral); MoE layers need expert parallelism, which is not built")
+    spec = fam.build_spec(lm)
+    dt = compute_dtype if compute_dtype is not None else compute_dtype_of(lm)
+    n, r = tp.world, tp.rank
+    hq = _even(spec.num_heads, n, "num_attention_heads")
+    if spec.num_kv_heads % n == 0:
+        hkv, kv_lo = spec.num_kv_heads // n, r * (spec.num_kv_heads // n)
+    elif n % spec.num_kv_heads == 0:  # a query group spans several ranks: each keeps its group's KV head
+        hkv, kv_lo = 1, (r * hq) // (spec.num_heads // spec.num_kv_heads)
+    else:
+        raise ValueError(f"shard_dense_model: num_key_value_heads = {spec.num_kv_heads} and the TP degree {n} "
+                         "must divide one another")
+    hidden = _even(spec.hidden_size, n, "hidden_size")
+    vocab = _even(spec.vocab_size, n, "vocab_size")
+    d = spec.head_dim
+    layers = []
+    for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
+        a, m = layer.self_attn, layer.mlp
+        inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
+        p = f"layers.{i}"
+        layers.append(LayerShard(
+            input_norm=Norm(layer.input_layernorm, dt), post_norm=Norm(layer.post_attention_layernorm, dt),
+            q=_rows(a.q_proj, r * hq * d, (r + 1) * hq * d, dt, f"{p}.q_proj"),
+            k=_rows(a.k_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.k_proj"),
+            v=_rows(a.v_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.v_proj"),
+            q_norm=Norm(a.q_norm, dt) if spec.qk_norm else None,
+            k_norm=Norm(a.k_norm, dt) if spec.qk_norm else None,
+            o=_rows(a.o_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.o_proj", GatherRowShard, tp=tp),
+            gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
+            up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
+            down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj", GatherRowShard, tp=tp),
+        ))
+    return DenseShard(tp=tp, spec=spec, dtype=dt, embed=lm.model.embed_tokens.weight.detach().clone(),
+                      layers=layers, norm=Norm(lm.model.norm, dt),
+                      lm_head=_rows(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"), kv_heads=hkv)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _attention(shard: DenseShard, L: LayerShard, i: int, x, cos, sin, ctx: ForwardContext):
+    spec, t, d = shard.spec, x.shape[0], shard.spec.head_dim
+    q, k, v = L.q(x).reshape(t, -1, d), L.k(x).reshape(t, -1, d), L.v(x).reshape(t, -1, d)
+    if L.q_norm is not None:
+        q, k = L.q_norm(q), L.k_norm(k)
+    q, k = K.apply_rotary(q, k, cos, sin)
+    sw = spec.sliding_windows[i]
+    if ctx.paged:
+        k_cache, v_cache = ctx.cache("kv", i)
+        K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        host = {} if ctx.max_seq_len is None or ctx.max_query_len is None else dict(
+            max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
+        o = K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
+                              spec.scale, sliding_window=sw, **host)
+    else:
+        if ctx.cu_seqlens is None:
+            raise ValueError("tensor_parallel.forward_hidden: ForwardContext needs cu_seqlens (packed prefill) "
+                             "or slot_mapping (paged)")
+        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, sliding_window=sw,
+                                max_seqlen=ctx.max_query_len)
+    return L.o(o.reshape(t, -1))
+
+
+def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank, in the dense
+    family's op order (``bitmatch.models.dense``). Invariance: bit for bit
+    ``bitmatch.models.forward_hidden`` of the unsharded model, at any TP degree."""
+    if torch.is_grad_enabled() and shard.tp.world > 1:
+        raise ValueError("tensor_parallel.forward_hidden: the all-gathers carry no gradients; run it under "
+                         "torch.no_grad() (the TP trainer is not built)")
+    spec, dt = shard.spec, shard.dtype
+    h = cast_param(F.embedding(input_ids, shard.embed), dt)
+    cos, sin = dense.rope_cos_sin(ctx, spec.head_dim, spec.rope_base, spec.rope_scaling,
+                                  spec.max_position_embeddings)
+    residual = None
+    for i, L in enumerate(shard.layers):
+        if residual is None:
+            x, residual = L.input_norm(h), h
+        else:
+            x, residual = L.input_norm(h, residual)
+        a = _attention(shard, L, i, x, cos, sin, ctx)
+        x, residual = L.post_norm(a, residual)
+        # dense.gated_mlp's unfused order: silu_and_mul is elementwise, so the rank's columns suffice
+        h = L.down(K.silu_and_mul(torch.cat([L.gate(x), L.up(x)], dim=-1)))
+    out = shard.norm(h) if residual is None else shard.norm(h, residual)[0]
+    return out
+
+
+def compute_logits(shard: DenseShard, hidden: torch.Tensor) -> torch.Tensor:
+    """Full logits [N, vocab] on every rank: each rank's vocab slice, all-gathered in rank order.
+    Invariance: bit for bit the unsharded model's ``bitmatch.models.compute_logits``."""
+    return all_gather_cat(shard.lm_head(hidden), shard.tp, dim=-1)
+
+
+def token_logprobs(shard: DenseShard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """fp32 [B, L-1]: ``bitmatch.token_logprobs``'s result (full vocabulary; no top-k / top-p)
+    through the sharded forward, on every rank. Invariance: bit for bit TP = 1's."""
+    temperature = check_temperature("tensor_parallel.token_logprobs", temperature)
+    if attention_mask is not None:
+        attention_mask = attention_mask.detach().to("cpu")
+    B, L = input_ids.shape
+    out = torch.zeros((B, max(L - 1, 0)), dtype=torch.float32, device=input_ids.device)
+    p, longest = pack_rows(input_ids, attention_mask)
+    if p.input_ids.numel() == 0:
+        return out
+    ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
+                         max_seq_len=longest)
+    hidden = forward_hidden(shard, p.input_ids, ctx)
+    src = torch.nonzero(~p.seq_end)[:, 0]
+    if src.numel() == 0:
+        return out
+    tgt = src + 1
+    lp = K.token_logprobs(compute_logits(shard, hidden[src]), p.input_ids[tgt], temperature)
+    return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
+
+
+def cache_groups(shard: DenseShard) -> list[CacheGroup]:
+    """The paged KV caches of this rank's KV heads (``bitmatch.models.allocate_caches`` builds them)."""
+    s = shard.spec
+    return [CacheGroup("kv", "paged_kv", tuple(range(s.num_layers)), shard.kv_heads, s.head_dim, shard.dtype)]
