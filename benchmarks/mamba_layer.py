@@ -3,7 +3,7 @@ against mamba_ssm's Triton kernels, side by side in one run, plus the invariance
 
   python benchmarks/mamba_layer.py --out DIR --mamba-src .whl/mamba_ssm-2.3.2.post1
       [--shapes nemotron_h_8b,small] [--prefill 2048,8192] [--batches 1,64] [--context 4096]
-      [--reps 20] [--device cuda|cpu] [--commit SHA]
+      [--reps 20] [--device cuda|cpu] [--variants JSON] [--commit SHA]
 
 Timed (bf16 inputs, fp32 SSM state, dt_softplus with dt_bias, D, no z):
 - prefill: ours (trainer path: no cache; engine path: with the cache, which also stores the open
@@ -19,8 +19,11 @@ Timed (bf16 inputs, fp32 SSM state, dt_softplus with dt_bias, D, no z):
   it is importable (it needs its compiled extension; the sdist alone does not give it).
 Checks on the device, bit for bit at each shape: full prefill == chunked prefill == token-by-token
 decode, sequences packed vs alone; parity (max abs error) of ours and mamba_ssm's output against
-HF's fp32 torch scan. Writes DIR/mamba_layer.json (command, machine, versions, what ran) after
-every step.
+a plain fp32 torch SSD (kernels.mamba.scan_plain). Writes DIR/mamba_layer.json (command, machine,
+versions, what ran, our config with registers / spills) after every step.
+--variants '[{"BP": 32}, {"num_warps": 8}]' also times our scan under other configs (BP: a head's
+P channels over P / BP programs), each with a bitwise prefill == decode check: data for choosing
+the next canonical config (a config is part of the order: changing it changes the bits).
 
 mamba_ssm is imported from its unpacked sdist (--mamba-src) without running mamba_ssm/__init__.py,
 which imports the compiled selective_scan_cuda: stub package modules for ``mamba_ssm``,

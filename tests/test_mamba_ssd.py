@@ -17,6 +17,7 @@ import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models import nemotron_h as NH
 from bitmatch.testing import assert_bitwise_equal
+from bitmatch.kernels.triton import mamba_ssd
 from bitmatch.testing_models import random_prompts
 from test_engine import assert_bitmatch
 
@@ -97,6 +98,21 @@ def test_chunk_128_several_row_tiles_and_k_blocks(dtype):
     ref = _scan([seq], q=q)
     tol = {"rtol": 1e-5, "atol": 5e-5} if dtype == F32 else {"rtol": 0.0, "atol": 0.02 * float(ref.abs().max())}
     torch.testing.assert_close(full, ref, **tol)
+
+
+def test_p_blocks_split_a_head_over_programs(monkeypatch):
+    """Config BP < P (a head's channels over several programs; 8 of 16 here, which the interpreter
+    allows): the interpreter's bits of one program per head, in a prefill and in chunked / decode
+    calls through the cache (x rows written per program, dt rows staged per token and copied once)."""
+    seq = _seq(37, seed=3)
+    with K.use_backend("triton"):
+        full = _scan([seq])
+        base = mamba_ssd.config_for
+        monkeypatch.setattr(mamba_ssd, "config_for", lambda *a: {**base(*a), "BP": 8})
+        assert_bitwise_equal(_scan([seq]), full, "BP 8 prefill")
+        for splits in ([5, 13, 3, 16], [20] + [1] * 17):
+            got, _ = _in_calls(seq, splits, BF)
+            assert_bitwise_equal(got, full, f"BP 8 splits {splits}")
 
 
 def test_packed_with_others_in_shuffled_slots_equals_alone():

@@ -77,12 +77,13 @@ def _chunk_rows(in_ptr, in_row, in_col, buf_ptr, buf_row, cq, rows, p0, pend, t0
 
 @triton.jit(do_not_specialize=["has_cache"], do_not_specialize_on_alignment=_NO_ALIGN)
 def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr,
-                S_ptr, xb_ptr, bb_ptr, db_ptr, dt_lo, has_cache,
+                S_ptr, xb_ptr, bb_ptr, db_ptr, dtp_ptr, dt_lo, has_cache,
                 H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr,
-                INTERP: tl.constexpr, PREC: tl.constexpr):
+                BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pb = tl.program_id(2)  # this program's BP of the head's P channels (their state rows are independent)
     g = h // (H // G)
     cached = has_cache != 0
     t0 = tl.load(cu_ptr + b).to(tl.int64)
@@ -93,7 +94,7 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
     offs_q = tl.arange(0, Q)
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
-    offs_p = tl.arange(0, P)
+    offs_p = pb * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, N)
     A = tl.load(A_ptr + h)
     bias = 0.0
@@ -126,7 +127,7 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
             tok = t0 + (cq + rows - p0)
             Cm = tl.load(C_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=row_in[:, None], other=0.0)
             a_m = tl.gather(acum, rows, 0)
-            acc = _dot(Cm, S_op, tl.zeros((BM, P), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
+            acc = _dot(Cm, S_op, tl.zeros((BM, BP), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
             for k in range(0, ((m + 1) * BM + BK - 1) // BK):
                 cols = k * BK + offs_k
                 Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
@@ -151,23 +152,24 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 wk = tl.exp(a_last - tl.gather(acum, cols, 0)) * tl.gather(dtc, cols, 0)
                 xw = (xk.to(tl.float32) * wk[:, None]).to(xk.dtype)
                 S = _dot(tl.trans(xw), Bk, S, INTERP, PREC)
-        else:  # the open chunk: this head's x and dt rows of the call, for the next call's replay
+        else:  # the open chunk: x rows of the call (this program's columns), for the next call's replay
             tl.debug_barrier()  # every thread's reads of this program's older buffer rows are done
             keep = in_call & cached
             xs = tl.load(x_ptr + (t0 + q - p0)[:, None] * (H * P) + h * P + offs_p[None, :], mask=keep[:, None],
                          other=0.0)
             tl.store(xb + offs_q[:, None] * (H * P) + offs_p[None, :], xs.to(xb_ptr.dtype.element_ty),
                      mask=keep[:, None])
-            tl.store(db + offs_q * H, dtc, mask=keep)
+            # dt rows are shared by the head's P blocks: staged per token, copied by the stash launch
+            tl.store(dtp_ptr + (t0 + q - p0) * H + h, dtc, mask=keep & (pb == 0))
     closed = (pend // Q) > c_first  # a boundary was crossed: the slot's state moves on
     tl.store(s_ptrs, S, mask=(offs_p[:, None] < P) & (cached & closed))
 
 
 @triton.jit
-def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr, GN: tl.constexpr,
-                    RB: tl.constexpr, BLOCK: tl.constexpr):
-    """B rows of the call's positions in each sequence's open chunk -> its buffer (a plain copy);
-    program (sequence, row block, column block)."""
+def _stash_kernel(B_ptr, dtp_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, db_ptr, Q: tl.constexpr, GN: tl.constexpr,
+                  H: tl.constexpr, HB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr):
+    """B and dt rows of the call's positions in each sequence's open chunk -> its buffers (plain
+    copies; dt as the scan computed it); program (sequence, row block, column block of B)."""
     b = tl.program_id(0)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -177,9 +179,15 @@ def _stash_b_kernel(B_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, Q: tl.constexpr,
     slot = tl.load(slot_ptr + b).to(tl.int64)
     pend = p0 + n
     q = (pend // Q) * Q + rows  # the open chunk (none when pend % Q == 0: then q >= pend)
-    m = ((q >= p0) & (q < pend))[:, None] & (offs < GN)[None, :]
-    v = tl.load(B_ptr + (t0 + q - p0)[:, None] * GN + offs[None, :], mask=m)
+    row_in = (q >= p0) & (q < pend)
+    tok = t0 + q - p0
+    m = row_in[:, None] & (offs < GN)[None, :]
+    v = tl.load(B_ptr + tok[:, None] * GN + offs[None, :], mask=m)
     tl.store(bb_ptr + slot * (Q * GN) + rows[:, None] * GN + offs[None, :], v, mask=m)
+    offs_h = tl.arange(0, HB)
+    mh = row_in[:, None] & (offs_h < H)[None, :] & (tl.program_id(2) == 0)
+    d = tl.load(dtp_ptr + tok[:, None] * H + offs_h[None, :], mask=mh)
+    tl.store(db_ptr + slot * (Q * H) + rows[:, None] * H + offs_h[None, :], d, mask=mh)
 
 
 def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
@@ -188,10 +196,12 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
     32-position K blocks use 255 registers (~150 bytes of spills on 4 warps, ~50 on 8; 64-position
     blocks ~280-600). 4 warps: two programs fit an SM, so a decode launch of thousands of
     (sequence, head) programs overlaps their latencies; a long prefill has one program per head
-    either way. fp32 "ieee" dots run on FMAs with their operands in registers: 32-row tiles."""
+    either way. fp32 "ieee" dots run on FMAs with their operands in registers: 32-row tiles.
+    BP < P splits a head's P channels over P / BP programs (more programs for a long prefill of few
+    sequences; each recomputes C B^T)."""
     if dtype == torch.float32:
-        return dict(BM=min(32, Q), BK=min(32, Q), num_warps=8 if P * N >= 4096 else 4, num_stages=2)
-    return dict(BM=min(64, Q), BK=min(32, Q), num_warps=4, num_stages=2)
+        return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2)
+    return dict(BM=min(64, Q), BK=min(32, Q), BP=P, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -233,20 +243,25 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                 raise ValueError(f"mamba_chunk_scan (Triton): cache {name} must be contiguous and 16-byte aligned "
                                  "(it is updated in place, so it cannot be copied); allocate it on its own")
         start, slots = _index(seq_start), _index(state_slots)
+        dtp = torch.empty(T, H, dtype=torch.float32, device=x.device)  # dt of the call, for the stash
     else:  # never read (has_cache = 0 masks the cache off), but of the cache's dtypes: same binary
-        S, xb, bb, db = y, xa, Ba, y
+        S, xb, bb, db, dtp = y, xa, Ba, y, y
         start = slots = cu
     bias = _aligned(dt_bias) if dt_bias is not None else y
     Dp = _aligned(D) if D is not None else y
     dt_lo = _rounded(dt_min, dt.dtype)
-    _ssd_kernel[(nb, H)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
-                         S, xb, bb, db, dt_lo, int(has_cache),
-                         H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], HAS_BIAS=dt_bias is not None,
-                         HAS_D=D is not None, INTERP=interp, PREC="ieee" if (x.dtype == torch.float32 or interp)
-                         else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if has_cache:  # after the scan: its programs have read the old B rows of the open chunks
+    BP = cfg["BP"]
+    if P % BP:
+        raise NotImplementedError(f"mamba_chunk_scan (Triton): config BP={BP} must divide head_dim={P}")
+    _ssd_kernel[(nb, H, P // BP)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
+                                  S, xb, bb, db, dtp, dt_lo, int(has_cache),
+                                  H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], BP=BP,
+                                  HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
+                                  PREC="ieee" if (x.dtype == torch.float32 or interp) else "tf32",
+                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if has_cache:  # after the scan: its programs have read the old B and dt rows of the open chunks
         GN = G * N
         RB, BLOCK = 16, min(256, triton.next_power_of_2(GN))
-        _stash_b_kernel[(nb, Q // RB, triton.cdiv(GN, BLOCK))](Ba, cu, start, slots, bb, Q=Q, GN=GN, RB=RB,
-                                                                BLOCK=BLOCK)
+        _stash_kernel[(nb, Q // RB, triton.cdiv(GN, BLOCK))](Ba, dtp, cu, start, slots, bb, db, Q=Q, GN=GN, H=H,
+                                                              HB=triton.next_power_of_2(H), RB=RB, BLOCK=BLOCK)
     return y
