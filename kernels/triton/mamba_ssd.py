@@ -8,7 +8,8 @@ chunk with the same kernel binary, the same tile shapes and the same K order on 
 values, and S_c comes from one formula over the whole chunk.
 
 Canonical order (Triton; ``op_versions["mamba"]``, bump it when anything below changes). One
-program per (sequence, head) walks the chunks the call touches, S_c [P, N] fp32 in registers.
+program per (sequence, head, block of BP of the head's P channels) walks the chunks the call
+touches, its rows of S_c [BP, N] fp32 in registers.
 Per chunk, with t = cQ + l, positions before the call from the cache's open-chunk buffer, positions
 after the call's last token exact zeros:
 - dt_s = clamp(round(softplus(round(dt_raw + dt_bias))), min=dt_min) in fp32 (HF's rounding points);
@@ -21,8 +22,8 @@ after the call's last token exact zeros:
 - when the chunk's last position is in the call: S_{c+1} = dot over K blocks in order of
   (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
-mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, warps, stages) is fixed per (dtype, P, N,
-Q): never autotuned, since tile shapes and warps pick the MMA instructions a row's bits come from.
+mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages) is fixed per (dtype, P,
+N, Q): never autotuned, since tile shapes and warps pick the MMA instructions a row's bits come from.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
 not value-specialised, misaligned inputs are copied to aligned ones and a misaligned cache is
 refused, so no launch compiles a variant. A token's row never depends on the tile's other rows;
@@ -31,8 +32,9 @@ zeros of W, so only a row whose every term is zero could differ, in the sign of 
 
 Cache (seq_start / cache / state_slots of kernels.mamba_chunk_scan): the kernel reads S_c and the
 open chunk's x / B / dt before the call's first position, writes S back when a chunk closed, and
-writes x / dt of the call's positions in its open chunk (rows owned by the program's head); B rows
-are shared by a group's heads, so a second launch copies them once every program has read them.
+writes the x of the call's positions in its open chunk (the program's own columns); B rows are
+shared by a group's heads and dt rows by a head's P blocks, so a second launch copies them (dt as
+the scan computed it) once every program has read the old ones.
 The CPU interpreter (TRITON_INTERPRET=1) computes each dot in float64: its bits are its own, with
 the same structure.
 """
