@@ -23,8 +23,10 @@ through the block table; trainer: the packed step rows), and its compressed entr
 of each window's closing position (c+1)*m - 1 (HCA: every complete window; CSA: the indexer's
 ``selected`` entry indices). No per-sequence loop and no host read on the Triton backend.
 Reference: CPU (``sink_attention_rows`` groups the rows by sequence on the host: reads are free
-there, and each row's bits are the per-query exact value above). Backward: a plain fp32 recompute
-(both backends). Triton backend (CUDA): kernels/triton/compressed_attention.py, one fused kernel
+there, and each row's bits are the per-query exact value above). Backward: the reference backend
+(and the one-sequence ``sink_attention``) a plain fp32 recompute; ``sink_attention_rows`` on the
+Triton backend a fused flash-style kernel from the forward's saved logsumexp
+(kernels/triton/compressed_attention_bwd.py). Triton backend (CUDA): kernels/triton/compressed_attention.py, one fused kernel
 (sink-initialized online softmax over absolute-position key blocks, then entry blocks: its
 docstring states that backend's order); ``sink_attention`` runs the same kernel.
 """
@@ -297,34 +299,56 @@ def _rows_plain(q, kv, entries, sinks, qpos, selected, rows, scale, window, rate
 class SinkAttentionRowsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, entries, sinks, qpos, selected, rows, scale, window, rate):
-        ctx.save_for_backward(q, kv, entries, sinks, qpos, selected)
         ctx.args = (rows, scale, window, rate)
-        return _rows_forward(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate)
+        if backend_for(q) == "reference":
+            ctx.save_for_backward(q, kv, entries, sinks, qpos, selected)
+            return _rows_forward(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate)
+        # Triton: the forward also stores each row's logsumexp for the fused backward (same bits)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        out = triton_impl("compressed_attention", "sink_attention_rows")(
+            q, qpos, kv, entries if entries.shape[0] else None, selected if selected.shape[1] else None, sinks,
+            rows, scale, window, rate, lse=lse)
+        ctx.save_for_backward(q, kv, entries, sinks, qpos, selected, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        q, kv, entries, sinks, qpos, selected = ctx.saved_tensors
+        q, kv, entries, sinks, qpos, selected, *fwd = ctx.saved_tensors
         rows, scale, window, rate = ctx.args
         has_ent = entries.shape[0] > 0
-        needs = ctx.needs_input_grad[:4]
-        width = window + (rows.max_len // rate if selected.shape[1] == 0 else selected.shape[1]) if has_ent else window
-        step = max(1, _SCRATCH // max(1, width * max(q.shape[1], q.shape[2])))
-        acc = [None] * 4
-        for s in range(0, q.shape[0], step):  # row chunks bound the recompute's memory, not its value
-            sl = slice(s, s + step)
-            sub = rows.rows_slice(s, s + step)
-            sel = selected[sl] if selected.shape[1] else None
+        if fwd:  # Triton: the fused backward (kernels/triton/compressed_attention_bwd.py)
+            out, lse = fwd
+            dq, dkv, dent, dsink = triton_impl("compressed_attention_bwd", "sink_attention_rows_backward")(
+                g, q, qpos, kv, entries if has_ent else None, selected if selected.shape[1] else None, sinks, rows,
+                scale, window, rate, out, lse)
+            grads = (dq, dkv, dent if has_ent else torch.zeros_like(entries), dsink)
+            return (*(gr if n else None for gr, n in zip(grads, ctx.needs_input_grad[:4])),
+                    None, None, None, None, None, None)
+        return _rows_plain_backward(g, q, kv, entries, sinks, qpos, selected, rows, scale, window, rate,
+                                    ctx.needs_input_grad[:4])
 
-            def fn(a, b, c, d, sl=sl, sel=sel, sub=sub):
-                return _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub, scale, window, rate)
-            got = recompute_grads(fn, (q[sl], kv, entries, sinks), needs, (g[sl],))
-            if needs[0]:
-                acc[0] = [got[0]] if acc[0] is None else acc[0] + [got[0]]
-            for i in (1, 2, 3):
-                if needs[i] and got[i] is not None:
-                    acc[i] = got[i] if acc[i] is None else acc[i] + got[i]
-        gq = torch.cat(acc[0]) if acc[0] else None
-        return (gq, acc[1], acc[2], acc[3], None, None, None, None, None, None)
+
+def _rows_plain_backward(g, q, kv, entries, sinks, qpos, selected, rows, scale, window, rate, needs):
+    """The reference backend's backward: a plain fp32 recompute in row chunks."""
+    has_ent = entries.shape[0] > 0
+    width = window + (rows.max_len // rate if selected.shape[1] == 0 else selected.shape[1]) if has_ent else window
+    step = max(1, _SCRATCH // max(1, width * max(q.shape[1], q.shape[2])))
+    acc = [None] * 4
+    for s in range(0, q.shape[0], step):  # row chunks bound the recompute's memory, not its value
+        sl = slice(s, s + step)
+        sub = rows.rows_slice(s, s + step)
+        sel = selected[sl] if selected.shape[1] else None
+
+        def fn(a, b, c, d, sl=sl, sel=sel, sub=sub):
+            return _rows_plain(a, b, c if has_ent else None, d, qpos[sl], sel, sub, scale, window, rate)
+        got = recompute_grads(fn, (q[sl], kv, entries, sinks), needs, (g[sl],))
+        if needs[0]:
+            acc[0] = [got[0]] if acc[0] is None else acc[0] + [got[0]]
+        for i in (1, 2, 3):
+            if needs[i] and got[i] is not None:
+                acc[i] = got[i] if acc[i] is None else acc[i] + got[i]
+    gq = torch.cat(acc[0]) if acc[0] else None
+    return (gq, acc[1], acc[2], acc[3], None, None, None, None, None, None)
 
 
 def _rows_forward(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate):

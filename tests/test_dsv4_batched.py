@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from bitmatch.kernels import stock
 from bitmatch.kernels.compressed_attention import (
     KeyRows,
+    _row_keys,
     entry_list,
     sink_attention_rows,
 )
@@ -194,6 +195,79 @@ def test_control_stock_attention_prefill_differs_from_decode():
             c = (t + 1) // 4
             assert_bitwise_equal(stock.sink_attention(q[t:t + 1], pos[t:t + 1], kv[:t + 1], ent[:c], mask[t:t + 1, :c],
                                                       sinks, scale=0.125, window=48), full[t:t + 1], f"t={t}")
+
+
+# ---------------------------------------------------------------- fused backward
+
+def _rows64(q, kv, ent, sinks, pos, sel, rows, mode, value_grad=True):
+    """The rows' attention in float64 (the dense formula on every row's window and entries);
+    ``value_grad=False`` detaches the keys' value role (the control: K = V feeds both)."""
+    keys, valid = _row_keys(q, pos, kv, ent if mode != "sliding" else None, sel if mode == "csa" else None,
+                            rows, W, RATE)
+    sc = torch.einsum("thd,tkd->thk", q, keys) * D ** -0.5
+    sc = sc.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    p = torch.cat([sc, sinks.view(1, -1, 1).expand(sc.shape[0], -1, 1)], -1).softmax(-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", p, keys if value_grad else keys.detach())
+
+
+def _two_packed(mode, dtype=torch.float32):
+    q1, p1, kv1, e1, s1, sinks = _seq(13, dtype, seed=7)
+    q2, p2, kv2, e2, s2, _ = _seq(22, dtype, seed=8)
+    pos = torch.cat([p1, p2])
+    return (torch.cat([q1, q2]), pos, torch.cat([kv1, kv2]), torch.cat([e1, e2]), torch.cat([s1, s2]), sinks,
+            KeyRows.packed(pos))
+
+
+def _grads(fn, leaves, w):
+    (fn(*leaves) * w).sum().backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+def test_fused_backward_matches_float64(mode):
+    """Triton's fused backward (atomics into the K = V rows, entries, the sinks) == float64 autograd."""
+    q, pos, kv, ent, sel, sinks, rows = _two_packed(mode)
+    w = torch.randn(q.shape, generator=_g(9), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, ent, sinks)]
+    with K.use_backend("triton"):
+        got = _grads(lambda a, b, c, d: _call(a, pos, b, c, sel, d, rows, mode).double(), leaves, w)
+    l64 = [t.detach().double().requires_grad_() for t in (q, kv, ent, sinks)]
+    want = _grads(lambda a, b, c, d: _rows64(a, b, c, d, pos, sel, rows, mode), l64, w)
+    for name, a, b in zip(("q", "kv", "entries", "sinks"), got, want):
+        if mode == "sliding" and name == "entries":
+            assert a is None or a.abs().max() == 0
+            continue
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < 1e-5, f"{mode} d{name}: relative error {err:.2e}"
+
+
+def test_control_backward_without_the_value_role_fails():
+    """The tolerance sees a dropped term: the keys' gradient without their value role (K = V)."""
+    q, pos, kv, ent, sel, sinks, rows = _two_packed("csa")
+    w = torch.randn(q.shape, generator=_g(9), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, ent, sinks)]
+    with K.use_backend("triton"):
+        got = _grads(lambda a, b, c, d: _call(a, pos, b, c, sel, d, rows, "csa").double(), leaves, w)
+    l64 = [t.detach().double().requires_grad_() for t in (q, kv, ent, sinks)]
+    want = _grads(lambda a, b, c, d: _rows64(a, b, c, d, pos, sel, rows, "csa", value_grad=False), l64, w)
+    assert ((got[1].double() - want[1]).norm() / want[1].norm()).item() > 1e-2
+
+
+def test_fused_backward_keeps_forward_bits_and_bf16_is_close():
+    """The grad path's forward (which also stores the logsumexp) == the no-grad forward, bit for bit;
+    bf16 gradients stay close to float64."""
+    q, pos, kv, ent, sel, sinks, rows = _two_packed("csa", torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, ent, sinks.float())]
+    with K.use_backend("triton"):
+        out = _call(*leaves[:1], pos, leaves[1], leaves[2], sel, leaves[3], rows, "csa")
+        with torch.no_grad():
+            assert_bitwise_equal(out, _call(q, pos, kv, ent, sel, sinks, rows, "csa"), "grad vs no-grad forward")
+        w = torch.randn(q.shape, generator=_g(9))
+        (out.float() * w).sum().backward()
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    (_rows64(l64[0], l64[1], l64[2], l64[3], pos, sel, rows, "csa") * w.double()).sum().backward()
+    for a, b in zip(leaves, l64):
+        assert ((a.grad.double() - b.grad).norm() / b.grad.norm()).item() < 2e-2
 
 
 # ---------------------------------------------------------------- indexer

@@ -67,10 +67,11 @@ def _fold(q, kv_ptr, addr, ok, offs_d, d_ok, m, l, acc, qk_scale, D: tl.constexp
 
 
 @triton.jit
-def _sink_rows_kernel(q_ptr, kv_ptr, ent_ptr, sel_ptr, sink_ptr, o_ptr, pos_ptr, start_ptr, seq_ptr, bt_ptr,
-                      bt_stride, page_size, H, n_sel, qk_scale, window, rate,
+def _sink_rows_kernel(q_ptr, kv_ptr, ent_ptr, sel_ptr, sink_ptr, o_ptr, lse_ptr, pos_ptr, start_ptr, seq_ptr,
+                      bt_ptr, bt_stride, page_size, H, n_sel, qk_scale, window, rate,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PAGED: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                      PAGED: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                      STORE_LSE: tl.constexpr):
     i = tl.program_id(0)
     hg = tl.program_id(1)
     t = tl.load(pos_ptr + i).to(tl.int32)
@@ -115,11 +116,14 @@ def _sink_rows_kernel(q_ptr, kv_ptr, ent_ptr, sel_ptr, sink_ptr, o_ptr, pos_ptr,
             addr = key_address(tl.where(ok, (idx + 1) * rate - 1, 0), start, bt_row, page_size, PAGED)
             m, l, acc = _fold(q, ent_ptr, addr, ok, offs_d, d_ok, m, l, acc, qk_scale, D, INTERP, PREC)
     out = tl.math.div_rn(acc, l[:, None])
+    if STORE_LSE:  # the backward's base-2 logsumexp (sink included); read after ``out``: no bit changes
+        tl.store(lse_ptr + i.to(tl.int64) * H + h, m + tl.log2(l), mask=h_ok)
     tl.store(o_ptr + row + h[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=h_ok[:, None] & d_ok[None, :])
 
 
-def sink_attention_rows(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate):
+def sink_attention_rows(q, qpos, kv, entries, selected, sinks, rows, scale, window, rate, lse=None):
+    """``lse`` (fp32 [T, H] or None): filled with each row's base-2 logsumexp for the backward."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -136,9 +140,10 @@ def sink_attention_rows(q, qpos, kv, entries, selected, sinks, rows, scale, wind
     kw = {} if interp else dict(num_warps=WARPS, num_stages=2, enable_fp_fusion=False)
     prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
     _sink_rows_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        q, kv, ent, sel, sinks.float().contiguous(), out, qpos, start, seq, bt, bt_stride, page, H, n_sel,
+        q, kv, ent, sel, sinks.float().contiguous(), out, lse if lse is not None else out, qpos, start, seq, bt, bt_stride, page, H, n_sel,
         float(scale) * _LOG2E, int(window), int(rate), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=BLOCK_H,
-        BLOCK_N=BLOCK_N, PAGED=rows.paged_mode, MODE=mode, INTERP=interp, PREC=prec, **kw)
+        BLOCK_N=BLOCK_N, PAGED=rows.paged_mode, MODE=mode, INTERP=interp, PREC=prec,
+        STORE_LSE=lse is not None, **kw)
     return out
 
 
