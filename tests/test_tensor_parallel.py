@@ -18,12 +18,14 @@ import torch.multiprocessing as mp
 
 import bitmatch
 import bitmatch.kernels as K
+from bitmatch import Engine, SamplingParams
 from bitmatch.context import ForwardContext
 from bitmatch.kernels import order
 from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logits, forward_hidden as tp1_forward_hidden
+from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.parallel import (
-    TPGroup, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, forward_hidden,
-    gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    TPGroup, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, enable_tensor_parallel,
+    forward_hidden, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
 
@@ -78,6 +80,16 @@ def _paged_ctx(caches, block_table, start, n, block_size=4):
                           slot_mapping=slots, caches=caches)
 
 
+ENGINE_PROMPTS = [[1, 5, 9, 33, 40], [1, 7, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+
+
+def _engine_run(lm):
+    """The embedded engine's sampled tokens and logprobs (3 prompts, 6 tokens each, seeded)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=11 + i) for i in range(3)]
+    outs = Engine(lm, block_size=4, num_gpu_blocks=64).generate(ENGINE_PROMPTS, params, use_tqdm=False)
+    return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
+
+
 def _sample(logits, step):
     u = K.uniform_noise(torch.tensor([1234]), torch.tensor([step]))
     return K.categorical_sample(logits, 1.0, u)
@@ -105,6 +117,10 @@ def _worker(rank, world, store, out_dir):
             if world == 2:
                 res.update(_paged_decode(tp))
                 res.update(_triton_case(tp))
+                lm = _model("qwen3-kv4")
+                enable_tensor_parallel(lm, tp)
+                res["engine/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
+                res["engine/out"] = _engine_run(lm)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -227,6 +243,26 @@ def test_triton_interpreter_row_parallel_and_forward_equal_tp1(ranks):
         _assert_bits(f"triton logits rank {r}", got["triton/logits"], want_logits)
 
 
+def test_engine_tp2_equals_engine_tp1_and_trainer(ranks):
+    """The embedded engine, one process per rank (enable_tensor_parallel), each rank sampling from the
+    same gathered logits with the same seeds: the TP = 1 engine's tokens and logprobs, which are the
+    trainer's logprobs of those tokens."""
+    world, res = ranks
+    if world != 2:
+        pytest.skip("the engine runs at TP = 2")
+    lm = _model("qwen3-kv4")
+    want = _engine_run(lm)
+    for r, got in enumerate(res):
+        assert got["engine/kv_heads"] == 2, "each rank caches only its own 2 of the 4 KV heads"
+        for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["engine/out"], want)):
+            _assert_bits(f"rank {r} prompt {i} tokens", tok, wtok)
+            _assert_bits(f"rank {r} prompt {i} logprobs", lp, wlp)
+    for i, (tok, lp) in enumerate(res[0]["engine/out"]):
+        seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
+        trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
+        _assert_bits(f"prompt {i}: engine TP = 2 vs trainer TP = 1", lp, trainer)
+
+
 # ----------------------------------------------------------------------------- single process
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -240,8 +276,11 @@ def test_column_slice_of_linear_is_those_columns(backend):
         full = K.linear(x, w, b)
         for lo, hi in [(0, 32), (32, 64), (16, 32), (48, 64)]:
             _assert_bits(f"{backend} columns {lo}:{hi}", shard_linear(x, w[lo:hi], b[lo:hi], 64), full[:, lo:hi])
+            plain = K.linear(x, w[lo:hi], b[lo:hi])
             if backend == "reference":  # exact: plain kernels.linear on the slice too
-                _assert_bits(f"columns {lo}:{hi}", K.linear(x, w[lo:hi], b[lo:hi]), full[:, lo:hi])
+                _assert_bits(f"columns {lo}:{hi}", plain, full[:, lo:hi])
+            elif hi - lo == 32:  # the control: the slice's own shape runs 1 K chunk, not the full weight's 2
+                assert not torch.equal(plain, full[:, lo:hi]), "control: the slice's own split should differ"
 
 
 def test_shard_refuses_uneven_heads():

@@ -30,7 +30,7 @@ Families that share this attention and differ in the MLP (``qwen3_moe``) subclas
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,12 @@ from bitmatch.context import ForwardContext
 from bitmatch.models import lora
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
 from bitmatch.precision import cast_param
+
+
+# lm -> one rank's tensor-parallel shard (bitmatch.parallel.enable_tensor_parallel): the family's
+# forward, LM head and KV caches then run the shard's gather-only layout (TP = 1's bits). Duck-typed
+# (forward_hidden, compute_logits, kv_heads), so this module never imports bitmatch.parallel.
+TENSOR_PARALLEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _kernels():
@@ -414,7 +420,7 @@ class DenseFamily(Family):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         head_dim = getattr(a0, "head_dim", head_dim)
         base, scaling = rope_params(cfg)
-        return DenseSpec(
+        spec = DenseSpec(
             model_type=cfg.model_type,
             num_layers=len(layers),
             num_heads=cfg.num_attention_heads,
@@ -429,6 +435,8 @@ class DenseFamily(Family):
             scale=float(getattr(a0, "scaling", head_dim ** -0.5)),
             vocab_size=lm.lm_head.weight.shape[0],
         )
+        tp = TENSOR_PARALLEL.get(lm)
+        return spec if tp is None else replace(spec, num_kv_heads=tp.kv_heads)  # a TP rank caches its KV heads
 
     def cache_groups(self, spec: DenseSpec, dtype) -> list[CacheGroup]:
         return [CacheGroup("kv", "paged_kv", tuple(range(spec.num_layers)), spec.num_kv_heads, spec.head_dim, dtype)]
@@ -442,7 +450,7 @@ class DenseFamily(Family):
         overrides the forward or the MLP must opt in by overriding this."""
         cls = type(self)
         return (cls.forward_hidden is DenseFamily.forward_hidden and cls.mlp is DenseFamily.mlp
-                and lora.graph_capturable(lm))
+                and lora.graph_capturable(lm) and lm not in TENSOR_PARALLEL)
 
     def refresh_derived_weights(self, lm, force: bool = False) -> None:
         """The fused q/k/v, gate/up copies and LoRA layers' kept merged weights brought up to date
@@ -451,6 +459,9 @@ class DenseFamily(Family):
         lora.refresh_rollout_weights(lm, force)
 
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
+        tp = TENSOR_PARALLEL.get(lm)
+        if tp is not None:
+            return tp.forward_hidden(input_ids, ctx, recorder)
         # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
         with lora.kept_weights(ctx.paged):
             return self._forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
@@ -474,7 +485,8 @@ class DenseFamily(Family):
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        return lm_head_logits(lm, hidden, dtype)
+        tp = TENSOR_PARALLEL.get(lm)
+        return lm_head_logits(lm, hidden, dtype) if tp is None else tp.compute_logits(hidden)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm, _norm_forward)]

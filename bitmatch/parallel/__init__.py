@@ -6,12 +6,13 @@ fixed-order, bytes-only all-gather it runs on. docs/scaling.md has the design an
 """
 from bitmatch.parallel.collectives import TPGroup, all_gather_cat, comm_bytes_per_layer
 from bitmatch.parallel.tensor_parallel import (
-    DenseShard, allreduce_row_parallel_linear, cache_groups, compute_logits, forward_hidden,
-    gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    DenseShard, allreduce_row_parallel_linear, cache_groups, compute_logits, disable_tensor_parallel,
+    enable_tensor_parallel, forward_hidden, gathered_row_parallel_linear, shard_dense_model, shard_linear,
+    token_logprobs,
 )
 
 __all__ = [
     "TPGroup", "all_gather_cat", "comm_bytes_per_layer", "DenseShard", "shard_dense_model", "shard_linear",
     "gathered_row_parallel_linear", "allreduce_row_parallel_linear", "forward_hidden", "compute_logits",
-    "token_logprobs", "cache_groups",
+    "token_logprobs", "cache_groups", "enable_tensor_parallel", "disable_tensor_parallel",
 ]

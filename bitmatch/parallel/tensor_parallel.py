@@ -33,6 +33,7 @@ from bitmatch.kernels.linear import LinearFunction
 from bitmatch.logprobs import check_temperature, pack_rows
 from bitmatch.models import CacheGroup, compute_dtype_of, family_of, unwrap_causal_lm
 from bitmatch.models import dense, lora
+from bitmatch.models.registry import forget_spec
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat
@@ -143,7 +144,9 @@ class LayerShard:
 @dataclass
 class DenseShard:
     """One rank's share of a dense-family model (``shard_dense_model``): replicated embedding and
-    norms (the model's modules), copies of its column slices of every linear."""
+    norms (the model's modules), its row slices of every linear: views of the model's parameters
+    where their dtype is the compute dtype (an in-place update, e.g. a weight sync, is seen), copies
+    where a cast is needed (shard again after an update)."""
     tp: TPGroup
     spec: dense.DenseSpec
     dtype: torch.dtype
@@ -152,6 +155,16 @@ class DenseShard:
     norm: Norm
     lm_head: ColumnShard
     kv_heads: int  # this rank's KV heads (sharded, or one replicated head when N > num_kv_heads)
+
+    # the duck-typed interface bitmatch.models.dense.TENSOR_PARALLEL calls (enable_tensor_parallel)
+    def forward_hidden(self, input_ids, ctx, recorder=None):
+        if recorder is not None:
+            raise ValueError("tensor parallel forward: no per-op recorder (bitmatch.verify.locate runs at TP = 1); "
+                             "disable_tensor_parallel(model) first")
+        return forward_hidden(self, input_ids, ctx)
+
+    def compute_logits(self, hidden):
+        return compute_logits(self, hidden)
 
 
 def _plain(mod, what: str):
@@ -163,7 +176,7 @@ def _plain(mod, what: str):
 
 def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
     w, b = _plain(mod, what)
-    take = (lambda t: None if t is None else cast_param(t.detach()[lo:hi], dtype).clone())
+    take = (lambda t: None if t is None else cast_param(t.detach()[lo:hi], dtype))
     return cls(take(w), take(b), w.shape[0], **kw)
 
 
@@ -183,6 +196,9 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     give every rank TP = 1's bits.
     """
     lm = unwrap_causal_lm(model)
+    if lm in dense.TENSOR_PARALLEL:
+        raise ValueError("shard_dense_model: the model runs tensor parallel already; "
+                         "disable_tensor_parallel(model) before sharding it again")
     fam = family_of(lm)
     if type(fam) is not dense.DenseFamily:
         raise ValueError(f"shard_dense_model: family {fam.name!r} is not the dense family (qwen2, qwen3, llama, "
@@ -218,7 +234,7 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
             up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
             down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj", GatherRowShard, tp=tp),
         ))
-    return DenseShard(tp=tp, spec=spec, dtype=dt, embed=lm.model.embed_tokens.weight.detach().clone(),
+    return DenseShard(tp=tp, spec=spec, dtype=dt, embed=lm.model.embed_tokens.weight.detach(),
                       layers=layers, norm=Norm(lm.model.norm, dt),
                       lm_head=_rows(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"), kv_heads=hkv)
 
@@ -300,6 +316,25 @@ def token_logprobs(shard: DenseShard, input_ids: torch.Tensor, attention_mask: t
     tgt = src + 1
     lp = K.token_logprobs(compute_logits(shard, hidden[src]), p.input_ids[tgt], temperature)
     return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
+
+
+def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DenseShard:
+    """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
+    (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
+    ``bitmatch.Engine``, one process per rank, each sampling the same token from the same gathered
+    logits). Forward only, no CUDA graphs. Invariance: every rank gets TP = 1's bits."""
+    lm = unwrap_causal_lm(model)
+    shard = shard_dense_model(lm, tp, compute_dtype)
+    dense.TENSOR_PARALLEL[lm] = shard
+    forget_spec(lm)  # the rank's spec names its own KV heads (its caches)
+    return shard
+
+
+def disable_tensor_parallel(model) -> None:
+    """Back to the one-process forward."""
+    lm = unwrap_causal_lm(model)
+    dense.TENSOR_PARALLEL.pop(lm, None)
+    forget_spec(lm)
 
 
 def cache_groups(shard: DenseShard) -> list[CacheGroup]:
