@@ -112,16 +112,22 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
     db = db_ptr + slot * (Q * H) + h
     c_first = p0 // Q
     c_end = tl.where(n > 0, (pend + Q - 1) // Q, c_first)
+    q = c_first * Q + offs_q
+    raw = tl.load(dt_ptr + (t0 + q - p0) * H + h, mask=(q >= p0) & (q < pend), other=0.0)
+    dtb = tl.load(db + offs_q * H, mask=q < p0, other=0.0)  # only the first chunk starts before p0
     for c in range(c_first, c_end):
         cq = c * Q
         q = cq + offs_q
         in_call = (q >= p0) & (q < pend)
-        raw = tl.load(dt_ptr + (t0 + q - p0) * H + h, mask=in_call, other=0.0)
-        dtb = tl.load(db + offs_q * H, mask=q < p0, other=0.0)
         dtc = tl.where(in_call, _dt_value(raw, bias, dt_lo, HAS_BIAS), dtb)
         acum = tl.cumsum(dtc * A, axis=0)
+        # the next chunk's raw dt (all its positions are the call's), in flight while this one runs
+        raw = tl.load(dt_ptr + (t0 + q + Q - p0) * H + h, mask=q + Q < pend, other=0.0)
+        dtb = tl.zeros_like(dtc)
         lo = (tl.maximum(p0, cq) - cq).to(tl.int32)
         hi = (tl.minimum(pend, cq + Q) - cq).to(tl.int32)
+        keep_open = cached & (hi < Q)  # the chunk stays open: the call's rows go to the buffers
+        tl.debug_barrier()  # this program's reads of older buffer rows (earlier chunks) are done
         S_op = tl.trans(S).to(x_ptr.dtype.element_ty)
         for m in range(lo // BM, (hi + BM - 1) // BM):
             rows = m * BM + offs_m
@@ -140,10 +146,16 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 w = cb * tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0)) * d_k[None, :]
                 w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
                 acc = _dot(w.to(xk.dtype), xk, acc, INTERP, PREC)
+            xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
             if HAS_D:
-                xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
                 acc = acc + Dh * xr.to(tl.float32)
             tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
+            # an open chunk's rows for the next call's replay: x in this program's columns; dt, shared
+            # by the head's P blocks, staged per token and copied by the stash launch
+            keep = row_in & keep_open
+            tl.store(xb + rows[:, None] * (H * P) + offs_p[None, :], xr.to(xb_ptr.dtype.element_ty),
+                     mask=keep[:, None])
+            tl.store(dtp_ptr + tok * H + h, tl.gather(dtc, rows, 0), mask=keep & (pb == 0))
         if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
             a_last = tl.sum(tl.where(offs_q == Q - 1, acum, 0.0), axis=0)
             S = S * tl.exp(a_last)
@@ -154,15 +166,6 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 wk = tl.exp(a_last - tl.gather(acum, cols, 0)) * tl.gather(dtc, cols, 0)
                 xw = (xk.to(tl.float32) * wk[:, None]).to(xk.dtype)
                 S = _dot(tl.trans(xw), Bk, S, INTERP, PREC)
-        else:  # the open chunk: x rows of the call (this program's columns), for the next call's replay
-            tl.debug_barrier()  # every thread's reads of this program's older buffer rows are done
-            keep = in_call & cached
-            xs = tl.load(x_ptr + (t0 + q - p0)[:, None] * (H * P) + h * P + offs_p[None, :], mask=keep[:, None],
-                         other=0.0)
-            tl.store(xb + offs_q[:, None] * (H * P) + offs_p[None, :], xs.to(xb_ptr.dtype.element_ty),
-                     mask=keep[:, None])
-            # dt rows are shared by the head's P blocks: staged per token, copied by the stash launch
-            tl.store(dtp_ptr + (t0 + q - p0) * H + h, dtc, mask=keep & (pb == 0))
     closed = (pend // Q) > c_first  # a boundary was crossed: the slot's state moves on
     tl.store(s_ptrs, S, mask=(offs_p[:, None] < P) & (cached & closed))
 
