@@ -164,7 +164,8 @@ def ranks(request, tmp_path_factory):
     """(world, [each rank's results])."""
     world = request.param
     d = tmp_path_factory.mktemp(f"tp{world}")
-    mp.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True)
+    # fork: the ranks inherit this process's imports (spawn re-imports torch and transformers per rank)
+    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
     return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
 
 
