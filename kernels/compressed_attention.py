@@ -220,6 +220,11 @@ class KeyRows:
         return KeyRows(self.max_len, None if self.row_start is None else self.row_start[sl],
                        None if self.seq_idx is None else self.seq_idx[sl], self.block_table, self.block_size)
 
+    def take(self, idx: torch.Tensor) -> KeyRows:
+        """The addressing of rows ``idx`` (int64 [N], a device gather: no host read)."""
+        return KeyRows(self.max_len, None if self.row_start is None else self.row_start[idx],
+                       None if self.seq_idx is None else self.seq_idx[idx], self.block_table, self.block_size)
+
     def group_key(self) -> torch.Tensor:
         """One value per sequence of the step (the reference groups rows by it on the host)."""
         return self.seq_idx if self.paged_mode else self.row_start

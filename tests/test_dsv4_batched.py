@@ -24,6 +24,7 @@ from test_engine import assert_bitmatch
 import bitmatch
 import bitmatch.models as M
 from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine import model_runner
 from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
 from bitmatch.testing_models import random_prompts
@@ -297,6 +298,24 @@ def test_indexer_select_ties_lowest_index_invariant_and_equal_to_reference():
     assert tied and all(not ({3, 4} & set(r)) or 1 in r for r in tied)  # 3 or 4 only after 1
 
 
+def test_trainer_bound_is_the_longest_sequence_and_selects_the_same():
+    """The trainer's KeyRows bound is ctx.max_seq_len (indexer scores [T, longest / m], not
+    [T, T / m]); two packed sequences select the same entries under either bound."""
+    from bitmatch.context import ForwardContext
+    from bitmatch.models.deepseek_v4_attention import sequences
+    q1, p1, k1, w1 = _idx_case()
+    q2, p2, k2, w2 = (t[:13] for t in _idx_case())
+    q, pos, keys, w = (torch.cat(a) for a in ((q1, q2), (p1, p2), (k1, k2), (w1, w2)))
+    cu = torch.tensor([0, p1.shape[0], pos.shape[0]], dtype=torch.int32)
+    rows = sequences(ForwardContext(positions=pos, cu_seqlens=cu, max_seq_len=p1.shape[0]), pos)
+    assert rows.max_len == p1.shape[0]
+    kw = dict(rate=RATE, top_k=2, softmax_scale=0.25)
+    with K.use_backend("triton"):
+        got = indexer_select(q, pos, keys, w, rows, **kw)
+        want = indexer_select(q, pos, keys, w, KeyRows.packed(pos), **kw)
+    assert torch.equal(got, want)
+
+
 def test_control_torch_topk_breaks_ties_elsewhere():
     """HF's selection (torch.topk) on tied scores: not the lowest index."""
     s = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.5, 3.0, 3.0, 3.0] * 4])
@@ -330,8 +349,34 @@ def test_compressor_row_chunks_do_not_change_bits(model, monkeypatch):
     ctx = ForwardContext(positions=torch.arange(23), cu_seqlens=torch.tensor([0, 23], dtype=torch.int32))
     with torch.no_grad():
         whole = M.forward_hidden(model, ids, ctx)
-        monkeypatch.setattr(A, "_POOL_SCRATCH", 10 * 2 * 4 * 32)  # 10 rows: 2m x C = 2 * 4 * 32 (HCA), 2 * 2 * 64 (CSA)
+        # 2 rows: 2m x C = 2 * 4 * 32 (HCA), 2 * 2 * 64 (CSA); the trainer pools only closing rows
+        monkeypatch.setattr(A, "_POOL_SCRATCH", 2 * 2 * 4 * 32)
         assert_bitwise_equal(M.forward_hidden(model, ids, ctx), whole, "row chunks")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_closing_only_entries_equal_every_row_pooling(model, backend):
+    """The trainer computes only the rows closing a window (nonzero_static, T // m of them); their
+    entries equal the every-row pooling's (the engine's) bit for bit; the other rows are zeros."""
+    from bitmatch.context import ForwardContext
+    from bitmatch.models import deepseek_v4_attention as A
+    lm = M.unwrap_causal_lm(model)
+    spec = M.family_of(model).build_spec(lm)
+    i = next(j for j, lt in enumerate(spec.layer_types) if lt == A.CSA)
+    comp = lm.model.layers[i].self_attn.compressor
+    m = spec.compress_rates[A.CSA]
+    pos = torch.cat([torch.arange(11), torch.arange(6)])
+    ctx = ForwardContext(positions=pos, cu_seqlens=torch.tensor([0, 11, 17], dtype=torch.int32), max_seq_len=11)
+    rows = A.sequences(ctx, pos)
+    c = comp.kv_proj.weight.shape[0]
+    raw = [torch.randn(17, c, generator=_g(s)).to(torch.bfloat16) for s in (1, 2)]
+    with torch.no_grad(), K.use_backend(backend):
+        rope_at = A.rope_lookup(spec, ctx, rows)
+        every = A.closing_entries(comp, *raw, rows, pos, m, True, torch.bfloat16, rope_at)
+        only = A.closing_entries(comp, *raw, rows, pos, m, True, torch.bfloat16, rope_at, closing_only=True)
+    close = (pos + 1) % m == 0
+    assert_bitwise_equal(only[close], every[close], "closing rows")
+    assert not only[~close].any()
 
 
 def _decode_reads(model, backend):
@@ -348,6 +393,8 @@ def _decode_reads(model, backend):
         return orig(m, ids, ctx, *a, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(M, "forward_hidden", spy)
+        if hasattr(model_runner, "forward_hidden"):  # the runner imports it at the top: patch its name too
+            mp.setattr(model_runner, "forward_hidden", spy)
         Engine(model, num_gpu_blocks=64, max_num_seqs=4, enforce_eager=True).generate(
             random_prompts(3, 4, 9, seed=3), SamplingParams(temperature=0.8, max_tokens=2, ignore_eos=True),
             use_tqdm=False)

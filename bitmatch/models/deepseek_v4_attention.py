@@ -63,14 +63,16 @@ def sequences(ctx, positions) -> KeyRows:
     """How every row of the step finds the positions of its own sequence (``KeyRows``): the paged
     caches through the block table (engine), or the packed step rows (trainer: each sequence's
     rows contiguous from position 0). Device ops only; the bound on positions is a host int
-    (``ctx.max_seq_len``, the block table's width, or T), so a decode step can be a CUDA graph."""
+    (``ctx.max_seq_len``: the longest sequence; else the block table's width, or T), so a decode step can be a CUDA graph."""
     T = positions.shape[0]
     if ctx.paged:
         bs = next(iter(next(iter(ctx.caches.values())).values()))[0].shape[1]
         return KeyRows.paged(ctx.block_table, bs, ctx.query_start_loc, T, max_len=ctx.max_seq_len)
     if ctx.cu_seqlens is None:
         raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
-    rows = KeyRows.packed(positions)
+    # the longest sequence (a host int) bounds positions: the indexer's scores are [T, longest / m],
+    # not [T, T / m] (every visible column is inside either bound, so the selection is the same)
+    rows = KeyRows.packed(positions, max_len=ctx.max_seq_len)
     cu = ctx.cu_seqlens.to(positions.device)
     seq = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=cu.device, dtype=cu.dtype), right=True)
     # compressed windows sit at absolute positions from the sequence start: a packed row must be a
@@ -115,15 +117,32 @@ def _flat(t):
     return t.view(-1, *t.shape[2:])
 
 
-def closing_entries(mod, raw_kv, raw_gate, rows, positions, rate, overlap, dtype, rope_at):
+def closing_entries(mod, raw_kv, raw_gate, rows, positions, rate, overlap, dtype, rope_at, closing_only=False):
     """[T, D]: for every row, the entry of the window ending at its position (pooled from the raw
     projections ``raw_kv``/``raw_gate`` [S, C] read through ``rows``, RMS-normed, rotated at the
     window's first position: HF's compressor / indexer compressor). Only rows closing a window
     ((t+1) % rate == 0) give a real entry; the others are never read (an entry is read at the
-    address of its window's closing position only), so no row is picked out on the host."""
+    address of its window's closing position only), so no row is picked out on the host.
+    ``closing_only`` (the trainer: every sequence packed from position 0, so at most T // rate rows
+    close a window): only the closing rows are computed (``nonzero_static``, no host read), the
+    others are zeros; a closing row's entry is its own window's, so its bits are the same."""
+    t_all = positions.long()
+    T = t_all.shape[0]
+    if closing_only and T < rate:  # no window closes in the step
+        return raw_kv.new_zeros((T, mod.kv_norm.weight.shape[0]), dtype=dtype)
+    if not closing_only:
+        return _pooled_entries(mod, raw_kv, raw_gate, rows, t_all, rate, overlap, dtype, rope_at)
+    pick = torch.nonzero_static((t_all + 1) % rate == 0, size=T // rate, fill_value=T)[:, 0]
+    at = pick.clamp(max=max(T - 1, 0))  # the padding computes row T-1's window, then lands on row T
+    ent = _pooled_entries(mod, raw_kv, raw_gate, rows.take(at), t_all[at], rate, overlap, dtype, rope_at)
+    full = ent.new_zeros((T + 1, ent.shape[1]))
+    return full.index_copy(0, pick, ent)[:T]
+
+
+def _pooled_entries(mod, raw_kv, raw_gate, rows, t_all, rate, overlap, dtype, rope_at):
     K = _kernels()
     m = rate
-    t_all = positions.long().view(-1, 1)
+    t_all = t_all.view(-1, 1)
     bias = cast_param(mod.position_bias, torch.float32)
     # rows in chunks: the gathered windows are [rows, m or 2m, C]; a row's entry is its own window's
     # (compress_windows is per window), so the chunking bounds memory and never changes a bit
@@ -150,7 +169,8 @@ def _entry_store(mod, names, store, cache, rows, ctx, rate, overlap, dtype, rope
     """The entry store [S, D] of this layer: the engine writes every row's entry at the row's slot
     (closing rows real, the rest never read) and reads the cache; the trainer's store is the step."""
     kv_name, gate_name, entry_name = names
-    ent = closing_entries(mod, store[kv_name], store[gate_name], rows, ctx.positions, rate, overlap, dtype, rope_at)
+    ent = closing_entries(mod, store[kv_name], store[gate_name], rows, ctx.positions, rate, overlap, dtype, rope_at,
+                          closing_only=cache is None)
     if cache is None:
         return ent
     _flat(cache[entry_name]).index_copy_(0, ctx.slot_mapping, ent.detach())
