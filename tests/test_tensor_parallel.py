@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import bitmatch
 import bitmatch.kernels as K
@@ -25,7 +27,7 @@ from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logit
 from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.parallel import (
     TPGroup, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, enable_tensor_parallel,
-    forward_hidden, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    forward_hidden, fsdp_unsharded, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
 
@@ -107,6 +109,7 @@ def _worker(rank, world, store, out_dir):
                 shard = shard_dense_model(_model(name), tp)
                 res[f"{name}/logprobs"] = token_logprobs(shard, ids, mask)
                 res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
+            res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
             x, w, b = _row_inputs()
             kk, nn = x.shape[1] // world, w.shape[0] // world
             res["row/gather"] = gathered_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
@@ -124,6 +127,17 @@ def _worker(rank, world, store, out_dir):
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp2_logprobs(world, ids, mask):
+    """The trainer's logprobs of an FSDP2 model (every layer and the root fully_shard-ed) on this rank."""
+    lm = _model("qwen3-kv4")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(lm, mesh=mesh)
+    with fsdp_unsharded(lm):
+        return bitmatch.token_logprobs(lm, ids, mask)
 
 
 def _paged_decode(tp):
@@ -183,6 +197,16 @@ def test_trainer_logprobs_equal_tp1(ranks):
         want = bitmatch.token_logprobs(_model(name), ids, mask)
         for r, got in enumerate(res):
             _assert_bits(f"{name} rank {r}/{world} logprobs", got[f"{name}/logprobs"], want)
+
+
+def test_fsdp2_trainer_logprobs_equal_unsharded(ranks):
+    """FSDP2 shards parameters, not tokens: unsharded for bitmatch's forward (a bytes all-gather), every
+    rank's logprobs are the plain model's bits."""
+    world, res = ranks
+    ids, mask = _batch()
+    want = bitmatch.token_logprobs(_model("qwen3-kv4"), ids, mask)
+    for r, got in enumerate(res):
+        _assert_bits(f"FSDP2 rank {r}/{world} logprobs", got["fsdp2/logprobs"], want)
 
 
 def test_hidden_states_equal_tp1(ranks):
@@ -288,6 +312,12 @@ def test_shard_refuses_uneven_heads():
     lm = _model("qwen3-kv1")
     with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by the TP degree 3"):
         shard_dense_model(lm, _FakeTP(0, 3))
+
+
+def test_fsdp_unsharded_refuses_a_plain_model():
+    with pytest.raises(ValueError, match="no fully_shard-ed module"):
+        with fsdp_unsharded(_model("qwen3-kv1")):
+            pass
 
 
 class _FakeTP:
