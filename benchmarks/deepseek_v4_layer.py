@@ -20,7 +20,7 @@ DIR/deepseek_v4_<device>.json (command, machine, versions, setup, results, ratio
 
 ``--sections attn``: the attention block alone (deepseek_v4_attention.attention) of each layer
 type (sliding / CSA / HCA) at batches ``--attn-batches``: the trainer's packed prefill of B x seq
-rows, and the engine's decode step (B rows against paged caches holding B x seq tokens, block size
+rows (forward alone, and forward + backward), and the engine's decode step (B rows against paged caches holding B x seq tokens, block size
 16, graph-style host bounds); per-token times, decode / prefill ratios, and the engine == trainer
 bit check (the decode rows vs the last rows of the trainer's prefill of seq + 1 tokens, same x).
 
@@ -168,7 +168,18 @@ def attention_section(a, model, device, res):
                     # re-running the step rewrites the same slots with the same values: timing is safe
                     t_dec = _timed(lambda: call(x[:, -1], dctx), a.reps, device)
                 bad = int((dec.view(torch.int16) != train.contiguous().view(torch.int16)).any(-1).sum())
+                xg = x.reshape(B * n, -1).detach().requires_grad_()
+
+                def fwd_bwd():  # the trainer's block forward + backward (fused sink-attention backward)
+                    call(xg, tctx).float().sum().backward()
+                    attn.zero_grad(set_to_none=True)
+                    xg.grad = None
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t_bwd = _timed(fwd_bwd, a.reps, device)
                 out[key] = {"prefill_rows": B * n, "prefill_us_per_token": 1e6 * t_pre / (B * n),
+                            "train_fwd_bwd_us_per_token": 1e6 * t_bwd / (B * n),
+                            "train_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                             "decode_rows": B, "decode_us_per_token": 1e6 * t_dec / B,
                             "decode_over_prefill_per_token": (t_dec / B) / (t_pre / (B * n)),
                             "engine_vs_trainer_rows_differing": bad}
