@@ -110,6 +110,8 @@ def _worker(rank, world, store, out_dir):
                 res[f"{name}/logprobs"] = token_logprobs(shard, ids, mask)
                 res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
             res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
+        res.update(_trainer_grads(tp, ids, mask))
+        with torch.no_grad():
             x, w, b = _row_inputs()
             kk, nn = x.shape[1] // world, w.shape[0] // world
             res["row/gather"] = gathered_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
@@ -127,6 +129,14 @@ def _worker(rank, world, store, out_dir):
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _trainer_grads(tp, ids, mask):
+    """A TP trainer step's logprobs (autograd on) and the gradients of the summed logprobs, fp32."""
+    lm = _model("qwen3-kv4").float()
+    lp = token_logprobs(shard_dense_model(lm, tp), ids, mask)
+    lp.sum().backward()
+    return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
 def _fsdp2_logprobs(world, ids, mask):
@@ -207,6 +217,32 @@ def test_fsdp2_trainer_logprobs_equal_unsharded(ranks):
     want = bitmatch.token_logprobs(_model("qwen3-kv4"), ids, mask)
     for r, got in enumerate(res):
         _assert_bits(f"FSDP2 rank {r}/{world} logprobs", got["fsdp2/logprobs"], want)
+
+
+def test_tp_trainer_gradients_match_tp1(ranks):
+    """Autograd through the sharded forward: bitwise logprobs, and gradients equal to TP = 1's within
+    fp32 rounding (backward passes need correct gradients, not invariant ones). A rank's gradient of a
+    sharded weight covers its rows only: the ranks' gradients summed are the full one; replicated
+    parameters (norms, embedding) get the full gradient on every rank."""
+    world, res = ranks
+    ids, mask = _batch()
+    lm = _model("qwen3-kv4").float()
+    lp = bitmatch.token_logprobs(lm, ids, mask)
+    lp.sum().backward()
+    # q/k norms are replicated weights applied to the rank's heads only: their gradients add up too
+    sharded = ("_proj.", "lm_head.", "q_norm.", "k_norm.")
+    for r, got in enumerate(res):
+        _assert_bits(f"rank {r}/{world} fp32 trainer logprobs", got["grad/logprobs"], lp.detach())
+    for n, p in lm.named_parameters():
+        if any(s in n for s in sharded):
+            g = sum(got["grad/params"][n] for got in res)
+        else:
+            g = res[0]["grad/params"][n]
+            for got in res[1:]:
+                torch.testing.assert_close(got["grad/params"][n], g, rtol=0, atol=0, msg=f"{n}: ranks differ")
+        # fp32 sums in another order: tolerances relative to the gradient's scale (cancellation)
+        atol = 1e-4 * p.grad.abs().max().item()
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_hidden_states_equal_tp1(ranks):

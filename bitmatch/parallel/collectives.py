@@ -50,20 +50,66 @@ class TPGroup:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
 
-def all_gather_cat(t: torch.Tensor, tp: TPGroup, dim: int = -1) -> torch.Tensor:
-    """The ranks' ``t`` (same shape and dtype on every rank) concatenated along ``dim`` in rank order.
-
-    Invariance: the result is bit for bit ``torch.cat([t_0, ..., t_{world-1}], dim)``: the
-    tensors travel as raw bytes and no element is ever added, so neither the backend nor its
-    algorithm can change a bit.
-    """
-    if tp.world == 1:
-        return t
+def _gather_bytes(t: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8)
     parts = [torch.empty_like(raw) for _ in range(tp.world)]
     dist.all_gather(parts, raw, group=tp.group)
     return torch.cat([p.view(t.dtype).reshape(t.shape) for p in parts], dim=dim)
+
+
+# Backward passes need correct gradients, not invariant ones: they use ordinary all-reduces.
+class _AllGatherCat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, tp, dim, reduce_grad):
+        ctx.tp, ctx.dim, ctx.n, ctx.reduce_grad = tp, dim, t.shape[dim], reduce_grad
+        return _gather_bytes(t, tp, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_grad:  # each rank used the gathered tensor for its own share: sum the shares
+            g = g.contiguous().clone()
+            dist.all_reduce(g, group=ctx.tp.group)
+        return g.narrow(ctx.dim, ctx.tp.rank * ctx.n, ctx.n), None, None, None
+
+
+class _CopyToRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.tp.group)
+        return g, None
+
+
+def all_gather_cat(t: torch.Tensor, tp: TPGroup, dim: int = -1, *, reduce_grad: bool = False) -> torch.Tensor:
+    """The ranks' ``t`` (same shape and dtype on every rank) concatenated along ``dim`` in rank order.
+
+    Autograd: the gradient of this rank's part is its slice of the gathered tensor's gradient, where
+    every rank uses the gathered tensor the same way (replicated consumers); ``reduce_grad``: where
+    each rank uses it for its own share only (a row-parallel layer's input), the slice of the sum of
+    the ranks' gradients. Invariance: the result is bit for bit ``torch.cat([t_0, ..., t_{world-1}],
+    dim)``: the tensors travel as raw bytes and no element is ever added, so neither the backend nor
+    its algorithm can change a bit.
+    """
+    if tp.world == 1:
+        return t
+    dim = dim % t.dim()
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _AllGatherCat.apply(t, tp, dim, reduce_grad)
+    return _gather_bytes(t, tp, dim)
+
+
+def copy_to_ranks(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``x`` (the same on every rank) where it enters the ranks' column shards: identity forward,
+    the gradient summed over the ranks in backward (Megatron's f). Invariance: returns ``x`` itself."""
+    if tp.world == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _CopyToRanks.apply(x, tp)
 
 
 def comm_bytes_per_layer(tokens: int, hidden: int, attn_out: int, intermediate: int, tp: int,

@@ -17,7 +17,8 @@ ever adds another rank's numbers, so no kernel's canonical order changes:
 
 The all-gathers move raw bytes (``bitmatch.parallel.collectives``); norms and the residual stream
 run replicated on full rows. ``allreduce_row_parallel_linear`` is the stock layer, kept as the
-control that differs. Forward only: the gathers carry no gradients (the TP trainer is not built).
+control that differs. Backward: correct gradients, not invariant ones (ordinary all-reduces where a
+replicated tensor enters the column shards and under row-parallel inputs, Megatron's f and g).
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
@@ -36,7 +36,7 @@ from bitmatch.models import dense, lora
 from bitmatch.models.registry import forget_spec
 from bitmatch.precision import cast_param
 
-from .collectives import TPGroup, all_gather_cat
+from .collectives import TPGroup, all_gather_cat, copy_to_ranks
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -78,7 +78,7 @@ def gathered_row_parallel_linear(x_shard, weight_rows, bias_rows, full_n: int, t
     """A row-parallel layer with no cross-rank sum: ``x_shard`` [T, K/N] is this rank's K columns
     (rank order = K order), ``weight_rows`` [full_n/N, K] this rank's output rows with the full K.
     Invariance: bit for bit ``kernels.linear(x, W, b)`` at TP = 1, for any N."""
-    x = all_gather_cat(x_shard, tp, dim=-1)
+    x = all_gather_cat(x_shard, tp, dim=-1, reduce_grad=True)
     return all_gather_cat(shard_linear(x, weight_rows, bias_rows, full_n), tp, dim=-1)
 
 
@@ -94,13 +94,25 @@ def allreduce_row_parallel_linear(x_shard, weight_kcols, bias, tp: TPGroup) -> t
 
 @dataclass
 class ColumnShard:
-    """This rank's rows [lo, hi) of a linear of ``full_n`` output columns (column-parallel)."""
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    full_n: int
+    """This rank's rows [lo, hi) of ``module``'s linear (column-parallel), sliced from the model's
+    parameters and cast at use as the one-process forward does: autograd reaches the parameters and
+    an in-place weight update is seen."""
+    module: torch.nn.Module
+    lo: int
+    hi: int
+    dtype: torch.dtype
+
+    @property
+    def full_n(self) -> int:
+        return self.module.weight.shape[0]
+
+    def params(self):
+        b = getattr(self.module, "bias", None)
+        return (cast_param(self.module.weight[self.lo:self.hi], self.dtype),
+                None if b is None else cast_param(b[self.lo:self.hi], self.dtype))
 
     def __call__(self, x):
-        return shard_linear(x, self.weight, self.bias, self.full_n)
+        return shard_linear(x, *self.params(), self.full_n)
 
 
 @dataclass
@@ -109,7 +121,7 @@ class GatherRowShard(ColumnShard):
     tp: TPGroup = None
 
     def __call__(self, x_shard):
-        return gathered_row_parallel_linear(x_shard, self.weight, self.bias, self.full_n, self.tp)
+        return gathered_row_parallel_linear(x_shard, *self.params(), self.full_n, self.tp)
 
 
 @dataclass
@@ -144,13 +156,12 @@ class LayerShard:
 @dataclass
 class DenseShard:
     """One rank's share of a dense-family model (``shard_dense_model``): replicated embedding and
-    norms (the model's modules), its row slices of every linear: views of the model's parameters
-    where their dtype is the compute dtype (an in-place update, e.g. a weight sync, is seen), copies
-    where a cast is needed (shard again after an update)."""
+    norms, and its row slices of every linear, all read from the model's own modules at use (the
+    simulation keeps the whole model on every rank; a real deployment would load only the slices)."""
     tp: TPGroup
     spec: dense.DenseSpec
     dtype: torch.dtype
-    embed: torch.Tensor
+    model: torch.nn.Module  # the unwrapped causal LM
     layers: list
     norm: Norm
     lm_head: ColumnShard
@@ -175,9 +186,8 @@ def _plain(mod, what: str):
 
 
 def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
-    w, b = _plain(mod, what)
-    take = (lambda t: None if t is None else cast_param(t.detach()[lo:hi], dtype))
-    return cls(take(w), take(b), w.shape[0], **kw)
+    _plain(mod, what)
+    return cls(mod, lo, hi, dtype, **kw)
 
 
 def _even(n: int, world: int, what: str) -> int:
@@ -234,7 +244,7 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
             up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
             down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj", GatherRowShard, tp=tp),
         ))
-    return DenseShard(tp=tp, spec=spec, dtype=dt, embed=lm.model.embed_tokens.weight.detach(),
+    return DenseShard(tp=tp, spec=spec, dtype=dt, model=lm,
                       layers=layers, norm=Norm(lm.model.norm, dt),
                       lm_head=_rows(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"), kv_heads=hkv)
 
@@ -268,11 +278,8 @@ def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardConte
     """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank, in the dense
     family's op order (``bitmatch.models.dense``). Invariance: bit for bit
     ``bitmatch.models.forward_hidden`` of the unsharded model, at any TP degree."""
-    if torch.is_grad_enabled() and shard.tp.world > 1:
-        raise ValueError("tensor_parallel.forward_hidden: the all-gathers carry no gradients; run it under "
-                         "torch.no_grad() (the TP trainer is not built)")
-    spec, dt = shard.spec, shard.dtype
-    h = cast_param(F.embedding(input_ids, shard.embed), dt)
+    spec, dt, tp = shard.spec, shard.dtype, shard.tp
+    h = dense.embed(shard.model, input_ids, dt)
     cos, sin = dense.rope_cos_sin(ctx, spec.head_dim, spec.rope_base, spec.rope_scaling,
                                   spec.max_position_embeddings)
     residual = None
@@ -281,8 +288,9 @@ def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardConte
             x, residual = L.input_norm(h), h
         else:
             x, residual = L.input_norm(h, residual)
-        a = _attention(shard, L, i, x, cos, sin, ctx)
+        a = _attention(shard, L, i, copy_to_ranks(x, tp), cos, sin, ctx)
         x, residual = L.post_norm(a, residual)
+        x = copy_to_ranks(x, tp)
         # dense.gated_mlp's unfused order: silu_and_mul is elementwise, so the rank's columns suffice
         h = L.down(K.silu_and_mul(torch.cat([L.gate(x), L.up(x)], dim=-1)))
     out = shard.norm(h) if residual is None else shard.norm(h, residual)[0]
@@ -292,7 +300,7 @@ def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardConte
 def compute_logits(shard: DenseShard, hidden: torch.Tensor) -> torch.Tensor:
     """Full logits [N, vocab] on every rank: each rank's vocab slice, all-gathered in rank order.
     Invariance: bit for bit the unsharded model's ``bitmatch.models.compute_logits``."""
-    return all_gather_cat(shard.lm_head(hidden), shard.tp, dim=-1)
+    return all_gather_cat(shard.lm_head(copy_to_ranks(hidden, shard.tp)), shard.tp, dim=-1)
 
 
 def token_logprobs(shard: DenseShard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -322,7 +330,7 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
     (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
     ``bitmatch.Engine``, one process per rank, each sampling the same token from the same gathered
-    logits). Forward only, no CUDA graphs. Invariance: every rank gets TP = 1's bits."""
+    logits). No CUDA graphs. Invariance: every rank gets TP = 1's bits."""
     lm = unwrap_causal_lm(model)
     shard = shard_dense_model(lm, tp, compute_dtype)
     dense.TENSOR_PARALLEL[lm] = shard
