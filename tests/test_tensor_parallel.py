@@ -26,8 +26,8 @@ from bitmatch.kernels import order
 from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logits, forward_hidden as tp1_forward_hidden
 from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.parallel import (
-    TPGroup, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, enable_tensor_parallel,
-    forward_hidden, fsdp_unsharded, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    TPGroup, allreduce_expert_parallel, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, enable_tensor_parallel,
+    expert_parallel_experts, forward_hidden, fsdp_unsharded, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
 
@@ -119,6 +119,7 @@ def _worker(rank, world, store, out_dir):
                                                              w.shape[0], tp)
             res["row/allreduce"] = allreduce_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
                                                                  w[:, rank * kk:(rank + 1) * kk], b, tp)
+            res.update(_experts(tp))
             if world == 2:
                 res.update(_paged_decode(tp))
                 res.update(_triton_case(tp))
@@ -129,6 +130,24 @@ def _worker(rank, world, store, out_dir):
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _moe_inputs(E=8, k=2, H=64, I=32, T=11):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(BF)
+    w, ids = K.moe_route(torch.randn(T, E, generator=g), k, renormalize=True)
+    w_in = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(BF)
+    w_out = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(BF)
+    return x, ids, w, w_in, w_out
+
+
+def _experts(ep):
+    """The MoE experts at EP = world: rank r holds experts [r E/N, (r + 1) E/N)."""
+    x, ids, w, w_in, w_out = _moe_inputs()
+    n = w_in.shape[0] // ep.world
+    mine = slice(ep.rank * n, (ep.rank + 1) * n)
+    return {"ep/out": expert_parallel_experts(x, ids, w, w_in[mine], w_out[mine], w_in.shape[0], ep),
+            "ep/allreduce": allreduce_expert_parallel(x, ids, w, w_in[mine], w_out[mine], w_in.shape[0], ep)}
 
 
 def _trainer_grads(tp, ids, mask):
@@ -263,6 +282,16 @@ def test_row_parallel_by_gather_equal_tp1_and_allreduce_control_differs(ranks):
         _assert_bits(f"row-parallel by gather, rank {r}/{world}", got["row/gather"], want)
         # the stock layer: bf16 partials summed by the all-reduce round twice and in another order
         assert not torch.equal(got["row/allreduce"], want), "control: the all-reduce layer should differ"
+
+
+def test_expert_parallel_equals_ep1_and_allreduce_control_differs(ranks):
+    world, res = ranks
+    x, ids, w, w_in, w_out = _moe_inputs()
+    want = K.moe_experts(x, ids, w, w_in, w_out)
+    for r, got in enumerate(res):
+        _assert_bits(f"EP {world} rank {r} experts", got["ep/out"], want)
+        # the stock combine: each rank's partial rounded to bf16, the partials added by the all-reduce
+        assert not torch.equal(got["ep/allreduce"], want), "control: the all-reduce combine should differ"
 
 
 def test_paged_decode_step_equal_tp1_trainer(ranks):

@@ -1,0 +1,80 @@
+"""Expert parallelism with EP = 1's bits: experts spread over ranks, no cross-rank sum.
+
+``kernels.moe_experts``' canonical order: each (token t, slot r) row goes through its expert's
+invariant linear (y[t, r] in x's dtype, its bits independent of the other rows), then
+``out_t = round(sum over r = 0..k-1 in slot order of fp32(w[t, r]) * fp32(y[t, r]))``. Stock
+expert parallelism combines each rank's experts' share on that rank and adds the ranks' partial
+sums (an all-reduce or an all-to-all followed by a sum): another order. Here each rank computes
+y[t, r] for the slots its experts own, the rows travel as bytes (an all-gather in this
+simulation; the all-to-all of a real deployment moves bytes too), and the combine runs over the
+full [T, k, H] in slot order, exactly as the one-rank kernel does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import bitmatch.kernels as K
+from bitmatch.kernels.moe import combine_reference
+
+from .collectives import TPGroup, all_gather_cat
+
+
+def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:
+    if num_experts % ep.world:
+        raise ValueError(f"expert_parallel: num_experts = {num_experts} is not divisible by the EP degree "
+                         f"{ep.world}; use a degree that divides it")
+    local = num_experts // ep.world
+    if w_in_local.shape[0] != local:
+        raise ValueError(f"expert_parallel: w_in_local holds {w_in_local.shape[0]} experts, rank {ep.rank} of "
+                         f"{ep.world} owns {local} (experts [{ep.rank * local}, {(ep.rank + 1) * local}))")
+    if ids.device.type != "cpu":
+        raise NotImplementedError("expert_parallel: the slot-order combine runs kernels.moe's CPU reference "
+                                  "(combine_reference); CUDA tensors need the Triton combine kernel exposed")
+    return local
+
+
+def expert_outputs(x, ids, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *, activation="swiglu",
+                   swiglu_limit=None) -> torch.Tensor:
+    """y [T, k, H]: every (token, slot) row's expert output, each computed on its expert's rank.
+    Invariance: bit for bit the y[t, r] of ``kernels.moe_experts`` at EP = 1."""
+    local = _check(ids, num_experts, ep, w_in_local)
+    lo = ep.rank * local
+    T, k = ids.shape
+    y = x.new_zeros(T, k, x.shape[1])
+    ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
+    for r in range(k):
+        rows = ((ids[:, r] >= lo) & (ids[:, r] < lo + local)).nonzero()[:, 0]
+        if rows.numel():
+            # weight 1.0, one slot: round(fp32(1) * fp32(y)) is y itself; the kernel's rows do not
+            # depend on which other rows share the launch
+            y[rows, r] = K.moe_experts(x[rows], ids[rows, r:r + 1] - lo, ones[rows], w_in_local, w_out_local,
+                                       activation=activation, swiglu_limit=swiglu_limit)
+    everyone = all_gather_cat(y[None], ep, dim=0)          # [EP, T, k, H], rank order
+    owner = (ids // local).long()                          # the rank that computed y[t, r]
+    t_idx = torch.arange(T, device=x.device)[:, None].expand(T, k)
+    r_idx = torch.arange(k, device=x.device)[None, :].expand(T, k)
+    return everyone[owner, t_idx, r_idx]                   # a selection: no arithmetic
+
+
+def expert_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *,
+                            activation="swiglu", swiglu_limit=None) -> torch.Tensor:
+    """``kernels.moe_experts(x, ids, weights, w_in, w_out)`` with rank ``ep.rank`` holding experts
+    [rank * E/N, (rank + 1) * E/N) (``w_in_local``, ``w_out_local``). Invariance: bit for bit
+    EP = 1's output on every rank, for any EP degree dividing the expert count."""
+    y = expert_outputs(x, ids, w_in_local, w_out_local, num_experts, ep, activation=activation,
+                       swiglu_limit=swiglu_limit)
+    return combine_reference(y, weights.float())
+
+
+def allreduce_expert_parallel(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup) -> torch.Tensor:
+    """Stock expert parallelism: each rank combines its own experts' slots (the others weigh 0) and
+    the ranks' partial outputs are summed by an all-reduce. Not EP-invariant: the control."""
+    local = _check(ids, num_experts, ep, w_in_local)
+    lo = ep.rank * local
+    mine = (ids >= lo) & (ids < lo + local)
+    part = K.moe_experts(x, torch.where(mine, ids - lo, 0), torch.where(mine, weights.float(), 0.0),
+                         w_in_local, w_out_local)
+    if ep.world > 1:
+        dist.all_reduce(part, group=ep.group)
+    return part
