@@ -196,12 +196,15 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
     comp = attn.compressor
     if comp is not None:
         step["ckv"], step["cgate"] = linear(comp.kv_proj, x, dtype), linear(comp.gate_proj, x, dtype)
+    # the indexer's selection is piecewise constant (no gradient, HF's neither): its projections and
+    # index keys run without a graph, so the trainer saves none of their activations (same bits)
     if lt == CSA:
         idx = comp.indexer
-        step["ikv"], step["igate"] = linear(idx.kv_proj, x, dtype), linear(idx.gate_proj, x, dtype)
-        iq = linear(idx.q_b_proj, q_res, dtype).view(T, spec.index_n_heads, spec.index_head_dim)
-        iq = K.apply_rotary_interleaved(iq, cos, sin)
-        iw = linear(idx.scorer.weights_proj, x, dtype).float() * (spec.index_n_heads ** -0.5)
+        with torch.no_grad():
+            step["ikv"], step["igate"] = linear(idx.kv_proj, x, dtype), linear(idx.gate_proj, x, dtype)
+            iq = linear(idx.q_b_proj, q_res, dtype).view(T, spec.index_n_heads, spec.index_head_dim)
+            iq = K.apply_rotary_interleaved(iq, cos, sin)
+            iw = linear(idx.scorer.weights_proj, x, dtype).float() * (spec.index_n_heads ** -0.5)
     cache, store = None, step
     if ctx.paged:
         group = GROUP_OF[lt]
@@ -215,10 +218,11 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
         m = spec.compress_rates[lt]
         entries = _entry_store(comp, ("ckv", "cgate", "entry"), store, cache, rows, ctx, m, lt == CSA, dtype, rope_at)
     if lt == CSA:
-        ikeys = _entry_store(comp.indexer, ("ikv", "igate", "ientry"), store, cache, rows, ctx, m, True, dtype,
-                             rope_at)
-        selected = indexer_select(iq, ctx.positions, ikeys, iw, rows, rate=m, top_k=spec.index_topk,
-                                    softmax_scale=spec.index_head_dim ** -0.5)
+        with torch.no_grad():
+            ikeys = _entry_store(comp.indexer, ("ikv", "igate", "ientry"), store, cache, rows, ctx, m, True, dtype,
+                                 rope_at)
+            selected = indexer_select(iq, ctx.positions, ikeys, iw, rows, rate=m, top_k=spec.index_topk,
+                                      softmax_scale=spec.index_head_dim ** -0.5)
         if rec is not None:  # per query token: the selected entry indices ascending, -1 padded
             rec(f"{prefix}.indexer", selected.long())
     o = sink_attention_rows(q, ctx.positions, store["kv"], cast_param(attn.sinks, torch.float32), rows,
