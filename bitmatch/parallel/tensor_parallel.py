@@ -178,15 +178,10 @@ class DenseShard:
         return compute_logits(self, hidden)
 
 
-def _plain(mod, what: str):
+def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
     if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
         raise ValueError(f"shard_dense_model: {what} is a PEFT adapter layer; merge the adapters "
                          "(peft merge_and_unload) before sharding")
-    return mod.weight, getattr(mod, "bias", None)
-
-
-def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
-    _plain(mod, what)
     return cls(mod, lo, hi, dtype, **kw)
 
 
@@ -212,7 +207,8 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     fam = family_of(lm)
     if type(fam) is not dense.DenseFamily:
         raise ValueError(f"shard_dense_model: family {fam.name!r} is not the dense family (qwen2, qwen3, llama, "
-                         "mistral); MoE layers need expert parallelism, which is not built")
+                         "mistral); MoE families need expert parallelism, so far only the experts op "
+                         "(bitmatch.parallel.expert_parallel_experts)")
     spec = fam.build_spec(lm)
     dt = compute_dtype if compute_dtype is not None else compute_dtype_of(lm)
     n, r = tp.world, tp.rank
