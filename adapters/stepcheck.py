@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import bitmatch
+from bitmatch.sync import fingerprints
+from bitmatch.verify import compare, locate
+
 logger = logging.getLogger("bitmatch.stepcheck")
 
 ON_MISMATCH = ("raise", "warn", "log")
@@ -98,7 +102,6 @@ class StepChecker:
         log_metrics(dict) records the bitmatch/* metrics (called before the policy may raise).
         A step that compares no token on any rank is a failure too (``NothingComparedError`` under
         "raise"): a zero mismatch count must mean "checked and equal"."""
-        from bitmatch.verify import compare
         res = compare(rollout.float(), trainer.float(), mask)
         stats = torch.tensor([[res.max_abs_diff, res.mismatches, res.k3_kl * res.total, res.total,
                                _compared_seqs(rollout, mask)]], dtype=torch.float64)
@@ -154,7 +157,6 @@ class StepChecker:
     def _save_bundle(self, check, res, d: Divergence):
         if self._bundles >= self.max_bundles:
             return None
-        import bitmatch
         self._bundles += 1
         path = os.path.join(self.repro_dir, f"step{check.step}_{check.mode}_{d.tag}")
         os.makedirs(path, exist_ok=True)
@@ -190,7 +192,6 @@ def locate_sentence(trainer_model, rollout_model, ids, mask, *, compute_dtype, b
     """Run the same tokens through the trainer's and the rollout's model (the rollout's attention
     through a paged cache of ``block_size`` when given, as the engine ran it) and name the first op
     whose bits differ, as one sentence of the mismatch message."""
-    from bitmatch.verify import locate
     r = locate(trainer_model, rollout_model, ids, mask, compute_dtype_a=compute_dtype,
                compute_dtype_b=compute_dtype, paged_b_block_size=block_size)
     if r.first_divergent is None:
@@ -210,7 +211,6 @@ def weights_sentence(bad: list[str]) -> str:
 def weights_fingerprint(source, compute_dtype) -> str:
     """One hash of every tensor's compute-dtype fingerprint (which weights the step ran with)."""
     import xxhash
-    from bitmatch.sync import fingerprints
     fp = fingerprints(source, dtype=compute_dtype or torch.float32)
     h = xxhash.xxh64()
     for k in sorted(fp):

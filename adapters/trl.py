@@ -47,12 +47,15 @@ import warnings
 
 import torch
 
+import bitmatch
+import bitmatch.adapters.vllm as plugin
 import bitmatch.sync as bsync
+from bitmatch import is_patched
 from bitmatch.adapters import lora
-from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker,
-                                         locate_sentence, weights_fingerprint,
-                                         weights_sentence)
+from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker, locate_sentence,
+                                         weights_fingerprint, weights_sentence)
 from bitmatch.logprobs import check_temperature
+from bitmatch.models import unwrap_causal_lm
 from bitmatch.models.lora import plain_name
 
 logger = logging.getLogger("bitmatch.trl")
@@ -131,7 +134,6 @@ class TrlAdapter:
 
     # -- setup ------------------------------------------------------------------------------
     def _pick_dtype(self, compute_dtype):
-        from bitmatch.models import unwrap_causal_lm
         p = unwrap_causal_lm(self.trainer.model).get_input_embeddings().weight.dtype
         if compute_dtype is None:
             args = self.trainer.args
@@ -150,7 +152,6 @@ class TrlAdapter:
                                f"{','.join(SUPPORTED_TRL)} (pip install bitmatch[trl])")
         if not self.check_only:
             self._check_config()
-            import bitmatch
             for m in self._trained_models():
                 bitmatch.patch(m, compute_dtype=self.compute_dtype)
             if t.use_vllm:
@@ -217,13 +218,7 @@ class TrlAdapter:
                     lora.check_lora_layer(mod, n)
 
     def _check_vllm_plugin(self):
-        try:
-            import bitmatch.adapters.vllm as plugin
-        except ImportError as e:
-            raise RuntimeError(
-                "attach: GRPOConfig(use_vllm=True) needs the bitmatch vLLM plugin (bitmatch.adapters.vllm, enabled "
-                "with the environment variable BITMATCH=1 before vLLM starts), which is not importable here: "
-                f"{e}. Use use_vllm=False to roll out with bitmatch.Engine") from e
+        # the plugin module itself is always importable (it imports no vLLM until enabled)
         if getattr(self.trainer, "vllm_mode", "colocate") == "server":
             # the server is another process: its plugin cannot be checked from here; the per-step
             # comparison proves it (a stock server fails the first step)
@@ -237,7 +232,6 @@ class TrlAdapter:
         """Raise if something undid attach (a re-wrapped model, a replaced method)."""
         t = self.trainer
         if not self.check_only:
-            from bitmatch import is_patched
             for m in self._trained_models():
                 if not is_patched(m):
                     raise RuntimeError("bitmatch: the policy is no longer patched at train start; call attach() on "
@@ -282,7 +276,6 @@ class TrlAdapter:
 
     def sync_rollout(self):
         """Make the rollout hold the current weights (once per optimizer step, as TRL's vLLM sync)."""
-        import bitmatch
         step = self.trainer.state.global_step
         if self.engine is None:
             if self.rollout_weights == "copy":
@@ -381,7 +374,6 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
     temperature, top-k / top-p mask (the distribution the rollout sampled from; the ref model's stay
     full-vocabulary, so a token outside its own mask cannot make the KL infinite) and compute dtype,
     autocast off. The bits do not depend on ``batch_size``."""
-    import bitmatch
     bm = self._bitmatch
     used = [k for k, v in mm.items() if v is not None and k in _MULTIMODAL or (k == "num_images" and v)]
     if used:
@@ -408,7 +400,6 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
 
 def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
     """Rollouts through ``bitmatch.Engine``: (completion_ids, per-token logprobs)."""
-    import bitmatch
     if images is not None or multimodal_fields:
         raise ValueError("bitmatch: multimodal prompts are not supported (text-only dense models)")
     bm = self._bitmatch

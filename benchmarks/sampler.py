@@ -30,8 +30,8 @@ import time
 import torch
 
 import bitmatch.kernels as K
-from bitmatch.engine.model_runner import upload
-from bitmatch.engine.sampling import Sampler, SamplingParams, _token_logprobs
+from bitmatch.engine.host import upload
+from bitmatch.engine.sampling import Sampler, SamplingParams, reported_logprobs
 from bitmatch.kernels import sampling as S
 from bitmatch.kernels.triton import sampling as TS
 
@@ -80,8 +80,8 @@ def old_call(logits, params, seeds, indices):
         tokens = S.categorical_sample_reference(masked, temps, u)
         if any(greedy):
             tokens = torch.where(i64[3].bool(), logits.float().argmax(-1), tokens)
-    lps = _token_logprobs(logits, tokens, temps)
-    sampled = _token_logprobs(masked, tokens, temps) if masked is not logits else lps
+    lps = reported_logprobs(logits, tokens, temps)
+    sampled = reported_logprobs(masked, tokens, temps) if masked is not logits else lps
     out = torch.stack([tokens.to(F64), lps.to(F64), sampled.to(F64)]).tolist()
     return [int(t) for t in out[0]], out[1], out[2]
 
@@ -112,7 +112,7 @@ def time_ms(fn, reps, host=False):
 def boundary_uniforms(logits, temps, rows):
     """u just below and just above a cdf boundary of each row (torch weights): a token that moves
     by one position if any weight before the boundary is off by a unit."""
-    z = S._scaled(logits[rows], temps[rows])
+    z = S.scaled_logits(logits[rows], temps[rows])
     w = S._int_weights(z, z.amax(-1, keepdim=True), S._weight_bits(V))
     cdf = torch.cumsum(w, -1)
     total = cdf[:, -1]
@@ -143,7 +143,7 @@ def check_batch(b, gen, dev, res):
     bits = S._weight_bits(V)
     tok, w = TS.categorical_sample(logits, temps, u, None, bits, return_weights=True)
     ref = S.categorical_sample_reference(logits, temps, u)
-    z = S._scaled(logits, temps)
+    z = S.scaled_logits(logits, temps)
     w_ref = S._int_weights(z, z.amax(-1, keepdim=True), bits)
     r = {"B": b, "weights_mismatch_vs_torch_cuda": int((w != w_ref).sum()),
          "tokens_mismatch_vs_torch_cuda": int((tok != ref).sum()),
@@ -152,7 +152,7 @@ def check_batch(b, gen, dev, res):
     cpu = S.categorical_sample_reference(logits[rows].cpu(), temps[rows].cpu(), u[rows].cpu())
     r["cpu_rows"] = len(rows)
     r["tokens_mismatch_vs_cpu"] = int((cpu != tok[rows].cpu()).sum())
-    zc = S._scaled(logits[rows].cpu(), temps[rows].cpu())
+    zc = S.scaled_logits(logits[rows].cpu(), temps[rows].cpu())
     r["weights_mismatch_vs_cpu"] = int((S._int_weights(zc, zc.amax(-1, keepdim=True), bits) != w[rows].cpu()).sum())
     # boundary uniforms: the sensitive case
     brows = list(range(min(b, 16)))
@@ -251,7 +251,7 @@ def time_batch(logits, g, reps, res):
     pp = torch.full((b,), 0.9, device=logits.device)
     kt["top_k_top_p_mask_ms"] = time_ms(lambda: K.top_k_top_p_mask(logits, temps, kk, pp), reps)
     tok = K.categorical_sample(logits, temps, u)
-    kt["token_logprobs_ms"] = time_ms(lambda: _token_logprobs(logits, tok, temps), reps)  # not the sampler's kernel
+    kt["token_logprobs_ms"] = time_ms(lambda: reported_logprobs(logits, tok, temps), reps)  # not the sampler's kernel
     kt["argmax_ms"] = time_ms(lambda: logits.float().argmax(-1), reps)
     kt["speedup"] = kt["torch_ms"] / kt["triton_ms"]
     kt["read_roofline_ms_2pass_at_4.3TBps"] = 2 * b * V * 2 / 4.3e12 * 1e3

@@ -3,61 +3,28 @@ uses: ``--family``), ``locate`` (the first op whose bits differ between two path
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
 import time
 import traceback
+from importlib import metadata
 
-EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+import torch
 
-
-def usage_error(prog: str, problem: str) -> int:
-    """Print ONE line naming the problem and its fix (no traceback: a user error) and return 2."""
-    print(f"{prog}: {problem}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (transformers' load errors span paragraphs)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 400 else text[:397] + "..."
-
-
-def load_error(what: str, e: BaseException) -> str:
-    """The sentence for an exception raised while loading ``what``: bitmatch's own messages
-    (``bitmatch.hub``: missing folder, bad config.json, no or truncated weights, hub name not
-    cached) already name the fix; anything else from transformers is named as such."""
-    if isinstance(e, (FileNotFoundError, ConnectionError, ValueError)) and str(e).startswith(
-            ("load_model:", "Engine:", "check_supported", "bitmatch")):
-        return one_line(e)
-    return (f"could not load {what!r} ({type(e).__name__}: {one_line(e)}); check that it is an HF causal LM "
-            "checkpoint of a supported family (bitmatch.models.check_supported) and that transformers can read it")
-
-
-def _can_write_in(folder: str) -> bool:
-    """A file can be created in ``folder`` (tried, not guessed: permission bits say yes to root on a
-    read-only file system)."""
-    import tempfile
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
-
-
-def writable_file_problem(flag: str, path: str) -> str | None:
-    """None if ``path`` can be written (its folder exists and is writable), else the sentence
-    naming ``flag`` and the fix: checked before a run, so the run's result is never lost."""
-    path = os.path.abspath(os.path.expanduser(path))
-    folder = os.path.dirname(path)
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a folder; give a file path (e.g. {os.path.join(path, 'report.json')!r})"
-    if not os.path.isdir(folder):
-        return f"{flag}: the folder {folder!r} does not exist; create it first (mkdir -p) or give another path"
-    if not _can_write_in(folder) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{flag}: {path!r} is not writable; give a path in a folder you can write to"
-    return None
+import bitmatch
+import bitmatch.kernels as K
+from bitmatch import controls
+from bitmatch import testing as T
+from bitmatch import verify
+from bitmatch.cli_common import (EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, load_error, one_line,  # noqa: F401
+                                 usage_error, version_string, writable_file_problem, writable_folder_problem)
+from bitmatch.demo import main as demo_main
+from bitmatch.family_check import family_cases, tiny_model_for
+from bitmatch.logprobs import check_temperature
+from bitmatch.models import families, load_model
+from bitmatch.testing_models import random_prompts
 
 
 def _cases(device: str):
@@ -66,11 +33,6 @@ def _cases(device: str):
     Controls run the same harness on a stock formula and must find a mismatch: they show the
     harness can fail on this machine.
     """
-    import torch
-
-    import bitmatch.kernels as K
-    from bitmatch import testing as T
-
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g).bfloat16().to(device)  # noqa: E731
     w, wn, res = rnd(256, 512) * 0.05, (1 + 0.1 * rnd(512).float()).bfloat16(), rnd(4, 512)
@@ -97,13 +59,11 @@ def _cases(device: str):
     ]
     if device == "cpu":  # thread count is a CPU axis; CUDA launch parallelism is covered by the batch axis
         rows_.insert(1, ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2))
-    from bitmatch.controls import stock_controls
     return [(op, axes, fn, False) for op, axes, fn in rows_] + [(c.name, c.axes, c.run, True)
-                                                               for c in stock_controls(device)]
+                                                               for c in controls.stock_controls(device)]
 
 
 def _lin(x, w):
-    import bitmatch.kernels as K
     return K.linear(x, w)
 
 
@@ -111,11 +71,6 @@ def check(argv=None) -> int:
     """Run every op's invariance self-test on this machine's backends and print a table; the stock
     controls (``bitmatch.controls``) run the same comparisons on stock ops and must find mismatches.
     Exit 1 if an op mismatched or a control found none (the harness did not show it can fail)."""
-    import json
-
-    import torch
-
-    from bitmatch.testing import BitMismatch
     ap = argparse.ArgumentParser(prog="bitmatch check", description=check.__doc__)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
                     help="cpu: reference backend; cuda: Triton backend; all: every available one")
@@ -131,10 +86,8 @@ def check(argv=None) -> int:
     problem = a.json and writable_file_problem("--json", a.json)
     if problem:
         return usage_error("bitmatch check", problem)
-    from bitmatch.family_check import _family_cases, tiny_model_for
     if a.family is not None:
         try:
-            from bitmatch.models import families
             if not any(a.family in (f.name, *f.model_types) for f in families()):
                 tiny_model_for(a.family)   # a TINY_CONFIGS name passes; anything else raises naming the families
         except ValueError as e:
@@ -150,12 +103,12 @@ def check(argv=None) -> int:
     failed, weak, table = [], [], []
     for device in devices:
         backend = "triton (cuda)" if device == "cuda" else "reference (cpu)"
-        rows = _family_cases(a.family, device, a.cases) if a.family else _cases(device)
+        rows = family_cases(a.family, device, a.cases) if a.family else _cases(device)
         for op, axes, fn, control in rows:
             t0, first = time.time(), None
             try:
                 cases, bad = fn(), 0
-            except BitMismatch as e:
+            except T.BitMismatch as e:
                 cases, bad, first = 1, 1, str(e)
                 if a.verbose or not control:
                     print(f"  MISMATCH: {e}", file=sys.stderr)
@@ -178,7 +131,6 @@ def check(argv=None) -> int:
     print(f"\nbackends: {', '.join(devices)}; {verdict}; {ctl}")
     rc = 1 if failed or weak else 0
     if a.json:
-        from importlib import metadata
         try:
             triton = metadata.version("triton")
         except metadata.PackageNotFoundError:
@@ -194,33 +146,11 @@ def check(argv=None) -> int:
     return rc
 
 
-def writable_folder_problem(flag: str, path: str, files=()) -> str | None:
-    """None if the folder ``path`` exists and is writable or can be created (its nearest existing
-    ancestor is a writable folder), and each of ``files`` in it can be written; else the sentence
-    naming ``flag`` and the fix. Creates nothing."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{flag} {path!r} is a file, not a folder; give a folder path"
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        return f"{flag}: {probe!r} is a file, so the folder {path!r} cannot be created; give another path"
-    if not _can_write_in(probe):
-        return f"{flag}: {probe!r} is not writable, so nothing can be written under {path!r}; give a folder you own"
-    for name in files:
-        f = os.path.join(path, name)
-        if os.path.exists(f) and (os.path.isdir(f) or not os.access(f, os.W_OK)):
-            return f"{flag}: {f!r} exists and cannot be overwritten; remove it or give another folder"
-    return None
-
-
 # ----------------------------------------------------------------------------- locate
 
 def _locate_args_problem(a) -> str | None:
     """The first bad ``bitmatch locate`` option, named by its flag with the valid range (before any
     model is built, so a typo costs nothing and never surfaces as an engine argument's name)."""
-    from bitmatch.logprobs import check_temperature
     for flag, v in (("--prompts", a.prompts), ("--min-len", a.min_len), ("--max-len", a.max_len),
                     ("--max-tokens", a.max_tokens), ("--block-size", a.block_size),
                     ("--step-tokens", a.step_tokens), ("--rows", a.rows)):
@@ -240,8 +170,6 @@ def _locate_args_problem(a) -> str | None:
 def locate(argv=None) -> int:
     """Run the same tokens through two paths of one model and name the first op whose output bits
     differ (layer, op, position, both values in hex, each op's fingerprint); exit 1 if one does."""
-    import json
-
     ap = argparse.ArgumentParser(prog="bitmatch locate", description=locate.__doc__)
     ap.add_argument("checkpoint", nargs="?", help="an HF checkpoint folder (or hub name); or use --family")
     ap.add_argument("--family", help="a registered family (or a tiny config name): a tiny random model built in code")
@@ -273,12 +201,8 @@ def locate(argv=None) -> int:
     problem = _locate_args_problem(a)
     if problem:
         return usage_error(prog, problem)
-    import torch
     if a.pair == "backend" and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    from bitmatch import verify
-    from bitmatch.family_check import tiny_model_for
-    from bitmatch.testing_models import random_prompts
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (none of the above does)
     dtype = getattr(torch, a.dtype)
     try:
         verify.parse_inject(a.inject)
@@ -291,12 +215,10 @@ def locate(argv=None) -> int:
             return usage_error(prog, f"--family: {one_line(e)}")
         what += f" (random weights, seed {a.seed})"
     else:
-        from bitmatch.models import load_model
         try:
             model, what = load_model(a.checkpoint, dtype=dtype), a.checkpoint
         except Exception as e:  # any load failure is the checkpoint's (or the path's): one line, exit 2
             return usage_error(prog, load_error(a.checkpoint, e))
-    import bitmatch
     bitmatch.patch(model, compute_dtype=dtype)   # as a user runs it: the compute dtype set once
     vocab = model.lm_head.weight.shape[0]
     prompts = random_prompts(a.prompts, a.min_len, a.max_len, seed=a.seed + 1, vocab_hi=min(99, vocab))
@@ -338,19 +260,6 @@ exit codes: 0 ok; 1 a divergence / mismatch found; 2 a usage or load error (one 
 the problem and the fix); 3 an internal error (a bug: the traceback, please report it)"""
 
 
-def version_string() -> str:
-    """'bitmatch X (torch Y, transformers Z)' from the installed distributions (no heavy import)."""
-    from importlib import metadata
-
-    def v(dist):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-    import bitmatch
-    return f"bitmatch {bitmatch.__version__} (torch {v('torch')}, transformers {v('transformers')})"
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # a bare `bitmatch` did nothing useful: say how to use it, exit as argparse does
@@ -377,7 +286,6 @@ def main(argv=None) -> int:
 
 
 def _demo(argv) -> int:
-    from bitmatch.demo import main as demo_main
     return demo_main(argv)
 
 

@@ -21,7 +21,12 @@ import time
 
 import torch
 
-from bitmatch.cli import load_error, one_line, usage_error, writable_folder_problem
+from bitmatch.cli_common import load_error, one_line, usage_error, writable_folder_problem
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.logprobs import check_temperature, token_logprobs
+from bitmatch.models import load_model
+from bitmatch.testing_models import CharTokenizer, pad_batch, tiny_model
+from bitmatch.verify import compare
 
 PROMPTS = [
     "The quick brown fox", "Hello", "In the beginning", "def f(x):", "1 + 1 =", "Once upon a time there was",
@@ -106,11 +111,6 @@ def _plot(path, diffs_on, diffs_off, title):
 
 def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, max_tokens=8, temperature=0.9,
         seed=0, quiet=False, plot=True) -> dict:
-    from bitmatch.engine import Engine, SamplingParams
-    from bitmatch.logprobs import token_logprobs
-    from bitmatch.testing_models import CharTokenizer, pad_batch, tiny_model
-    from bitmatch.verify import compare
-
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t0 = time.time()
     torch.manual_seed(seed)
@@ -211,7 +211,6 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, 
 
 
 def _args_problem(args) -> str | None:
-    from bitmatch.logprobs import check_temperature
     for flag, v in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
         if v < 1:
             return f"{flag} must be >= 1, got {v}"
@@ -242,8 +241,6 @@ def main(argv=None) -> int:
         raise SystemExit(usage_error("bitmatch demo", problem))
     model = tok = None
     if args.model:
-        from bitmatch.models import load_model
-
         try:
             model = load_model(args.model, dtype=getattr(torch, args.dtype))
         except Exception as e:  # any load failure is the checkpoint's: one line naming it and the fix

@@ -78,7 +78,7 @@ def _capture_kernel_calls(model, seqs):
             logits = compute_logits(model, forward_hidden(model, p.input_ids, p.context()))
             src = (~p.seq_end).nonzero(as_tuple=True)[0]
             K.token_logprobs(logits[src], p.input_ids[src + 1], 0.7)
-            verify._paged_trace(model, seqs, verify.schedule_steps([len(s) for s in seqs], "chunked"))
+            verify.paged_trace(model, seqs, verify.schedule_steps([len(s) for s in seqs], "chunked"))
     return calls
 
 
@@ -115,7 +115,7 @@ def _row_harness(op, args, kwargs, n):
     return lambda: assert_batch_invariant(call, tuple(v for _, v in rows), max_batch=64, cases=n) or n
 
 
-def _family_cases(family: str, device: str, n: int = 6):
+def family_cases(family: str, device: str, n: int = 6):
     """(op, axes, fn, is_control) rows for every kernel op ``family`` calls at its tiny shapes, the
     whole model along the schedule axes, the device's stock controls and the family's HF forward."""
     model = bitmatch.patch(tiny_model_for(family, torch.bfloat16, seed=0)[0].to(device), compute_dtype=torch.bfloat16)

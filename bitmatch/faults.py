@@ -62,15 +62,15 @@ def kernel_fault(op: str | None):
 
 
 @contextlib.contextmanager
-def _engine_temperature_fault(on: bool):
+def engine_temperature_fault(on: bool):
     """The engine's reported logprobs from logits * (1/T) instead of logits / T."""
     if not on:
         yield
         return
-    orig = S._token_logprobs
-    S._token_logprobs = lambda logits, tokens, temps: orig(logits.float() * (1.0 / temps)[:, None], tokens,
+    orig = S.reported_logprobs
+    S.reported_logprobs = lambda logits, tokens, temps: orig(logits.float() * (1.0 / temps)[:, None], tokens,
                                                            torch.ones_like(temps))
     try:
         yield
     finally:
-        S._token_logprobs = orig
+        S.reported_logprobs = orig

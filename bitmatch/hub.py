@@ -18,6 +18,8 @@ import json
 import os
 import struct
 
+from bitmatch.models import quant
+
 HUB_TIMEOUT_S = 10.0
 _verified: set[tuple[str, str | None]] = set()  # hub names that already answered in this process
 
@@ -112,8 +114,6 @@ def load_pretrained(path_or_name, *, dtype=None, who: str = "load_model", **kwar
     read exactly). The same checkpoint gives the same bits on every call."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bitmatch.models import quant  # torch-heavy: the path checks above stay import-light
 
     path = resolve_checkpoint(path_or_name, who=who, **kwargs)
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.kernels import check_on_device, host_readable
 from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causal_lm
@@ -52,8 +53,6 @@ def check_temperature(op: str, value, *, greedy_ok: bool = False, name: str = "t
 
 
 def _chunk_logprobs(lm, dtype, temperature, top_k, top_p, hidden, targets, entropy=False):
-    import bitmatch.kernels as K
-
     logits = compute_logits(lm, hidden, compute_dtype=dtype)
     # the engine's and the vLLM plugin's mask: -inf outside, so the log_softmax renormalizes
     logits = K.apply_top_k_top_p(logits, temperature, top_k, top_p)

@@ -15,7 +15,7 @@ import types
 import torch
 
 from bitmatch.models import compute_logits, forward_hidden, pack, spec_of, unwrap_causal_lm
-from bitmatch.models.registry import _STATE, BoundForward, PatchState, bound_forward, patch_state
+from bitmatch.models.registry import STATE_KEY, BoundForward, PatchState, bound_forward, patch_state
 
 
 _LM = "_bitmatch_lm"
@@ -125,7 +125,7 @@ def patch(model, compute_dtype: torch.dtype | None = None):
     state = patch_state(lm)
     if state is None:
         state = PatchState(fam, compute_dtype)
-        lm.__dict__[_STATE] = state
+        lm.__dict__[STATE_KEY] = state
     state.compute_dtype = compute_dtype
     _bind(lm, _causal_forward, state)
     lm.model.__dict__[_LM] = lm  # the base model's forward runs the whole LM (a deepcopy maps it too)
@@ -146,7 +146,7 @@ def unpatch(model):
             del mod.__dict__["forward"]
         else:
             mod.forward = bf.saved
-    lm.__dict__.pop(_STATE, None)
+    lm.__dict__.pop(STATE_KEY, None)
     lm.model.__dict__.pop(_LM, None)
     return model
 

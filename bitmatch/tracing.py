@@ -14,7 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import xxhash
 
-from .sync.hash import fingerprints_of
+import bitmatch.kernels as K
+from bitmatch.context import ForwardContext
+from bitmatch.models import allocate_caches, cache_groups, compute_dtype_of, compute_logits, forward_hidden, pack
+from bitmatch.sync.hash import fingerprints_of
+from bitmatch.testing_models import pad_batch
 
 PAIRS = ("engine", "hf", "schedule", "backend")
 
@@ -101,7 +105,7 @@ class LocateResult:
         return d
 
 
-class _Recorder:
+class Recorder:
     """The ``recorder(name, value)`` of ``forward_hidden``: keeps CPU copies of every op's output
     over one or more steps, with the (sequence, position) of each row set by the caller."""
 
@@ -115,10 +119,10 @@ class _Recorder:
         self.parts.setdefault(name, []).append((list(self.keys) if per_token else None, vals))
 
     def trace(self) -> list:
-        return _merge([[(n, k, v) for k, v in parts] for n, parts in self.parts.items()])
+        return merge_pieces([[(n, k, v) for k, v in parts] for n, parts in self.parts.items()])
 
 
-def _merge(per_op) -> list:
+def merge_pieces(per_op) -> list:
     """[(name, keys, values)] from each op's pieces: rows sorted by (sequence, position); a row
     computed twice (a preempted sequence recomputed) keeps its last value."""
     out = []
@@ -137,22 +141,21 @@ def _merge(per_op) -> list:
     return out
 
 
-def _merge_traces(traces) -> list:
+def merge_traces(traces) -> list:
     names = [n for n, _, _ in traces[0]]
     by = [{n: (n, k, v) for n, k, v in t} for t in traces]
-    return _merge([[b[n] for b in by if n in b] for n in names])
+    return merge_pieces([[b[n] for b in by if n in b] for n in names])
 
 
-def _device(model):
+def model_device(model):
     return next(model.parameters()).device
 
 
-def _dtype(model, dtype):
+def trace_dtype(model, dtype):
     """The compute dtype: given, else the one ``bitmatch.models`` reads (patch state or the
     embedding), else the parameters' (a family whose embedding is not ``embed_tokens``)."""
     if dtype is not None:
         return dtype
-    from bitmatch.models import compute_dtype_of
     try:
         return compute_dtype_of(model)
     except AttributeError:
@@ -160,14 +163,12 @@ def _dtype(model, dtype):
 
 
 def _lp_bitmatch(logits, targets, temperature):
-    import bitmatch.kernels as K
     return K.token_logprobs(logits, targets, temperature)
 
 
-def _lp_reciprocal(logits, targets, temperature):
+def lp_reciprocal(logits, targets, temperature):
     """The injected temperature formula: logits * (1/T) (HF/TRL's ``logits / T`` with a float as
     CUDA runs it) instead of the division by T both bitmatch paths use."""
-    import bitmatch.kernels as K
     return K.token_logprobs(logits.float() * (1.0 / temperature), targets, 1.0)
 
 
@@ -181,16 +182,13 @@ def _record_logprobs(rec, logits, seqs: dict, temperature, lp_fn):
         rec.keys = keys
 
 
-def _packed_trace(model, seqs, dtype=None, temperature=1.0, lp_fn=None, seq_ids=None) -> list:
+def packed_trace(model, seqs, dtype=None, temperature=1.0, lp_fn=None, seq_ids=None) -> list:
     """The trainer's path: every sequence in one packed prefill (what ``token_logprobs`` runs)."""
-    from bitmatch.models import compute_logits, forward_hidden, pack
-    from bitmatch.testing_models import pad_batch
-
-    dev, dtype = _device(model), _dtype(model, dtype)
+    dev, dtype = model_device(model), trace_dtype(model, dtype)
     ids, mask = pad_batch(seqs, "right")
     p = pack(ids.to(dev), mask.to(dev))
     sid = list(seq_ids) if seq_ids is not None else list(range(len(seqs)))
-    rec = _Recorder()
+    rec = Recorder()
     rec.keys = [(sid[r], c) for r, c in zip(p.rows.tolist(), p.cols.tolist())]
     with torch.no_grad():
         h = forward_hidden(model, p.input_ids, p.context(), compute_dtype=dtype, recorder=rec)
@@ -220,16 +218,13 @@ def schedule_steps(lengths, mode: str, seed: int = 0) -> list:
     return [[(s, c[i]) for s, c in enumerate(cuts) if i < len(c)] for i in range(max(map(len, cuts)))]
 
 
-def _paged_trace(model, seqs, steps, *, block_size=16, dtype=None, temperature=1.0, lp_fn=None) -> list:
+def paged_trace(model, seqs, steps, *, block_size=16, dtype=None, temperature=1.0, lp_fn=None) -> list:
     """The engine's path: the steps against fresh paged caches (shuffled block table; one
     zero-filled per-sequence state slot per sequence) of the model's cache groups."""
     import dataclasses
     import inspect
 
-    from bitmatch.context import ForwardContext
-    from bitmatch.models import allocate_caches, cache_groups, compute_logits, forward_hidden
-
-    dev, dtype = _device(model), _dtype(model, dtype)
+    dev, dtype = model_device(model), trace_dtype(model, dtype)
     nblk = [-(-len(s) // block_size) for s in seqs]
     perm = torch.randperm(sum(nblk), generator=torch.Generator().manual_seed(0)).tolist()
     tables = [perm[sum(nblk[:i]):sum(nblk[:i + 1])] for i in range(len(seqs))]
@@ -238,7 +233,7 @@ def _paged_trace(model, seqs, steps, *, block_size=16, dtype=None, temperature=1
     caches = allocate_caches(groups, max(sum(nblk), 1), block_size, dev, **extra)
     has_slots = "state_slots" in {f.name for f in dataclasses.fields(ForwardContext)}
     done = [0] * len(seqs)
-    rec = _Recorder()
+    rec = Recorder()
 
     def t(x, dt):
         return torch.tensor(x, dtype=dt, device=dev)
@@ -318,7 +313,7 @@ def _compare_op(ka, va, kb, vb, tol):
     return out
 
 
-def _diff(ta, tb, tol=None, **meta) -> LocateResult:
+def diff_traces(ta, tb, tol=None, **meta) -> LocateResult:
     """Walk ``tb``'s ops in order against ``ta`` (a trace, or {name: [(ref, keys, values), ...]}
     candidates, e.g. HF modules' outputs/inputs); the first op that differs is the answer."""
     cands = ta if isinstance(ta, dict) else {n: [("", k, v)] for n, k, v in ta}

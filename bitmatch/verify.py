@@ -8,9 +8,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bitmatch.faults import _engine_temperature_fault, kernel_fault, parse_inject, perturb_weight  # noqa: F401
-from bitmatch.tracing import (PAIRS, LocateResult, _device, _diff, _dtype, _lp_reciprocal, _merge,  # noqa: F401
-                              _merge_traces, _packed_trace, _paged_trace, _Recorder, op_fingerprint, schedule_steps)
+import bitmatch
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.faults import engine_temperature_fault, kernel_fault, parse_inject, perturb_weight
+from bitmatch.kernels import use_backend
+from bitmatch.models import registry, unwrap_causal_lm
+from bitmatch.testing_models import pad_batch
+from bitmatch.tracing import (PAIRS, LocateResult, Recorder, diff_traces, lp_reciprocal, merge_pieces, merge_traces,
+                              model_device, op_fingerprint, packed_trace, paged_trace, schedule_steps, trace_dtype)
 
 __all__ = ["compare", "CompareResult", "locate", "locate_pair", "LocateResult", "op_fingerprint", "float_hex",
            "format_table", "parse_inject", "perturb_weight", "kernel_fault", "schedule_steps", "PAIRS"]
@@ -135,8 +140,6 @@ def _recording(engine, rec):
     """The real engine's per-op outputs: its runner's scheduled rows give each token's (request,
     position); the family's forward gets ``rec``. Instance attributes, removed on exit (a
     recorder hook on ModelRunner is requested in /work/team/requests.md)."""
-    from bitmatch.models import registry, unwrap_causal_lm
-
     runner = engine.model_runner
     fam, _ = registry.spec_of(unwrap_causal_lm(engine.model))
     prepare, fwd, head = runner.prepare, fam.forward_hidden, fam.compute_logits
@@ -174,8 +177,6 @@ def _hf_candidates(hf, seqs, names, temperature) -> dict:
     """HF's own forward, one sequence at a time, hooked at the modules named like bitmatch's ops:
     each op's candidates are that module's output and the input of the next op's module (the
     attention output is o_proj's input, silu(g) * u is down_proj's input)."""
-    from bitmatch.models import unwrap_causal_lm
-
     lm = unwrap_causal_lm(hf)
     mods = dict(lm.named_modules())
 
@@ -204,7 +205,7 @@ def _hf_candidates(hf, seqs, names, temperature) -> dict:
         with torch.no_grad():
             for s, seq in enumerate(seqs):
                 cur.update(L=len(seq), keys=[(s, p) for p in range(len(seq))])
-                logits = lm(input_ids=torch.tensor([seq], device=_device(lm))).logits[0].float()
+                logits = lm(input_ids=torch.tensor([seq], device=model_device(lm))).logits[0].float()
                 if len(seq) > 1:
                     lp = torch.log_softmax(logits[:-1] / temperature, -1).gather(
                         1, torch.tensor(seq[1:], device=logits.device)[:, None])
@@ -215,7 +216,7 @@ def _hf_candidates(hf, seqs, names, temperature) -> dict:
             h.remove()
     out: dict = {}
     for (n, ref), pieces in got.items():
-        (_, keys, vals), = _merge([[(n, k, v) for k, v in pieces]])
+        (_, keys, vals), = merge_pieces([[(n, k, v) for k, v in pieces]])
         out.setdefault(n, []).append((ref, keys, vals))
     return out
 
@@ -247,28 +248,24 @@ def locate(model_a, model_b, input_ids, attention_mask=None, *, compute_dtype_a=
     """
     model_a, model_b = _module(model_a), _module(model_b)
     seqs = _seq_lists(input_ids, attention_mask)
-    ta = _packed_trace(model_a, seqs, compute_dtype_a)
-    tb = _packed_trace(model_b, seqs, compute_dtype_b) if paged_b_block_size is None else \
-        _paged_trace(model_b, seqs, schedule_steps([len(s) for s in seqs], "prefill"),
+    ta = packed_trace(model_a, seqs, compute_dtype_a)
+    tb = packed_trace(model_b, seqs, compute_dtype_b) if paged_b_block_size is None else \
+        paged_trace(model_b, seqs, schedule_steps([len(s) for s in seqs], "prefill"),
                      block_size=paged_b_block_size, dtype=compute_dtype_b)
-    return _diff(ta, tb, comparison="model a vs model b (packed prefill)" if paged_b_block_size is None
+    return diff_traces(ta, tb, comparison="model a vs model b (packed prefill)" if paged_b_block_size is None
                  else f"model a (packed prefill) vs model b (paged, block {paged_b_block_size})")
 
 
 def _engine_pair(model, prompts, temperature, max_tokens, fault, meta, engine_kw):
-    import bitmatch
-    from bitmatch.engine import Engine, SamplingParams
-    from bitmatch.testing_models import pad_batch
-
     b = perturb_weight(model, fault[1]) if fault and fault[0] == "weight" else model
     kw = dict(max_num_seqs=len(prompts), max_num_batched_tokens=7, block_size=16)
     kw.update(engine_kw or {})
     eng = Engine(b, **kw)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
-    rec = _Recorder()
+    rec = Recorder()
     with _recording(eng, rec), kernel_fault(fault[1] if fault and fault[0] == "kernel" else None), \
-            _engine_temperature_fault(bool(fault and fault[0] == "temperature")):
+            engine_temperature_fault(bool(fault and fault[0] == "temperature")):
         outs = eng.generate(prompts, params, use_tqdm=False)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     keys = [(s, len(o.prompt_token_ids) - 1 + j) for s, o in enumerate(outs) for j in range(len(o.outputs[0].token_ids))]
@@ -279,10 +276,10 @@ def _engine_pair(model, prompts, temperature, max_tokens, fault, meta, engine_kw
     with torch.no_grad():
         lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
     trainer = torch.stack([lp[s, p] for s, p in keys]).float().cpu()
-    ta = [e for e in _packed_trace(model, seqs, temperature=temperature) if e[0] != "logprobs"]
+    ta = [e for e in packed_trace(model, seqs, temperature=temperature) if e[0] != "logprobs"]
     ta.append(("logprobs", keys, (trainer,)))
     tb = [e for e in tb if e[0] in {n for n, _, _ in ta}] if len(tb) != len(ta) else tb
-    res = _diff(ta, tb, comparison=f"trainer token_logprobs (packed prefill) vs engine (paged block "
+    res = diff_traces(ta, tb, comparison=f"trainer token_logprobs (packed prefill) vs engine (paged block "
                 f"{kw['block_size']}, {kw['max_num_batched_tokens']}-token steps: chunked prefill + decode)",
                 side_a="trainer", side_b="engine", **meta)
     res.logprobs = compare(reported.split([len(o.outputs[0].token_ids) for o in outs]),
@@ -295,7 +292,7 @@ def _side_b(model, fault, run):
     kind, arg = fault or (None, None)
     mb = perturb_weight(model, arg) if kind == "weight" else model
     with kernel_fault(arg if kind == "kernel" else None):
-        return run(mb, _lp_reciprocal if kind == "temperature" else None)
+        return run(mb, lp_reciprocal if kind == "temperature" else None)
 
 
 def fp32_reference(model):
@@ -303,13 +300,11 @@ def fp32_reference(model):
     rotary tables computed in fp32, not cast back from a bf16 copy) with ``model``'s weights."""
     import transformers
 
-    from bitmatch.models import unwrap_causal_lm
-
     lm = unwrap_causal_lm(model)
     with torch.random.fork_rng():
         ref = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=torch.float32)
     ref.load_state_dict({k: v.detach().float() for k, v in lm.state_dict().items()})
-    return ref.to(_device(lm)).eval()
+    return ref.to(model_device(lm)).eval()
 
 
 def locate_pair(pair: str, model, prompts, *, inject: str | None = None, temperature: float = 0.7,
@@ -331,8 +326,6 @@ def locate_pair(pair: str, model, prompts, *, inject: str | None = None, tempera
     """
     import copy
 
-    from bitmatch.models import unwrap_causal_lm
-
     if pair not in PAIRS:
         raise ValueError(f"locate: pair must be one of {PAIRS}, got {pair!r}")
     fault = parse_inject(inject)
@@ -343,38 +336,37 @@ def locate_pair(pair: str, model, prompts, *, inject: str | None = None, tempera
         return _engine_pair(model, seqs, temperature, max_tokens, fault, meta, engine_kw)
     lens = [len(s) for s in seqs]
     if pair == "schedule":
-        ta = _packed_trace(model, seqs, temperature=temperature)
+        ta = packed_trace(model, seqs, temperature=temperature)
 
         def paged(mode, sd):
-            return lambda m, lp: _paged_trace(m, seqs, schedule_steps(lens, mode, sd), block_size=block_size,
+            return lambda m, lp: paged_trace(m, seqs, schedule_steps(lens, mode, sd), block_size=block_size,
                                               temperature=temperature, lp_fn=lp)
-        alone = lambda m, lp: _merge_traces([_packed_trace(m, [s], temperature=temperature, lp_fn=lp,  # noqa: E731
+        alone = lambda m, lp: merge_traces([packed_trace(m, [s], temperature=temperature, lp_fn=lp,  # noqa: E731
                                                            seq_ids=[i]) for i, s in enumerate(seqs)])
         cases = [("packed prefill vs token-by-token decode", ta, paged("decode", seed)),
                  ("chunk split A vs chunk split B", paged("chunked", seed)(model, None), paged("chunked", seed + 1)),
                  ("all sequences in one batch vs each sequence alone", ta, alone)]
-        return [_diff(a, _side_b(model, fault, run), comparison=c, side_a=c.split(" vs ")[0],
+        return [diff_traces(a, _side_b(model, fault, run), comparison=c, side_a=c.split(" vs ")[0],
                       side_b=c.split(" vs ")[1], **meta) for c, a, run in cases]
     if pair == "hf":
         ref = (hf_model if hf_model is not None else fp32_reference(model)).float()
         mine = copy.deepcopy(unwrap_causal_lm(model)).float()
-        tb = _side_b(mine, fault, lambda m, lp: _packed_trace(m, seqs, torch.float32, temperature, lp))
+        tb = _side_b(mine, fault, lambda m, lp: packed_trace(m, seqs, torch.float32, temperature, lp))
         cands = _hf_candidates(ref, seqs, [n for n, _, _ in tb], temperature)
-        return [_diff(cands, tb, 1e-4 if tolerance is None else tolerance, side_a="HF fp32", side_b="bitmatch fp32",
+        return [diff_traces(cands, tb, 1e-4 if tolerance is None else tolerance, side_a="HF fp32", side_b="bitmatch fp32",
                       comparison="HF reference forward (fp32) vs bitmatch forward (fp32)", **meta)]
     # backend
     import os
 
-    from bitmatch.kernels import use_backend
     cpu = copy.deepcopy(unwrap_causal_lm(model)).cpu()
     if not torch.cuda.is_available():
         # the interpreter's fp32 -> bf16 cast truncates (1 ulp of bias per rounding point): in fp32 the
         # comparison checks each kernel's structure (tiling, masks, walk order) to a tight tolerance
         cpu = cpu.float()
-    dt = torch.float32 if not torch.cuda.is_available() else _dtype(cpu, None)
+    dt = torch.float32 if not torch.cuda.is_available() else trace_dtype(cpu, None)
     tol = tolerance if tolerance is not None else (1e-3 if dt == torch.float32 else 3e-2)
     with use_backend("reference"):
-        ta = _packed_trace(cpu, seqs, dt, temperature=temperature)
+        ta = packed_trace(cpu, seqs, dt, temperature=temperature)
     if torch.cuda.is_available():
         dev_model, where = copy.deepcopy(cpu).cuda(), "triton (cuda)"
     elif os.environ.get("TRITON_INTERPRET") == "1":
@@ -383,8 +375,8 @@ def locate_pair(pair: str, model, prompts, *, inject: str | None = None, tempera
         raise RuntimeError("locate --pair backend: no CUDA device; run with TRITON_INTERPRET=1 to compare the "
                            "Triton kernels under Triton's CPU interpreter")
     with use_backend("triton"):
-        tb = _side_b(dev_model, fault, lambda m, lp: _packed_trace(m, seqs, dt, temperature=temperature, lp_fn=lp))
-    return [_diff(ta, tb, tol, side_a="reference (cpu)", side_b=where,
+        tb = _side_b(dev_model, fault, lambda m, lp: packed_trace(m, seqs, dt, temperature=temperature, lp_fn=lp))
+    return [diff_traces(ta, tb, tol, side_a="reference (cpu)", side_b=where,
                   comparison=f"reference backend (cpu) vs {where}, packed prefill", **meta)]
 
 

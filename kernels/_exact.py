@@ -117,8 +117,16 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # The integer grid (|integer| <= 2**exact_grid_bits, 20: a product is <= 2**40) and the K chunk
 # (exact_k_chunk, 4096: a chunk's sum of products stays below 2**53, exact in float64) are fields
 # of the canonical order (kernels/order.py), read at every call so ``order.override`` and the
-# stamp agree. ``_exact._GRID_BITS`` / ``_exact._K_CHUNK`` (read by other reference ops) resolve
-# to the active order's values through the module ``__getattr__``.
+# stamp agree: ``grid_bits()`` / ``k_chunk()`` for other reference ops; ``_exact._GRID_BITS`` /
+# ``_exact._K_CHUNK`` resolve to the same through the module ``__getattr__`` (older callers).
+def grid_bits() -> int:
+    return order.current().exact_grid_bits
+
+
+def k_chunk() -> int:
+    return order.current().exact_k_chunk
+
+
 def __getattr__(name):
     if name == "_GRID_BITS":
         return order.current().exact_grid_bits
@@ -144,7 +152,7 @@ def quantize_rows(x: torch.Tensor, slices: int) -> tuple[list[torch.Tensor], tor
     return parts, e
 
 
-def _matmul_exact_ints(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul_exact_ints(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b[..., N, K]^T of integer-valued float64 tensors, K chunks of 4096
     (fixed from k = 0) added in order: each chunk's product is exact."""
     k, chunk = a.shape[-1], order.current().exact_k_chunk
@@ -153,6 +161,10 @@ def _matmul_exact_ints(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         part = torch.matmul(a[..., s:s + chunk], b[..., s:s + chunk].transpose(-1, -2))
         out = part if out is None else out + part
     return out
+
+
+# kernels/compressed_attention.py (edited by another change) still reads the old private name
+_matmul_exact_ints = matmul_exact_ints
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor, a_slices: int = 1, b_slices: int = 1) -> torch.Tensor:
@@ -170,7 +182,7 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor, a_slices: int = 1, b_slices: 
     # combine slice products from the smallest weight up, in a fixed order
     terms = sorted(((i + j, i, j) for i in range(a_slices) for j in range(b_slices)), reverse=True)
     for weight, i, j in terms:
-        t = _matmul_exact_ints(qa[i], qb[j]) * float(2.0 ** (-bits * weight))
+        t = matmul_exact_ints(qa[i], qb[j]) * float(2.0 ** (-bits * weight))
         acc = t if acc is None else acc + t
     scale_a = two_pow(ea - bits)                    # [..., M, 1]
     scale_b = two_pow(eb - bits).transpose(-1, -2)  # [..., 1, N]

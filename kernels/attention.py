@@ -26,7 +26,7 @@ def _attend(q, qpos, k, v, scale, causal, window):
     kh = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D], exact copies
     vh = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
     qv, ev = _exact.quantize_rows(vh, _exact.slices_for(v.dtype))  # per key row: causal-safe
-    key_scale = _exact.two_pow(ev - _exact._GRID_BITS).transpose(-1, -2)  # [Hq, 1, L]
+    key_scale = _exact.two_pow(ev - _exact.grid_bits()).transpose(-1, -2)  # [Hq, 1, L]
     qv_t = [t.transpose(-1, -2) for t in qv]  # [Hq, D, L]
     j = torch.arange(n_keys, device=q.device)
     out = []
@@ -47,9 +47,9 @@ def _attend(q, qpos, k, v, scale, causal, window):
         acc = None
         terms = sorted(((a + b, a, b) for a in range(len(qw)) for b in range(len(qv_t))), reverse=True)
         for order, a, b in terms:
-            t = _exact._matmul_exact_ints(qw[a], qv_t[b]) * float(2.0 ** (-_exact._GRID_BITS * order))
+            t = _exact.matmul_exact_ints(qw[a], qv_t[b]) * float(2.0 ** (-_exact.grid_bits() * order))
             acc = t if acc is None else acc + t
-        o = acc * _exact.two_pow(ew - _exact._GRID_BITS) / denom.unsqueeze(-1)
+        o = acc * _exact.two_pow(ew - _exact.grid_bits()) / denom.unsqueeze(-1)
         out.append((o + 0.0).to(q.dtype).transpose(0, 1))
     return torch.cat(out, 0)
 

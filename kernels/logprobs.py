@@ -16,7 +16,9 @@ F64 = torch.float64
 _ROW_CHUNK = 16
 
 
-def _scaled(logits2d, temp):
+def scaled_logits(logits2d, temp):
+    """fp32 logits / T, T per row: the one temperature formula of every logprob path (a division,
+    never logits * (1/T), whose bits differ)."""
     return logits2d.float() / temp.unsqueeze(1)
 
 
@@ -30,7 +32,7 @@ def _row_stats(z):
 def token_logprobs_reference(logits2d, token_ids, temp):
     out = []
     for s in range(0, logits2d.shape[0], _ROW_CHUNK):
-        z64, m, lse = _row_stats(_scaled(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
+        z64, m, lse = _row_stats(scaled_logits(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
         tok = z64.gather(1, token_ids[s:s + _ROW_CHUNK].long().unsqueeze(1))
         out.append(((tok - m) - lse).squeeze(1).float())
     return torch.cat(out) if out else logits2d.new_empty(0, dtype=torch.float32)
@@ -39,7 +41,7 @@ def token_logprobs_reference(logits2d, token_ids, temp):
 def full_logprobs_reference(logits2d, temp):
     out = []
     for s in range(0, logits2d.shape[0], _ROW_CHUNK):
-        z64, m, lse = _row_stats(_scaled(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
+        z64, m, lse = _row_stats(scaled_logits(logits2d[s:s + _ROW_CHUNK], temp[s:s + _ROW_CHUNK]))
         out.append(((z64 - m) - lse).float())
     return torch.cat(out) if out else logits2d.new_empty(0, logits2d.shape[1], dtype=torch.float32)
 
@@ -66,13 +68,13 @@ class TokenLogprobsFunction(torch.autograd.Function):
         logits2d, token_ids, temp = ctx.saved_tensors
 
         def plain(x):
-            lp = torch.log_softmax(_scaled(x, temp), -1)
+            lp = torch.log_softmax(scaled_logits(x, temp), -1)
             return lp.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
         (gl,) = recompute_grads(plain, (logits2d,), ctx.needs_input_grad[:1], (g,))
         return gl, None, None
 
 
-def _check(op, logits, temperature, token_ids=None):
+def check_logprob_args(op, logits, temperature, token_ids=None):
     """The fp32 [N] temperatures, after the range checks of temperature and token_ids: in one
     host read where the values are on the host (``host_readable``), on the device otherwise
     (no host sync: the trainer runs this once per logits chunk, forward and recompute)."""
@@ -121,7 +123,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.
     check_int("token_ids", token_ids, op)
     if token_ids.shape != (logits.shape[0],):
         raise ValueError(f"{op}: token_ids must be [N={logits.shape[0]}], got {tuple(token_ids.shape)}")
-    temp = _check(op, logits, temperature, token_ids)
+    temp = check_logprob_args(op, logits, temperature, token_ids)
     return TokenLogprobsFunction.apply(logits.contiguous(), token_ids.to(logits.device), temp)
 
 
@@ -130,7 +132,7 @@ def full_logprobs(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
 
     Invariance: each row depends only on that row's logits and temperature.
     """
-    temp = _check("full_logprobs", logits, temperature)
+    temp = check_logprob_args("full_logprobs", logits, temperature)
     if backend_for(logits) == "reference":
         return full_logprobs_reference(logits.contiguous(), temp)
     return triton_impl("logprobs", "full_logprobs")(logits.contiguous(), temp)

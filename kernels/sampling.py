@@ -33,8 +33,8 @@ import torch
 
 from . import _exact
 from ._backend import backend_for, check_float, triton_impl
-from .logprobs import _check as _check_scalar_temperature
-from .logprobs import _scaled
+from .logprobs import check_logprob_args as _check_scalar_temperature
+from .logprobs import scaled_logits
 
 F64 = torch.float64
 _SUM_BITS = 62                      # a row's weight sum stays below 2**62 < 2**63 (int64)
@@ -123,7 +123,7 @@ def top_k_top_p_mask(logits: torch.Tensor, temperature=1.0, top_k=None, top_p=No
     dev = logits.device
     if (top_k is None and top_p is None) or n == 0:
         return torch.ones((n, vocab), dtype=torch.bool, device=dev)
-    z = _scaled(logits, temp)
+    z = scaled_logits(logits, temp)
     vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
     k = _per_row(op, "top_k", top_k, n, torch.int64, dev)
     if k is not None:
@@ -159,7 +159,7 @@ def categorical_sample_reference(logits: torch.Tensor, temp: torch.Tensor, unifo
     """``categorical_sample`` in torch ops on any device (the readable definition; the CPU
     backend, and the torch-on-CUDA side of benchmarks/sampler.py). Inputs as validated there."""
     n, vocab = logits.shape
-    z = _scaled(logits, temp)
+    z = scaled_logits(logits, temp)
     w = _int_weights(z, z.amax(-1, keepdim=True), _weight_bits(vocab))
     cdf = torch.cumsum(w, -1)
     total = cdf[:, -1:]

@@ -44,10 +44,10 @@ def test_check_runs_the_stock_controls_of_bitmatch_controls(capsys):
     kernel the contract replaces on the GPU (built lazily: listing them allocates nothing)."""
     from bitmatch.cli import _cases
     from bitmatch.controls import stock_controls
-    from bitmatch.family_check import _family_cases
+    from bitmatch.family_check import family_cases
     names = [c.name for c in stock_controls("cpu")]
     assert [r[0] for r in _cases("cpu") if r[3]] == names
-    assert [r[0] for r in _family_cases("dense", "cpu", 1) if r[3]] == names + ["control: HF forward"]
+    assert [r[0] for r in family_cases("dense", "cpu", 1) if r[3]] == names + ["control: HF forward"]
     cuda = [c.name for c in stock_controls("cuda")]
     assert {"control: F.linear bf16 4096x4096", "control: F.linear bf16 4096x12288",
             "control: SDPA decode L=2048", "control: x/T vs x*(1/T)"} <= set(cuda)

@@ -21,7 +21,7 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 import bitmatch.models as M
-from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine import Engine, SamplingParams, graphs, model_runner
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import deepseek_v4 as V4
 from bitmatch.models import family_of, unwrap_causal_lm
@@ -161,7 +161,8 @@ def _decode_step_reads(model, part: str, backend: str = "triton"):
                 reads.extend(r)
         return orig(m, ids, ctx, *a, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(M, "forward_hidden", spy)
+        for mod in (M, model_runner, graphs):   # the engine's modules import it at their top
+            mp.setattr(mod, "forward_hidden", spy)
         _run(model, random_prompts(3, 4, 6, seed=3), SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
              simulate=True)
     assert len(seen) >= 2, "fewer than two pure-decode steps ran"

@@ -184,15 +184,17 @@ def test_same_request_in_every_batch_bucket(model):
 def test_same_request_in_every_context_bucket(model, monkeypatch):
     # the same two requests under graphs captured up to 32, 128 and 1024 tokens: the decode steps
     # run at host bounds 32, 128, 512 and with block tables 2, 8, 64 blocks wide
-    import bitmatch.models as M
+    import bitmatch.engine.graphs as G
+    import bitmatch.engine.model_runner as MR
     seen = []
-    orig = M.forward_hidden
+    orig = MR.forward_hidden
 
     def spy(model, ids, ctx, *a, **kw):
         if ctx.max_query_len == 1:
             seen.append((ctx.max_seq_len, ctx.block_table.shape[1]))
         return orig(model, ids, ctx, *a, **kw)
-    monkeypatch.setattr(M, "forward_hidden", spy)
+    for engine_module in (MR, G):   # the engine's call sites (each imports forward_hidden at its top)
+        monkeypatch.setattr(engine_module, "forward_hidden", spy)
     prompts = random_prompts(2, 9, 20, seed=8)
     params = [SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seed=i) for i in range(2)]
     runs = []

@@ -46,7 +46,7 @@ def test_reference_sampler_never_draws_outside_the_vocabulary():
     greedy = torch.tensor([True, False, True, True, False, False, False, True])
     _check(K.categorical_sample(x, temps, u, greedy), x)
     # the valid rows are untouched by the guard: the same draw as an unclamped searchsorted
-    z = S._scaled(x[4:6], temps[4:6])
+    z = S.scaled_logits(x[4:6], temps[4:6])
     w = S._int_weights(z, z.amax(-1, keepdim=True), S._weight_bits(V))
     cdf = torch.cumsum(w, -1)
     r = torch.minimum(torch.floor(u[4:6, None] * cdf[:, -1:].to(F64)).to(torch.int64), cdf[:, -1:] - 1)

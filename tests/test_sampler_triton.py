@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
-from bitmatch.engine.model_runner import upload
-from bitmatch.engine.sampling import Sampler, SamplingParams, _token_logprobs
+from bitmatch.engine.host import upload
+from bitmatch.engine.sampling import Sampler, SamplingParams, reported_logprobs
 from bitmatch.kernels import _exact
 from bitmatch.kernels import sampling as S
 from bitmatch.kernels._backend import use_backend
@@ -52,7 +52,7 @@ def _boundary_uniforms(x, temps, bits, rows=12):
     """For each row, u just below and just above the cdf boundary after its top token and after
     a random token (r = c - 1 and r = c): the token moves if any earlier weight is off by one."""
     x, temps = x[:rows], temps[:rows]
-    z = S._scaled(x, temps)
+    z = S.scaled_logits(x, temps)
     w = S._int_weights(z, z.amax(-1, keepdim=True), bits)
     cdf, total = torch.cumsum(w, -1), w.sum(-1, keepdim=True).to(F64)
     js = torch.stack([w.argmax(-1), torch.randint(0, x.shape[1] - 1, (x.shape[0],))], 1)
@@ -69,7 +69,7 @@ def test_triton_weights_and_tokens_equal_the_torch_reference(vocab):
     x, temps, u = _rows(24, vocab, seed=vocab)
     bits = S._weight_bits(vocab)
     ref = S.categorical_sample_reference(x, temps, u)
-    z = S._scaled(x, temps)
+    z = S.scaled_logits(x, temps)
     w_ref = S._int_weights(z, z.amax(-1, keepdim=True), bits)
     tok, w = TS.categorical_sample(x, temps, u, None, bits, return_weights=True)
     bad = (w != w_ref).nonzero()
@@ -99,7 +99,7 @@ def test_wrong_kernels_fail_the_same_checks():
     vocab = 3000
     x, temps, u = _rows(24, vocab, seed=5)
     bits = S._weight_bits(vocab)
-    z = S._scaled(x, temps)
+    z = S.scaled_logits(x, temps)
     w_ref = S._int_weights(z, z.amax(-1, keepdim=True), bits)
     xb, tb, ub = _boundary_uniforms(x, temps, bits)
     ref_b = S.categorical_sample_reference(xb, tb, ub)
@@ -160,8 +160,8 @@ def _old_call(logits, params, seeds, indices):
         tokens = S.categorical_sample_reference(masked, temps, K.uniform_noise(i64[0], i64[1]))
         if any(greedy):
             tokens = torch.where(i64[3].bool(), logits.float().argmax(-1), tokens)
-    lps = _token_logprobs(logits, tokens, temps)
-    sampled = _token_logprobs(masked, tokens, temps) if masked is not logits else lps
+    lps = reported_logprobs(logits, tokens, temps)
+    sampled = reported_logprobs(masked, tokens, temps) if masked is not logits else lps
     out = torch.stack([tokens.to(F64), lps.to(F64), sampled.to(F64)]).tolist()
     return [int(t) for t in out[0]], out[1], out[2]
 

@@ -23,7 +23,11 @@ import types
 
 import torch
 
+import bitmatch
+import bitmatch.kernels as K
 from bitmatch import switch
+from bitmatch.adapters.verl import check, require_plugin
+from bitmatch.models import check_supported
 
 logger = logging.getLogger("bitmatch.verl")
 
@@ -65,9 +69,6 @@ def check_engine_config(engine, where: str):
 
 def patch_engine(engine, where: str = "actor"):
     """Put one verl ``FSDPEngineWithLMHead`` on bitmatch kernels (in place); returns the engine."""
-    import bitmatch
-    from bitmatch.models import check_supported
-
     if getattr(engine, "_bitmatch_patched", False):
         return engine
     check_engine_config(engine, where)
@@ -79,7 +80,6 @@ def patch_engine(engine, where: str = "actor"):
     engine.prepare_model_outputs = types.MethodType(prepare_model_outputs, engine)
     engine._bitmatch_patched = True
     if where == "actor":
-        from bitmatch.adapters.verl import check
         check.activate()
     return engine
 
@@ -90,8 +90,6 @@ def prepare_model_outputs(self, output, output_args, micro_batch, logits_process
     Invariance: each token's value depends only on its sequence prefix and its temperature."""
     import verl.utils.tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
-
-    import bitmatch.kernels as K
 
     def flag(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
@@ -155,7 +153,6 @@ def _init_model(self, *args, **kwargs):
     """``ActorRolloutRefWorker.init_model``, then the actor / ref engines onto bitmatch."""
     if not actor_enabled(self.config):
         return _ORIG_INIT_MODEL(self, *args, **kwargs)
-    from bitmatch.adapters.verl import require_plugin
     from bitmatch.adapters.verl.rollout import BitmatchRollout
     require_plugin()
     with _root_owns_embeddings():

@@ -23,9 +23,8 @@ import os
 import torch
 
 from bitmatch import switch
-
-from bitmatch.adapters.stepcheck import (Divergence, StepCheck, StepChecker, locate_sentence,
-                                         weights_sentence)
+from bitmatch.adapters.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
+from bitmatch.adapters.verl import require_plugin
 
 _CHECKER: StepChecker | None = None
 _ORIG_DEBUG = None
@@ -67,7 +66,6 @@ def _response_tensors(batch):
 
 def check_batch(batch, step: int | None = None, mode: str = "train", log_metrics=None) -> StepCheck:
     """Compare the batch's ``rollout_log_probs`` with its ``old_log_probs`` (bits, response tokens)."""
-    from bitmatch.adapters.verl import require_plugin
     require_plugin()
     rollout_lp, actor_lp, mask = _response_tensors(batch)
     c = checker()

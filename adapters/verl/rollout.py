@@ -20,6 +20,10 @@ import logging
 
 import torch
 
+import bitmatch
+import bitmatch.sync as bsync
+from bitmatch.adapters.verl import check, require_plugin
+
 logger = logging.getLogger("bitmatch.verl")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -55,7 +59,6 @@ class BitmatchRollout(_base()):
     """verl ``BaseRollout`` on ``bitmatch.Engine``; weights only through ``bitmatch.sync``."""
 
     def __init__(self, config, model_config, device_mesh, *args, **kwargs):
-        from bitmatch.adapters.verl import require_plugin
         require_plugin()
         super().__init__(config, model_config, device_mesh)
         cfg = self.config
@@ -70,12 +73,9 @@ class BitmatchRollout(_base()):
         self.actor_engine = None   # set by the actor patch in a hybrid worker (the step check locates with it)
         self.tokenizer = self.model_config.tokenizer
         LIVE.append(self)
-        from bitmatch.adapters.verl import check
         check.activate()
 
     def _build_copy(self):
-        import bitmatch.sync as bsync
-
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         return bsync.RolloutCopy.from_config(self.model_config.hf_config, self.dtype, dev)
 
@@ -100,14 +100,12 @@ class BitmatchRollout(_base()):
         self.copy.publish(v, [(n, t) for n, t in weights])
         self.version = v
         if self.engine is None:
-            import bitmatch
             kw = dict(seed=int(getattr(self.config, "seed", 0) or 0))
             kw.update(self.engine_kwargs)
             self.engine = bitmatch.Engine(self.model, self.tokenizer, **kw)
 
     # -- generation --------------------------------------------------------------------------
     def _sampling(self, max_tokens: int, overrides: dict | None = None):
-        import bitmatch
         cfg = self.config
         o = dict(overrides or {})
         t = float(o.pop("temperature", cfg.temperature))
@@ -148,7 +146,6 @@ class BitmatchRollout(_base()):
         from tensordict import TensorDict
         from verl import DataProto
         from verl.utils.model import compute_position_id_with_mask
-        import bitmatch.sync as bsync
 
         self._require_engine()
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
@@ -189,7 +186,6 @@ class BitmatchReplica(_replica_base()):
     trainer does not start on CPU); the in-process tests drive ``BitmatchRollout`` directly."""
 
     async def launch_servers(self):
-        from bitmatch.adapters.verl import check, require_plugin
         require_plugin()
         check.activate()
         from verl.workers.rollout.replica import RolloutMode

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from bitmatch.models import families
+from bitmatch.models import families, family_for_architecture
+from bitmatch.models.registry import find_family
 
 
 def vllm_architectures() -> tuple[str, ...]:
@@ -35,14 +36,12 @@ def _engine_problems(vllm_config) -> list[str]:
     if not archs or archs[0] not in supported:
         why = ""
         if archs:
-            from bitmatch.models.registry import find_family
             fam = find_family(archs[0])
             if fam is not None:  # bitmatch runs it in its own engine and trainer, not inside vLLM
                 why = (f": bitmatch's vLLM plugin does not run the {fam.name or archs[0]} family ({fam.vllm_refusal}); "
                        "use bitmatch.Engine for its rollouts")
         out.append(f"architecture {archs[0] if archs else None!r}{why} (supported: {', '.join(supported)})")
     else:
-        from bitmatch.models import family_for_architecture
         out += family_for_architecture(archs[0]).problems(mc.hf_config)
     out += _head_size_problems(mc.hf_config)
     if mc.quantization is not None or getattr(vllm_config, "quant_config", None) is not None:

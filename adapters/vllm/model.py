@@ -32,6 +32,8 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
 from bitmatch.context import ForwardContext
+from bitmatch.models import cache_groups, check_supported, compute_logits, family_for_config, forward_hidden, model_spec
+from bitmatch.sync import build_layout
 
 from .checks import BitmatchUnsupportedError, check_engine_config, vllm_architectures
 from .kv_cache import check_backend, paged_kv_views
@@ -97,9 +99,6 @@ def hf_skeleton(hf_config, engine_params: dict[str, torch.Tensor]):
     """The HF causal LM of ``hf_config`` whose parameters are views of ``engine_params`` (vLLM's)."""
     import transformers
 
-    from bitmatch.models import family_for_config
-    from bitmatch.sync import build_layout
-
     arch = family_for_config(hf_config).model_types[hf_config.model_type]
     with torch.device("meta"):
         skel = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(engine_params.values())).dtype)
@@ -144,8 +143,6 @@ class BitmatchMixin:
         """The model as ``bitmatch.models`` reads an HF causal LM (parameters are vLLM's own), built on
         first use, after vLLM has loaded the weights into the tensors it keeps."""
         if self._bitmatch_skeleton is None:
-            from bitmatch.models import check_supported, model_spec
-
             skel = hf_skeleton(self.config, dict(self.named_parameters()))
             check_supported(skel)
             spec = model_spec(skel)
@@ -159,8 +156,6 @@ class BitmatchMixin:
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         from vllm.forward_context import get_forward_context
-
-        from bitmatch.models import cache_groups, forward_hidden
 
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise BitmatchUnsupportedError("bitmatch: inputs_embeds / pipeline-parallel inputs are not supported")
@@ -192,8 +187,6 @@ class BitmatchMixin:
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits: the compute-dtype logits of the family's head cast exactly, as the trainer's
         ``token_logprobs`` casts them before dividing by T."""
-        from bitmatch.models import compute_logits
-
         return compute_logits(self.hf_view(), hidden_states).float()
 
 

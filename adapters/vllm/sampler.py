@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import bitmatch.kernels as K
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
@@ -48,7 +49,6 @@ class BitmatchSampler(Sampler):
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         # prompt logprobs (and any raw_logprobs caller): the trainer's function at T = 1
-        import bitmatch.kernels as K
 
         return K.full_logprobs(logits.to(torch.float32), 1.0)
 
@@ -64,8 +64,6 @@ class BitmatchSampler(Sampler):
     @staticmethod
     def _mask(logits: torch.Tensor, md, temp: torch.Tensor) -> torch.Tensor:
         """The logits with bitmatch's canonical top-k / top-p mask applied (greedy rows untouched)."""
-        import bitmatch.kernels as K
-
         if md.top_k is None and md.top_p is None:
             return logits
         greedy = md.temperature < _SAMPLING_EPS if md.temperature is not None else None
@@ -77,8 +75,6 @@ class BitmatchSampler(Sampler):
 
     def forward(self, logits, sampling_metadata, predict_bonus_token: bool = False,
                 logprobs_mode_override=None) -> SamplerOutput:
-        import bitmatch.kernels as K
-
         md = sampling_metadata
         mode = logprobs_mode_override or self.logprobs_mode
         num_logprobs = md.max_num_logprobs

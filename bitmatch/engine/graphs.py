@@ -31,13 +31,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bitmatch.engine.model_runner import upload
+from bitmatch.context import ForwardContext
+from bitmatch.engine.host import upload
+from bitmatch.models import compute_logits, family_of, forward_hidden, unwrap_causal_lm
 
 
 def graph_safe(model) -> bool:
     """Whether the model's family declares its decode forward capturable (no host syncs, no
     data-dependent host control flow): ``Family.cuda_graph_safe(lm)``; False when absent."""
-    from bitmatch.models import family_of, unwrap_causal_lm
     fam = family_of(model)
     fn = getattr(fam, "cuda_graph_safe", None)
     return bool(fn(unwrap_causal_lm(model))) if callable(fn) else False
@@ -67,7 +68,6 @@ def context_buckets(cap_len: int, block_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner, max_seq_len_to_capture: int):
-        from bitmatch.models import family_of, unwrap_causal_lm
         bs = runner.block_size
         self.runner = runner
         self.width = max(1, -(-int(max_seq_len_to_capture) // bs))
@@ -98,7 +98,6 @@ class DecodeGraphs:
         return tuple(p.data_ptr() for p in self.runner.model.parameters())
 
     def _ctx(self, b, cap):
-        from bitmatch.context import ForwardContext
         i64, sl, bt, qsl, _ = self._buffers
         return ForwardContext(positions=i64[1, :b], slot_mapping=i64[2, :b], state_slots=i64[3, :b],
                               query_start_loc=qsl[:b + 1], seq_lens=sl[:b], block_table=bt[:b],
@@ -107,7 +106,6 @@ class DecodeGraphs:
     def _step(self, b, cap, flags):
         """The captured work: forward, LM head, sampler; float64 [3, b] (tokens, logprobs,
         sampled logprobs)."""
-        from bitmatch.models import compute_logits, forward_hidden
         i64, _, _, _, f32 = self._buffers
         hidden = forward_hidden(self.runner.model, i64[0, :b], self._ctx(b, cap))
         logits = compute_logits(self.runner.model, hidden)

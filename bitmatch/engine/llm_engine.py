@@ -20,12 +20,15 @@ import torch
 import xxhash
 
 from bitmatch.engine.block_manager import BlockManager
-from bitmatch.engine.model_runner import ModelRunner, bytes_per_block
+from bitmatch.engine.model_runner import ModelRunner, bytes_per_block, profile_kv_budget
 from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
+from bitmatch.hub import resolve_checkpoint
+from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
 from bitmatch.models.registry import patch_state
 from bitmatch.patching import unsupported_param_dtypes
+from bitmatch.sync import WeightsNotReadyError, WeightVersionError, weight_state
 
 _DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -107,11 +110,7 @@ class Engine:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_seq_len_to_capture: int = 8192):
-        from bitmatch.models import cache_groups, check_supported, unwrap_causal_lm
-
         if isinstance(model, (str, os.PathLike)):
-            from bitmatch.hub import resolve_checkpoint
-            from bitmatch.models import load_model
             path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
             if tokenizer is None:
@@ -137,7 +136,6 @@ class Engine:
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._lm = lm
-        from bitmatch.models import spec_of
         self._family = spec_of(lm)[0]
         self._idle = True  # no request running: the next step rebuilds derived weights (fused copies)
         self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
@@ -157,7 +155,6 @@ class Engine:
             if kv_cache_bytes is None:
                 kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
                 if self.device.type == "cuda":
-                    from bitmatch.engine.model_runner import profile_kv_budget
                     self.kv_profile = profile_kv_budget(model, groups, self.block_size, self.max_num_batched_tokens,
                                                         self.max_num_seqs, float(gpu_memory_utilization))
                     kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
@@ -257,7 +254,6 @@ class Engine:
     @property
     def weight_state(self):
         """The receiver's WeightState managing this engine's model (None: no receiver)."""
-        from bitmatch.sync import weight_state
         return weight_state(self.model) or weight_state(self._lm)
 
     @contextlib.contextmanager
@@ -269,7 +265,6 @@ class Engine:
         if st is None:
             yield None, None
             return
-        from bitmatch.sync import WeightsNotReadyError
         with st.lock:
             try:
                 version = st.require_ready()
@@ -310,7 +305,6 @@ class Engine:
             if seq.weight_version is None and not seq.token_ids[seq.num_prompt_tokens:]:
                 seq.weight_version, seq.weight_fingerprint = version, fp
             elif (seq.weight_version, seq.weight_fingerprint) != (version, fp):
-                from bitmatch.sync import WeightVersionError
                 self.abort_all()
                 raise WeightVersionError(
                     f"Engine: the weights switched from version {seq.weight_version} to {version} while request "

@@ -23,22 +23,16 @@ import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
-from bitmatch.engine.sampling import Sampler
+from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling
+from bitmatch.engine.host import upload
+from bitmatch.engine.sampling import Sampler, SamplingParams
 from bitmatch.engine.sequence import Sequence
+from bitmatch.models import allocate_caches, cache_groups, compute_logits, forward_hidden
 
 
 def bytes_per_block(groups, block_size: int) -> int:
     """Cache bytes one block of ``block_size`` tokens costs over all of the model's cache groups."""
     return sum(g.bytes_per_block(block_size) for g in groups)
-
-
-def upload(arr: np.ndarray, device) -> torch.Tensor:
-    """One host array on ``device``: pinned and non-blocking on CUDA (the caching host allocator
-    keeps the pinned block until the copy is done), a copy on CPU."""
-    t = torch.from_numpy(arr)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.clone()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -54,8 +48,6 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     the activation peak of one step of ``max_tokens`` fresh-prefill tokens whose ``max_seqs`` rows
     are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights created by the
     step (fused projections) stay allocated and are counted as in use."""
-    from bitmatch.engine.sampling import SamplingParams
-    from bitmatch.models import allocate_caches, compute_logits, forward_hidden
     dev = next(model.parameters()).device
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
@@ -154,8 +146,6 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0, *,
                  max_num_seqs: int | None = None, enforce_eager: bool = False, max_seq_len_to_capture: int = 8192,
                  simulate_buckets: bool = False):
-        from bitmatch.models import allocate_caches, cache_groups
-
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -180,7 +170,6 @@ class ModelRunner:
         self.weights_changed = True
         self.graphs = None
         self._pending = None
-        from bitmatch.engine.graphs import DecodeGraphs, graph_safe  # graphs imports this module
         self.graph_safe = graph_safe(model)
         self.num_simulated_steps = 0
         if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
@@ -238,8 +227,6 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]):
         """Run the step; returns (sequences that sample, tokens, logprobs, sampled_logprobs)."""
-        from bitmatch.models import compute_logits, forward_hidden
-
         inp = StepInputs(scheduled, self.block_size)
         seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
         params, seeds, indices = [s.params for s in seqs], [s.seed for s in seqs], [s.num_completion_tokens for s in seqs]
@@ -272,8 +259,6 @@ class ModelRunner:
         """What a graph replay computes, run eagerly (CPU tests): the padded inputs at the context
         bucket's host bound with the graph's full-width block table, the LM head and the sampler on
         every padded row; None (an eager step) past the captured length, as ``DecodeGraphs.run``."""
-        from bitmatch.engine.graphs import context_buckets, padded_sampling
-        from bitmatch.models import compute_logits, forward_hidden
         width = max(1, -(-self.max_seq_len_to_capture // self.block_size))
         cap_len = width * self.block_size
         if inp.max_seq_len > cap_len or inp.block_table.shape[1] > width:

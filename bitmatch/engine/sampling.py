@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.engine.host import upload
 from bitmatch.logprobs import check_temperature
 
 
@@ -84,7 +85,9 @@ class SamplingParams:
 _TOKEN_LOGPROBS = K.OPS["token_logprobs"]
 
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+def reported_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """The logprobs the engine reports for sampled ``tokens``: ``kernels.token_logprobs``, so the
+    trainer's ``token_logprobs`` of the same rows gives the same bits (faults.py swaps it)."""
     # the sampler's rows are validated: skip token_logprobs' argument checks (no check kernels per
     # step), unless an op override (a fault, the stock baseline) swapped the op: then it runs
     if K.token_logprobs is not _TOKEN_LOGPROBS.canonical:
@@ -133,7 +136,6 @@ class Sampler:
     def pack(params: list[SamplingParams], seeds: list[int], indices: list[int],
              device) -> tuple[torch.Tensor, torch.Tensor]:
         """``pack_host``'s arrays on ``device``: two pinned non-blocking uploads (no device sync)."""
-        from bitmatch.engine.model_runner import upload
         f32, i64 = Sampler.pack_host(params, seeds, indices)
         n = f32.shape[1]
         dev = torch.device(device)
@@ -155,8 +157,8 @@ class Sampler:
         # the reported logprobs: the trainer's function on the same logits (its autograd Function
         # directly: the inputs are valid by construction, and the public entry's value checks
         # would cost three host syncs per call)
-        lps = _token_logprobs(logits, tokens, temps)
-        sampled = _token_logprobs(masked, tokens, temps) if any_masked else lps
+        lps = reported_logprobs(logits, tokens, temps)
+        sampled = reported_logprobs(masked, tokens, temps) if any_masked else lps
         # float64 holds the token ids and the fp32 values exactly: one tensor, one transfer
         return torch.stack([tokens.to(torch.float64), lps.to(torch.float64), sampled.to(torch.float64)])
 

@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+import bitmatch.kernels as K
 from bitmatch.precision import cast_param
 
 __all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
@@ -170,8 +171,6 @@ class LoRAMergedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, mod, dtype, *ab):
-        import bitmatch.kernels as K
-
         wm = merged_weight(mod)
         wc = cast_param(wm, dtype)
         with torch.no_grad():
@@ -212,8 +211,6 @@ def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Invariance: bit-identical to ``kernels.linear`` on the merged weight PEFT's merge produces,
     so a rollout holding merged weights reports the same logits.
     """
-    import bitmatch.kernels as K
-
     check_lora_layer(mod)
     base = mod.get_base_layer()
     bias = getattr(base, "bias", None)

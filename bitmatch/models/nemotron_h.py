@@ -26,18 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import dense
 from bitmatch.models.registry import CacheGroup, Family, call_layer, register
 from bitmatch.precision import cast_param
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
-
-
-def _kernels():
-    import bitmatch.kernels as K
-
-    return K
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ class NemotronHSpec:
 
 def _norm(mod, h, dtype):
     """NemotronHRMSNorm: normalize and multiply by the weight in fp32, round once to ``dtype``."""
-    return _kernels().rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense._eps(mod)).to(dtype)
+    return K.rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense._eps(mod)).to(dtype)
 
 
 def _rec(rec, name, v):
@@ -91,7 +86,6 @@ def mlp(mod, x, dtype, rec=None, prefix="mixer"):
 
 
 def moe(mod, x, dtype, rec=None, prefix="mixer"):
-    K = _kernels()
     r = mod.gate
     logits = K.linear(x.float(), cast_param(r.weight, torch.float32))
     w, ids = K.moe_route(logits, int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
@@ -107,7 +101,6 @@ def moe(mod, x, dtype, rec=None, prefix="mixer"):
 
 
 def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
-    K = _kernels()
     T, D = x.shape[0], spec.head_dim
     q = dense.linear(mod.q_proj, x, dtype).view(T, -1, D)
     k = dense.linear(mod.k_proj, x, dtype).view(T, -1, D)
@@ -123,7 +116,6 @@ def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=No
 
 
 def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
-    K = _kernels()
     T = x.shape[0]
     Hm, Pm, G, N = spec.mamba_heads, spec.mamba_head_dim, spec.n_groups, spec.ssm_state
     inter = Hm * Pm

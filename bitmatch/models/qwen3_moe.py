@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+import bitmatch.kernels as K
 from bitmatch.models import dense, lora
 from bitmatch.models.registry import register
 from bitmatch.precision import cast_param
@@ -44,8 +45,6 @@ class MoeSpec(dense.DenseSpec):
 
 
 def _moe_block(mod, x, dtype, rec=None, prefix="mlp"):
-    import bitmatch.kernels as K
-
     router = mod.gate
     logits = K.linear(x.float(), cast_param(router.weight, torch.float32))
     if rec is not None:

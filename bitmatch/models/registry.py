@@ -32,6 +32,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from bitmatch import testing_models  # not its names: a module-level tiny_config here would pass for a family's own
+
 FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h",
                  "bitmatch.models.deepseek_v4")
 
@@ -154,10 +156,9 @@ class Family:
         own = getattr(sys.modules.get(type(self).__module__), "tiny_config", None)
         if callable(own):
             return own(**overrides)
-        from bitmatch.testing_models import TINY_CONFIGS, tiny_config
-        for key, (mt, _) in TINY_CONFIGS.items():
+        for key, (mt, _) in testing_models.TINY_CONFIGS.items():
             if mt in self.model_types:
-                return tiny_config(key, **overrides)
+                return testing_models.tiny_config(key, **overrides)
         raise NotImplementedError(f"family {self.name!r} has no tiny_config: give a checkpoint path instead")
 
     def patch_modules(self, lm) -> list[tuple[torch.nn.Module, Callable]]:
@@ -299,11 +300,11 @@ class BoundForward:
         return self.fn(module, *args, state=self.state, **kwargs)
 
 
-_STATE = "_bitmatch_state"
+STATE_KEY = "_bitmatch_state"
 
 
 def patch_state(lm) -> PatchState | None:
-    return getattr(lm, "__dict__", {}).get(_STATE)
+    return getattr(lm, "__dict__", {}).get(STATE_KEY)
 
 
 def bound_forward(mod) -> BoundForward | None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bitmatch.models import family_for_architecture
 
 
 def layout_rules(arch: str) -> tuple:
     """vLLM's merge/rename rules for ``arch``: the family's ``packed_modules`` (bitmatch.models)."""
-    from bitmatch.models import family_for_architecture
-
     return family_for_architecture(arch).packed_modules
 
 

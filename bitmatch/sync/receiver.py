@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from bitmatch.kernels.order import stamp_for_device
+
 from .errors import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, SyncError,  # noqa: F401
                      WeightsNotReadyError, WeightVersionError)
 from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint, fingerprints_of
@@ -207,8 +209,6 @@ class Receiver:
 
     def order(self) -> dict:
         """The canonical-order stamp of the kernels the target's tensors run on."""
-        from bitmatch.kernels.order import stamp_for_device
-
         live = next(iter(self.slots.live.values()), None)
         return stamp_for_device(live.device if live is not None else "cpu")
 

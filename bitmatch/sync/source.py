@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from bitmatch.kernels.order import stamp_for_device
+
 from ..precision import compute_cast
 from .fingerprint import StreamHasher, TensorSpec
 
@@ -27,8 +29,6 @@ def named_weights(model) -> list[tuple[str, torch.Tensor]]:
 
 def sender_order(weights) -> dict:
     """The canonical-order stamp of the kernels the sender's weights run on (their device's backend)."""
-    from bitmatch.kernels.order import stamp_for_device
-
     return stamp_for_device(weights[0][1].device if weights else "cpu")
 
 

@@ -28,16 +28,14 @@ import triton.language as tl
 
 from .. import order
 from . import interpreting, sm_count
+from ._jit import dot
+from .attention_bwd import attention_prefill_backward
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr, PREC: tl.constexpr):
-    if INTERP:
-        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
+# mamba_ssd (edited by another change) still imports the old private name; drop once it uses _jit.dot
+_dot = dot
 
 
 @triton.jit
@@ -110,7 +108,7 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
         else:
             base = (kv_row0 + j).to(tl.int64) * stride_tok + kvh * stride_head
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
-        s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         s = s * qk_scale
         if SKIP_MASKS:
             # a block every valid row sees whole (below the diagonal, inside the window, before
@@ -138,10 +136,10 @@ def _partition(q, k_ptr, v_ptr, bt_row_ptr, page_size, kv_row0, kvh, stride_blk,
             # the sum over the 16 output columns adds 15 exact zeros
             sel = (tl.arange(0, BLOCK_N)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)
             ones = tl.where(sel, 1.0, 0.0).to(v.dtype)
-            rs = _dot(p.to(v.dtype), ones, tl.zeros((BLOCK_M, 16), tl.float32), INTERP, PREC)
+            rs = dot(p.to(v.dtype), ones, tl.zeros((BLOCK_M, 16), tl.float32), INTERP, PREC)
             l = tl.fma(l, alpha, tl.sum(rs, axis=1))
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, INTERP, PREC)
+        acc = dot(p.to(v.dtype), v, acc, INTERP, PREC)
         m = m_new
     return m, l, acc
 
@@ -437,7 +435,6 @@ class AttentionPrefillTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from .attention_bwd import attention_prefill_backward
         q, k, v, out, lse, cu = ctx.saved_tensors
         scale, causal, window, max_seqlen = ctx.args
         dq, dk, dv = attention_prefill_backward(g, q, k, v, out, lse, cu, scale, causal, window,

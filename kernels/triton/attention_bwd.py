@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import _dot  # the interpreter's exact-dot switch, shared with the forward
+from ._jit import dot
 
 _LOG2E = 1.4426950408889634
 
@@ -83,7 +83,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         base = (q0 + j).to(tl.int64) * stride_tok + kvh * D
         kt = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
         vt = tl.load(v_ptr + base[None, :] + offs_d[:, None], mask=jok[None, :], other=0.0)
-        s = _dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         p = tl.exp2(s * qk_scale - lse[:, None])
         # masks only where a row can miss a key of the block (diagonal, window edge, sequence
         # end); rows past the sequence or G have q = dO = lse = delta = 0: exact zero ds rows
@@ -99,9 +99,9 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
             if HAS_WINDOW:
                 vis = vis & (j[None, :] > tok[:, None] - window)
             p = tl.where(vis, p, 0.0)
-        dp = _dot(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
+        dp = dot(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP, PREC)
         ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, INTERP, PREC)
+        dq = dot(ds.to(kt.dtype), tl.trans(kt), dq, INTERP, PREC)
     dq = dq * sm_scale
     tl.store(dq_ptr + rp, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -148,7 +148,7 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         dot_ = tl.load(do_ptr + rpt, mask=row_ok[None, :], other=0.0)   # [D, BLOCK_M]
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-        st = _dot(k, qt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
+        st = dot(k, qt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
         pt = tl.exp2(st * qk_scale - lse[None, :])
         # rows past the sequence / G give exact zero contributions (q = dO = lse = delta = 0);
         # keys past the sequence only pollute their own dK/dV rows, which are not stored
@@ -164,10 +164,10 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             if HAS_WINDOW:
                 vis = vis & (j[:, None] > tok[None, :] - window)
             pt = tl.where(vis, pt, 0.0)
-        dv = _dot(pt.to(v.dtype), tl.trans(dot_), dv, INTERP, PREC)
-        dpt = _dot(v, dot_, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
+        dv = dot(pt.to(v.dtype), tl.trans(dot_), dv, INTERP, PREC)
+        dpt = dot(v, dot_, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERP, PREC)
         dst = pt * (dpt - delta[None, :])
-        dk = _dot(dst.to(k.dtype), tl.trans(qt), dk, INTERP, PREC)
+        dk = dot(dst.to(k.dtype), tl.trans(qt), dk, INTERP, PREC)
     dk = dk * sm_scale
     tl.store(dk_ptr + kp, dk.to(dk_ptr.dtype.element_ty), mask=jok[:, None])
     tl.store(dv_ptr + kp, dv.to(dv_ptr.dtype.element_ty), mask=jok[:, None])

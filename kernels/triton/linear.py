@@ -81,7 +81,7 @@ def config_for(M: int, N: int, K: int):
 
 
 @triton.jit
-def _chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, k_begin, K_CHUNK, stride_xm, stride_wn,
+def chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, k_begin, K_CHUNK, stride_xm, stride_wn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                INTERP: tl.constexpr, PREC: tl.constexpr):
     """Sequential fp32 accumulation of one K chunk [k_begin, k_begin + K_CHUNK), from zero."""
@@ -129,14 +129,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, K_CHUNK,
     if PARTIAL:
         # one chunk per program: fp32 partial into ws[s, M, N]; _reduce_kernel adds them in order
         s = tl.program_id(1)
-        acc = _chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, s * K_CHUNK, K_CHUNK,
+        acc = chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, s * K_CHUNK, K_CHUNK,
                          stride_xm, stride_wn, BM, BN, BK, EVEN_K, INTERP, PREC)
         ws = ws_ptr + s.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask)
     else:
         total = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
-            acc = _chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, s * K_CHUNK, K_CHUNK,
+            acc = chunk_acc(x_ptr, w_ptr, offs_m, offs_n, M, N, K, s * K_CHUNK, K_CHUNK,
                              stride_xm, stride_wn, BM, BN, BK, EVEN_K, INTERP, PREC)
             total = total + acc
         if HAS_BIAS:

@@ -5,7 +5,7 @@ kernels/moe.py).
   top-k by k rounds of "max, then the lowest index holding it", so ties go to the lowest index.
 - moe_experts: the (token, rank) pairs are sorted by expert (torch.sort, exact); each program
   owns BM rows of ONE expert and BN output columns. Every row's dot runs through linear.py's
-  _chunk_acc with linear's split_for(N, K): the K order of kernels.linear, so a row's bits are
+  chunk_acc with linear's split_for(N, K): the K order of kernels.linear, so a row's bits are
   linear's for that row whatever the tile shape or how many rows its expert got. GEMM 1 fuses
   the activation with silu_and_mul's rounding points (gate and up in two accumulators); GEMM 2
   writes y[t, r] back in token order; the combine adds w * y over ranks 0..k-1 in fp32 with
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .linear import _chunk_acc, split_for
+from .linear import chunk_acc, split_for
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 ACT_CODE = {"swiglu": 0, "relu2": 1}
@@ -118,13 +118,13 @@ def _gemm_in_kernel(x_ptr, w_ptr, tok_ptr, a_ptr, tile_end_ptr, counts_ptr, row_
     w_e = w_ptr + e_c.to(tl.int64) * n_in * H
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for s in tl.static_range(SPLIT):  # linear's canonical order: chunk sums added in order
-        acc = acc + _chunk_acc(x_ptr, w_e, tok, offs_n, T, I, H, s * K_CHUNK, K_CHUNK, H, H,
+        acc = acc + chunk_acc(x_ptr, w_e, tok, offs_n, T, I, H, s * K_CHUNK, K_CHUNK, H, H,
                                BM, BN, BK, EVEN_K, INTERP, PREC)
     dt = a_ptr.dtype.element_ty
     if ACT == 0:
         up = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
-            up = up + _chunk_acc(x_ptr, w_e + I * H, tok, offs_n, T, I, H, s * K_CHUNK,
+            up = up + chunk_acc(x_ptr, w_e + I * H, tok, offs_n, T, I, H, s * K_CHUNK,
                                  K_CHUNK, H, H, BM, BN, BK, EVEN_K, INTERP, PREC)
         g = acc.to(dt).to(tl.float32)            # linear's output rounding
         u = up.to(dt).to(tl.float32)
@@ -154,7 +154,7 @@ def _gemm_out_kernel(a_ptr, w_ptr, order_ptr, y_ptr, tile_end_ptr, counts_ptr, r
     w_e = w_ptr + e_c.to(tl.int64) * H * I
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        acc = acc + _chunk_acc(a_ptr, w_e, rows, offs_n, m_end, H, I, s * K_CHUNK, K_CHUNK, I, I,
+        acc = acc + chunk_acc(a_ptr, w_e, rows, offs_n, m_end, H, I, s * K_CHUNK, K_CHUNK, I, I,
                                BM, BN, BK, EVEN_K, INTERP, PREC)
     dst = tl.load(order_ptr + rows, mask=rmask, other=0)     # flat (token, rank) position
     out = y_ptr + dst[:, None].to(tl.int64) * H + offs_n[None, :]

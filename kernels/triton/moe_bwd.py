@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import _dot  # the interpreter's exact-dot switch
+from ._jit import dot
 from .moe import ACT_CODE, expert_layout, expert_tile
 
 # (max average rows per expert, (BM, BN, BK, warps, stages) for _act_bwd_kernel and _dx_kernel (2 BN),
@@ -67,13 +67,13 @@ def _act_bwd_kernel(x_ptr, g_ptr, w_in_ptr, w_out_ptr, wflat_ptr, tok_ptr, order
         am = rmask[:, None] & (kk[None, :] < H)
         bm = nmask[None, :] & (kk[:, None] < H)
         xt = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=am, other=0.0)
-        gate = _dot(xt, tl.load(w_e + offs_n[None, :] * H + kk[:, None], mask=bm, other=0.0), gate,
+        gate = dot(xt, tl.load(w_e + offs_n[None, :] * H + kk[:, None], mask=bm, other=0.0), gate,
                     INTERP, PREC)
         if ACT == 0:
-            up = _dot(xt, tl.load(w_e + (I + offs_n)[None, :] * H + kk[:, None], mask=bm, other=0.0),
+            up = dot(xt, tl.load(w_e + (I + offs_n)[None, :] * H + kk[:, None], mask=bm, other=0.0),
                       up, INTERP, PREC)
         gt = tl.load(g_ptr + tok[:, None] * H + kk[None, :], mask=am, other=0.0)
-        gw = _dot(gt, tl.load(wo_e + kk[:, None] * I + offs_n[None, :], mask=bm, other=0.0), gw,
+        gw = dot(gt, tl.load(wo_e + kk[:, None] * I + offs_n[None, :], mask=bm, other=0.0), gw,
                   INTERP, PREC)
     dt = aw_ptr.dtype.element_ty
     flat = tl.load(order_ptr + rows, mask=rmask, other=0)
@@ -138,7 +138,7 @@ def _wgrad_kernel(p_ptr, q_ptr, tok_ptr, dw_ptr, counts_ptr, row_start_ptr, N, K
                     other=0.0)
         q = tl.load(q_ptr + qr[:, None].to(tl.int64) * K + offs_k[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
-        acc = _dot(p, q, acc, INTERP, PREC)
+        acc = dot(p, q, acc, INTERP, PREC)
     out = dw_ptr + e * N * K + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
@@ -162,7 +162,7 @@ def _dx_kernel(dh_ptr, w_in_ptr, order_ptr, dxr_ptr, tile_end_ptr, counts_ptr, r
         a = tl.load(dh_ptr + rows[:, None].to(tl.int64) * N_IN + kk[None, :],
                     mask=rmask[:, None] & (kk[None, :] < N_IN), other=0.0)
         b = tl.load(w_e + kk[:, None] * H + offs_n[None, :], mask=(kk[:, None] < N_IN) & nmask[None, :], other=0.0)
-        acc = _dot(a, b, acc, INTERP, PREC)
+        acc = dot(a, b, acc, INTERP, PREC)
     dst = tl.load(order_ptr + rows, mask=rmask, other=0)
     tl.store(dxr_ptr + dst[:, None].to(tl.int64) * H + offs_n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
