@@ -40,7 +40,10 @@ MODELS = {
     "qwen3-kv1": (("qwen3-hd64-gqa4-tied",), {}),
     "qwen3-kv4": (("qwen3",), dict(num_attention_heads=4, num_key_value_heads=4)),
     "qwen2-bias-sw": (("qwen2-hd64-gqa1-bias-sw",), {}),
+    # Qwen3-MoE, 8 experts top-2, layer 1 dense: attention by heads, experts spread over the ranks
+    "qwen3moe": (("qwen3moe-e8-k2",), {}),
 }
+ENGINE_MODELS = ("qwen3-kv4", "qwen3moe")
 # Triton's canonical K split is keyed by the weight's (N, K): this order gives the tiny [64, 512]
 # weight 2 K chunks, so a rank's [64 / N, 512] slice must be told to run them too
 TRITON_SPLIT = dict(linear_split_table=(((64, 512), 2),))
@@ -125,10 +128,11 @@ def _worker(rank, world, store, out_dir):
             res.update(_triton_case(tp))
             if world == 2:
                 res.update(_paged_decode(tp))
-                lm = _model("qwen3-kv4")
-                enable_tensor_parallel(lm, tp)
-                res["engine/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
-                res["engine/out"] = _engine_run(lm)
+                for name in ENGINE_MODELS:
+                    lm = _model(name)
+                    enable_tensor_parallel(lm, tp)
+                    res[f"engine/{name}/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
+                    res[f"engine/{name}/out"] = _engine_run(lm)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -340,21 +344,22 @@ def test_triton_interpreter_row_parallel_and_forward_equal_tp1(ranks):
 def test_engine_tp2_equals_engine_tp1_and_trainer(ranks):
     """The embedded engine, one process per rank (enable_tensor_parallel), each rank sampling from the
     same gathered logits with the same seeds: the TP = 1 engine's tokens and logprobs, which are the
-    trainer's logprobs of those tokens."""
+    trainer's logprobs of those tokens (dense, and MoE with the experts spread over the ranks)."""
     world, res = ranks
     if world != 2:
         pytest.skip("the engine runs at TP = 2")
-    lm = _model("qwen3-kv4")
-    want = _engine_run(lm)
-    for r, got in enumerate(res):
-        assert got["engine/kv_heads"] == 2, "each rank caches only its own 2 of the 4 KV heads"
-        for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["engine/out"], want)):
-            _assert_bits(f"rank {r} prompt {i} tokens", tok, wtok)
-            _assert_bits(f"rank {r} prompt {i} logprobs", lp, wlp)
-    for i, (tok, lp) in enumerate(res[0]["engine/out"]):
-        seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
-        trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
-        _assert_bits(f"prompt {i}: engine TP = 2 vs trainer TP = 1", lp, trainer)
+    for name in ENGINE_MODELS:
+        lm = _model(name)
+        want = _engine_run(lm)
+        for r, got in enumerate(res):
+            assert got[f"engine/{name}/kv_heads"] == lm.config.num_key_value_heads // 2, "each rank caches its KV heads"
+            for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got[f"engine/{name}/out"], want)):
+                _assert_bits(f"{name} rank {r} prompt {i} tokens", tok, wtok)
+                _assert_bits(f"{name} rank {r} prompt {i} logprobs", lp, wlp)
+        for i, (tok, lp) in enumerate(res[0][f"engine/{name}/out"]):
+            seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
+            trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
+            _assert_bits(f"{name} prompt {i}: engine TP = 2 vs trainer TP = 1", lp, trainer)
 
 
 # ----------------------------------------------------------------------------- single process

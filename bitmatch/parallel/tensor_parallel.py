@@ -1,4 +1,4 @@
-"""Gather-only tensor parallelism for the dense family: TP = N gives TP = 1's bits.
+"""Gather-only tensor parallelism for the dense family and Qwen3-MoE: TP = N gives TP = 1's bits.
 
 Stock TP (Megatron, vLLM) is not TP-invariant: a row-parallel layer (o_proj, down_proj) splits
 K over the ranks and an all-reduce adds their partials in the collective's order. Here no rank
@@ -12,6 +12,8 @@ ever adds another rank's numbers, so no kernel's canonical order changes:
 - row-parallel by gather (``gathered_row_parallel_linear``): all-gather the layer's input (each
   rank's heads' outputs or MLP intermediate columns) in rank order, i.e. in K order; each rank
   computes its hidden/N output columns with the full K; all-gather the columns.
+- Qwen3-MoE's sparse layers: the experts spread over the same ranks (``expert_parallel``), the
+  router replicated.
 - vocab-parallel head: each rank's vocab slice of the logits, all-gathered to full rows, then the
   same ``kernels.token_logprobs`` / sampler as TP = 1.
 
@@ -32,11 +34,12 @@ from bitmatch.context import ForwardContext
 from bitmatch.kernels.linear import LinearFunction
 from bitmatch.logprobs import check_temperature, pack_rows
 from bitmatch.models import CacheGroup, compute_dtype_of, family_of, unwrap_causal_lm
-from bitmatch.models import dense, lora
+from bitmatch.models import dense, lora, qwen3_moe
 from bitmatch.models.registry import forget_spec
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
+from .expert_parallel import expert_parallel_experts
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -148,9 +151,42 @@ class LayerShard:
     q_norm: Norm | None
     k_norm: Norm | None
     o: GatherRowShard
+    mlp: "GatedMlpShard | MoeShard"
+
+
+@dataclass
+class GatedMlpShard:
+    """gate/up column-parallel, down_proj by gather, in dense.gated_mlp's unfused order
+    (silu_and_mul is elementwise, so the rank's intermediate columns suffice)."""
     gate: ColumnShard
     up: ColumnShard
     down: GatherRowShard
+
+    def __call__(self, x):
+        x = copy_to_ranks(x, self.down.tp)
+        return self.down(K.silu_and_mul(torch.cat([self.gate(x), self.up(x)], dim=-1)))
+
+
+@dataclass
+class MoeShard:
+    """A Qwen3-MoE block with the experts spread over the TP ranks (EP = TP): the router runs
+    replicated (the same bits on every rank, so every rank picks the same experts), the experts
+    through ``expert_parallel_experts`` (the one-rank slot-order combine)."""
+    module: torch.nn.Module
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    tp: TPGroup
+
+    def __call__(self, x):
+        m, ex = self.module, self.module.experts
+        # qwen3_moe._moe_block's routing: fp32 router logits, softmax top-k
+        logits = K.linear(x.float(), cast_param(m.gate.weight, torch.float32))
+        w, ids = K.moe_route(logits, int(m.gate.top_k), scoring="softmax", renormalize=bool(m.gate.norm_topk_prob))
+        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w,
+                                       cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
+                                       cast_param(ex.down_proj[self.lo:self.hi], self.dtype),
+                                       ex.gate_up_proj.shape[0], self.tp)
 
 
 @dataclass
@@ -192,8 +228,21 @@ def _even(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str):
+    n, r = tp.world, tp.rank
+    if hasattr(m, "experts"):
+        e = _even(m.experts.gate_up_proj.shape[0], n, "num_experts")
+        return MoeShard(m, r * e, (r + 1) * e, dt, tp)
+    inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
+    return GatedMlpShard(gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
+                         up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
+                         down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj",
+                                    GatherRowShard, tp=tp))
+
+
 def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DenseShard:
-    """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral).
+    """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral) or a
+    Qwen3-MoE one (num_experts % N == 0: rank r holds experts [r E/N, (r + 1) E/N)).
 
     Heads are split evenly (num_heads % N == 0); KV heads are sharded when num_kv_heads % N == 0,
     else replicated (N % num_kv_heads == 0, as vLLM does), so a rank's queries find their KV head
@@ -205,10 +254,9 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
         raise ValueError("shard_dense_model: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
     fam = family_of(lm)
-    if type(fam) is not dense.DenseFamily:
-        raise ValueError(f"shard_dense_model: family {fam.name!r} is not the dense family (qwen2, qwen3, llama, "
-                         "mistral); MoE families need expert parallelism, so far only the experts op "
-                         "(bitmatch.parallel.expert_parallel_experts)")
+    if type(fam) not in (dense.DenseFamily, qwen3_moe.Qwen3MoeFamily):
+        raise ValueError(f"shard_dense_model: family {fam.name!r} has no tensor-parallel layout; supported: the "
+                         "dense family (qwen2, qwen3, llama, mistral) and qwen3_moe (experts spread over the ranks)")
     spec = fam.build_spec(lm)
     dt = compute_dtype if compute_dtype is not None else compute_dtype_of(lm)
     n, r = tp.world, tp.rank
@@ -226,7 +274,6 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     layers = []
     for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
         a, m = layer.self_attn, layer.mlp
-        inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
         p = f"layers.{i}"
         layers.append(LayerShard(
             input_norm=Norm(layer.input_layernorm, dt), post_norm=Norm(layer.post_attention_layernorm, dt),
@@ -236,9 +283,7 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
             q_norm=Norm(a.q_norm, dt) if spec.qk_norm else None,
             k_norm=Norm(a.k_norm, dt) if spec.qk_norm else None,
             o=_rows(a.o_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.o_proj", GatherRowShard, tp=tp),
-            gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
-            up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
-            down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj", GatherRowShard, tp=tp),
+            mlp=_mlp_shard(m, tp, hidden, dt, p),
         ))
     return DenseShard(tp=tp, spec=spec, dtype=dt, model=lm,
                       layers=layers, norm=Norm(lm.model.norm, dt),
@@ -286,9 +331,7 @@ def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardConte
             x, residual = L.input_norm(h, residual)
         a = _attention(shard, L, i, copy_to_ranks(x, tp), cos, sin, ctx)
         x, residual = L.post_norm(a, residual)
-        x = copy_to_ranks(x, tp)
-        # dense.gated_mlp's unfused order: silu_and_mul is elementwise, so the rank's columns suffice
-        h = L.down(K.silu_and_mul(torch.cat([L.gate(x), L.up(x)], dim=-1)))
+        h = L.mlp(x)
     out = shard.norm(h) if residual is None else shard.norm(h, residual)[0]
     return out
 
