@@ -22,7 +22,9 @@ DIR/deepseek_v4_<device>.json (command, machine, versions, setup, results, ratio
 type (sliding / CSA / HCA) at batches ``--attn-batches``: the trainer's packed prefill of B x seq
 rows (forward alone, and forward + backward), and the engine's decode step (B rows against paged caches holding B x seq tokens, block size
 16, graph-style host bounds); per-token times, decode / prefill ratios, and the engine == trainer
-bit check (the decode rows vs the last rows of the trainer's prefill of seq + 1 tokens, same x).
+bit check (the decode rows vs the last rows of the trainer's prefill of seq + 1 tokens, same x);
+then the fused sink-attention backward vs the plain fp32 recompute on random rows (first batch x
+seq, HCA and CSA at rate 4): each gradient's relative error and both times.
 
 On CUDA the V4 attention runs batched with fused Triton kernels (sink attention, indexer scores;
 the compressor pools through gathers + the compress_windows composition), no per-sequence loop,
@@ -187,6 +189,46 @@ def attention_section(a, model, device, res):
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
+def sink_backward_check(a, spec, device, res):
+    """The fused sink-attention backward vs the plain fp32 recompute (the reference backend's
+    backward) on random rows at the config's widths (B x seq packed rows, HCA and CSA): the
+    relative error of each gradient, and both backwards' times. Triton backend only."""
+    import bitmatch.kernels as K
+    from bitmatch.kernels.compressed_attention import KeyRows, _rows_plain_backward, entry_list, sink_attention_rows
+    out = res.setdefault("sink_attention_backward", {})
+    B, n, H, D, m = int(a.attn_batches.split(",")[0]), a.seq, spec.num_heads, spec.head_dim, 4
+    g = torch.Generator(device=device).manual_seed(0)
+    T = B * n
+    pos = torch.arange(n, device=device).repeat(B)
+    q, kv, ent, w = (torch.randn(*sh, generator=g, device=device).to(torch.bfloat16)
+                     for sh in ((T, H, D), (T, D), (T, D), (T, H, D)))
+    sinks = torch.randn(H, generator=g, device=device)
+    rows = KeyRows.packed(pos, max_len=n)
+    vis = torch.arange(n // m, device=device).view(1, -1) < ((pos + 1) // m).view(-1, 1)
+    sel = entry_list(vis & (torch.rand(vis.shape, generator=g, device=device) < 0.5), min(spec.index_topk, n // m))
+    for mode, selected in (("hca", None), ("csa", sel)):
+        try:
+            kw = dict(scale=D ** -0.5, window=spec.sliding_window, entries=None, rate=m, selected=selected)
+            leaves = [t.clone().requires_grad_() for t in (q, kv, ent, sinks)]
+            with K.use_backend("triton"):
+                o = sink_attention_rows(leaves[0], pos, leaves[1], leaves[3], rows, **{**kw, "entries": leaves[2]})
+            t_fused = _timed(lambda: torch.autograd.grad(o, leaves, w, retain_graph=True), a.reps, device)
+            fused = torch.autograd.grad(o, leaves, w, retain_graph=True)
+            sel_t = selected if selected is not None else torch.zeros(T, 0, dtype=torch.int32, device=device)
+
+            def plain():
+                return _rows_plain_backward(w, q, kv, ent, sinks, pos, sel_t, rows, D ** -0.5, spec.sliding_window,
+                                            m, (True,) * 4)[:4]
+            t_plain = _timed(plain, a.reps, device)
+            want = plain()
+            out[f"{mode}/T{T}"] = {
+                "fused_ms": 1e3 * t_fused, "plain_fp32_ms": 1e3 * t_plain,
+                "rel_err": {k: float((f.double() - r.double()).norm() / r.double().norm())
+                            for k, f, r in zip(("q", "kv", "entries", "sinks"), fused, want)}}
+        except Exception as exc:  # recorded, not hidden
+            out[f"{mode}/T{T}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -304,6 +346,10 @@ def main(argv=None):
         with K.use_backend(a.backend):
             attention_section(a, model, a.device, res)
         save()
+        if a.device == "cuda" or a.backend == "triton":
+            from bitmatch.models import family_of, unwrap_causal_lm
+            sink_backward_check(a, family_of(model).build_spec(unwrap_causal_lm(model)), a.device, res)
+            save()
         del model
     out["limits"] = ("CPU: the bitmatch side runs the float64-exact reference (integer float64 products, "
                      "polynomial exp/log) against HF's fp32/bf16 BLAS. CUDA: the V4 attention is batched (fused "
