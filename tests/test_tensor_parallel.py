@@ -319,6 +319,7 @@ def test_paged_decode_step_equal_tp1_trainer(ranks):
         _assert_bits(f"rank {r} decode logits", got["paged/decode_logits"], logits[7:8])
 
 
+@pytest.mark.interpreter
 def test_triton_interpreter_row_parallel_and_forward_equal_tp1(ranks):
     world, res = ranks
     ids = _batch()[0][0, :6]
@@ -364,7 +365,7 @@ def test_engine_tp2_equals_engine_tp1_and_trainer(ranks):
 
 # ----------------------------------------------------------------------------- single process
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_column_slice_of_linear_is_those_columns(backend):
     """Column parallelism needs no cross-rank sum: ``kernels.linear`` on a row slice of the weight is
     bit for bit those columns of the full result (kernels.linear's contract), given the full
