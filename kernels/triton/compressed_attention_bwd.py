@@ -97,10 +97,14 @@ def _sink_rows_bwd_kernel(q_ptr, kv_ptr, ent_ptr, sel_ptr, sink_ptr, o_ptr, do_p
             addr = key_address(tl.where(ok, (c + 1) * rate - 1, 0), start, bt_row, page_size, PAGED)
             dq = _fold_grad(q, do, lse, delta, ent_ptr, dent_ptr, addr, ok, h_ok, offs_d, d_ok, dq, qk_scale,
                             sm_scale, D, INTERP, PREC)
-    if MODE == 2:  # CSA: the row's selected entries (-1 = none; any order: each is its own key)
+    if MODE == 2:  # CSA: the row's selected entries (ascending, -1 padded): walk the listed prefix only
         sel_row = sel_ptr + i.to(tl.int64) * n_sel
+        n_ent = tl.zeros((), tl.int32)
         for p0 in range(0, n_sel, BLOCK_N):
             idx = tl.load(sel_row + p0 + offs_n, mask=p0 + offs_n < n_sel, other=-1)
+            n_ent += tl.sum((idx >= 0).to(tl.int32), axis=0)
+        for p0 in range(0, n_ent, BLOCK_N):
+            idx = tl.load(sel_row + p0 + offs_n, mask=p0 + offs_n < n_ent, other=-1)
             ok = idx >= 0
             addr = key_address(tl.where(ok, (idx + 1) * rate - 1, 0), start, bt_row, page_size, PAGED)
             dq = _fold_grad(q, do, lse, delta, ent_ptr, dent_ptr, addr, ok, h_ok, offs_d, d_ok, dq, qk_scale,
