@@ -32,7 +32,7 @@ METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3"
 
 __all__ = ["BitmatchMismatchError", "NothingComparedError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH", "METRIC_KEYS",
            "check_policy", "locate_sentence", "weights_sentence", "weights_fingerprint",
-           "versions"]
+           "versions", "write_bundle"]
 
 
 class BitmatchMismatchError(AssertionError):
@@ -159,7 +159,6 @@ class StepChecker:
             return None
         self._bundles += 1
         path = os.path.join(self.repro_dir, f"step{check.step}_{check.mode}_{d.tag}")
-        os.makedirs(path, exist_ok=True)
         cfg = {"step": check.step, "mode": check.mode}
         cfg.update(d.config)
         cfg.update({
@@ -171,11 +170,18 @@ class StepChecker:
             "kl_k3": check.kl_k3, "located": d.where + d.weights, "versions": versions(),
             "bitmatch": bitmatch.__version__,
         })
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1, default=str)
-        torch.save({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.tensors.items()},
-                   os.path.join(path, "tokens.pt"))
-        return path
+        return write_bundle(path, cfg, d.tensors)
+
+
+def write_bundle(path: str, config: dict, tensors: dict) -> str:
+    """Write a repro bundle (``config.json`` and ``tokens.pt``) into the folder ``path`` and return
+    it: the format ``bitmatch replay`` (``bitmatch.replay.read_bundle``) reads."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1, default=str)
+    torch.save({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()},
+               os.path.join(path, "tokens.pt"))
+    return path
 
 
 def _compared_seqs(rollout, mask) -> int:

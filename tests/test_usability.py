@@ -150,7 +150,7 @@ def test_version_and_bare_command(capsys):
     assert out.startswith(f"bitmatch {bitmatch.__version__} (torch ") and "transformers" in out
     assert main([]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: bitmatch {check,locate,demo}") and "--version" in err
+    assert err.startswith("usage: bitmatch {check,locate,replay,demo}") and "--version" in err
 
 
 def test_every_demo_option_has_help(monkeypatch):
