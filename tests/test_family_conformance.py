@@ -1,0 +1,125 @@
+"""What every registered family owes, run over ``bitmatch.models.families()``: a new family gets
+these tests by registering (and giving ``Family.tiny_config`` / a ``tiny_model``).
+
+- its tiny config is supported, and ``problems(config)`` refuses an unsupported option by name;
+- HF parity: ``token_logprobs`` in fp32 is HF's own fp32 forward within a tolerance (same math);
+- engine == trainer: the embedded engine's reported logprobs are ``token_logprobs``' bit for bit;
+- the control: HF's own bf16 forward gives other bits than the engine (the comparison can fail).
+
+Tiny models, two prompts, a few tokens: the reference backend is exact and slow on CPU.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.family_check import tiny_model_for
+from bitmatch.logprobs import token_logprobs
+from bitmatch.models import families
+from bitmatch.testing_models import random_prompts
+
+T = 0.8
+FAMILIES = [pytest.param(f, id=f.name) for f in families()]
+# one option per family its problems() must refuse, by the option's name; a family not listed is
+# tried with the generic ones (a new family whose problems() refuses none of them fails: add its own)
+UNSUPPORTED = {
+    "dense": [("hidden_act", "gelu")],
+    "qwen3_moe": [("output_router_logits", True)],
+    "nemotron_h": [("mlp_hidden_act", "gelu")],
+    "deepseek_v4": [("scoring_func", "no_such_scoring")],
+}
+GENERIC_UNSUPPORTED = [("hidden_act", "gelu"), ("output_router_logits", True), ("attention_dropout", 0.5)]
+# fp32 HF vs bitmatch fp32: the same math in another order (max |diff| in nats)
+HF_FP32_TOLERANCE = 1e-4
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return random_prompts(2, 5, 9, seed=4, vocab_hi=min(99, vocab))
+
+
+def _hf_logprobs(model, seq: list[int], dtype) -> torch.Tensor:
+    """HF's own forward (no bitmatch), log_softmax(logits.float() / T) of each next token: [len - 1]."""
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        logits = model.to(dtype)(input_ids=ids).logits[0].float() / T
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(family):
+    return tiny_model_for(family.name, torch.float32, seed=0)[0]
+
+
+def test_tiny_config_is_supported(family):
+    cfg = family.tiny_config()
+    assert family.problems(cfg) == [], f"{family.name}: its own tiny config is refused: {family.problems(cfg)}"
+
+
+def test_problems_refuses_an_unsupported_option_by_name(family):
+    tried = []
+    for attr, value in UNSUPPORTED.get(family.name, []) + GENERIC_UNSUPPORTED:
+        cfg = family.tiny_config()
+        setattr(cfg, attr, value)
+        found = family.problems(cfg)
+        if any(attr in p for p in found):
+            return
+        tried.append(f"{attr}={value!r} -> {found}")
+    pytest.fail(f"{family.name}: problems() refused none of: {'; '.join(tried)} (name the option it refuses; "
+                "add the family's own unsupported option to UNSUPPORTED)")
+
+
+def test_token_logprobs_fp32_is_hf_fp32(family, tiny_fp32):
+    model = tiny_fp32
+    prompts = _prompts(model.config.vocab_size)
+    hf = [_hf_logprobs(model, p, torch.float32) for p in prompts]
+    for p, ref in zip(prompts, hf):
+        with torch.no_grad():
+            got = token_logprobs(model, torch.tensor([p]), temperature=T, compute_dtype=torch.float32)[0]
+        err = (got - ref).abs().max().item()
+        assert err <= HF_FP32_TOLERANCE, f"{family.name}: fp32 token_logprobs vs HF fp32 forward: max |diff| {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def engine_run(family, tiny_fp32):
+    """(bf16 model, prompts, engine outputs): two prompts, chunked prefill and decode, 4 tokens each."""
+    model = copy.deepcopy(tiny_fp32).to(torch.bfloat16)
+    prompts = _prompts(model.config.vocab_size)
+    params = [SamplingParams(temperature=T, max_tokens=4, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    outs = Engine(model, num_gpu_blocks=64, block_size=16, max_num_batched_tokens=7, seed=0).generate(
+        prompts, params, use_tqdm=False)
+    return model, prompts, outs
+
+
+def _engine_lp(out) -> torch.Tensor:
+    return torch.tensor(out.outputs[0].logprobs, dtype=torch.float32)
+
+
+def test_engine_equals_trainer_bit_for_bit(family, engine_run):
+    model, prompts, outs = engine_run
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        seq = p + o.outputs[0].token_ids
+        with torch.no_grad():
+            lp = token_logprobs(model, torch.tensor([seq]), temperature=T)[0, len(p) - 1:].float()
+        got = _engine_lp(o)
+        bad = (got.view(torch.int32) != lp.view(torch.int32)).nonzero()[:, 0].tolist()
+        assert not bad, (f"{family.name} request {i}: tokens {bad} differ; engine {got[bad].tolist()} "
+                         f"trainer {lp[bad].tolist()}")
+
+
+def test_control_hf_bf16_forward_differs_from_the_engine(family, engine_run):
+    """The same comparison against HF's own bf16 forward finds differing bits: the test can fail."""
+    model, prompts, outs = engine_run
+    differ = 0
+    for p, o in zip(prompts, outs):
+        hf = _hf_logprobs(copy.deepcopy(model), p + o.outputs[0].token_ids, torch.bfloat16)[len(p) - 1:]
+        differ += int((hf.view(torch.int32) != _engine_lp(o).view(torch.int32)).sum())
+    assert differ > 0, (f"{family.name}: HF's bf16 forward gave the engine's bits on every token: the control "
+                        "proves nothing")
