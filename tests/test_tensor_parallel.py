@@ -28,8 +28,9 @@ from bitmatch.kernels import order
 from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logits, forward_hidden as tp1_forward_hidden
 from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.parallel import (
-    TPGroup, allreduce_expert_parallel, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer, compute_logits, enable_tensor_parallel,
-    expert_parallel_experts, forward_hidden, fsdp_unsharded, gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    TPGroup, allreduce_expert_parallel, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer,
+    compute_logits, enable_tensor_parallel, expert_parallel_experts, forward_hidden, fsdp_unsharded,
+    gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
 

@@ -1,9 +1,10 @@
 """bitmatch.parallel: parallel layouts whose bits equal one process's.
 
-``tensor_parallel``: gather-only tensor parallelism for the dense family (no cross-rank sums, so
-TP = N gives TP = 1's bits with every kernel's canonical order unchanged); ``collectives``: the
-fixed-order, bytes-only all-gather it runs on; ``fsdp``: FSDP2-sharded models on bitmatch's forward;
-``expert_parallel``: experts spread over ranks, combined in the one-rank slot order. docs/scaling.md has the design and its costs.
+``tensor_parallel``: gather-only tensor parallelism for the dense family and Qwen3-MoE (no
+cross-rank sums, so TP = N gives TP = 1's bits with every kernel's canonical order unchanged);
+``expert_parallel``: experts spread over ranks, combined in the one-rank slot order;
+``collectives``: the fixed-order, bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models
+on bitmatch's forward. docs/scaling.md has the design and its costs.
 """
 from bitmatch.parallel.collectives import TPGroup, all_gather_cat, comm_bytes_per_layer
 from bitmatch.parallel.expert_parallel import allreduce_expert_parallel, expert_parallel_experts
