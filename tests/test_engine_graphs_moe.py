@@ -22,7 +22,7 @@ import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.graphs import graph_safe
-from bitmatch.models import family_of, unwrap_causal_lm
+from bitmatch.models import dense, family_of, unwrap_causal_lm
 from bitmatch.models.qwen3_moe import Qwen3MoeFamily
 from bitmatch.testing_models import random_prompts, tiny_model
 from host_reads import host_reads
@@ -92,6 +92,18 @@ def test_lora_on_linears_keeps_the_moe_family_in_graphs():
     layer = unwrap_causal_lm(pm).model.layers[0].self_attn.q_proj
     layer.fan_in_fan_out = True
     assert not graph_safe(pm)
+
+
+def test_tensor_parallel_models_stay_eager():
+    # a model registered for tensor parallelism (bitmatch.parallel) runs its steps eagerly
+    m = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, **TINY)
+    lm = unwrap_causal_lm(m)
+    assert graph_safe(m)
+    dense.TENSOR_PARALLEL[lm] = object()
+    try:
+        assert not graph_safe(m)
+    finally:
+        dense.TENSOR_PARALLEL.pop(lm, None)
 
 
 # ---------------------------------------------------------------- the MoE block on Triton

@@ -97,7 +97,7 @@ class Qwen3MoeFamily(dense.DenseFamily):
         a subclass that overrides the forward or the MLP must opt in again."""
         cls = type(self)
         return (cls.forward_hidden is dense.DenseFamily.forward_hidden and cls.mlp is Qwen3MoeFamily.mlp
-                and lora.graph_capturable(lm))
+                and lora.graph_capturable(lm) and lm not in dense.TENSOR_PARALLEL)  # TP steps: eager
 
     def build_spec(self, lm) -> MoeSpec:
         base = super().build_spec(lm)
