@@ -194,7 +194,7 @@ def sink_backward_check(a, spec, device, res):
     backward) on random rows at the config's widths (B x seq packed rows, HCA and CSA): the
     relative error of each gradient, and both backwards' times. Triton backend only."""
     import bitmatch.kernels as K
-    from bitmatch.kernels.compressed_attention import KeyRows, _rows_plain_backward, entry_list, sink_attention_rows
+    from bitmatch.kernels.compressed_attention import KeyRows, _rows_plain_backward, entry_list
     out = res.setdefault("sink_attention_backward", {})
     B, n, H, D, m = int(a.attn_batches.split(",")[0]), a.seq, spec.num_heads, spec.head_dim, 4
     g = torch.Generator(device=device).manual_seed(0)
@@ -211,7 +211,7 @@ def sink_backward_check(a, spec, device, res):
             kw = dict(scale=D ** -0.5, window=spec.sliding_window, entries=None, rate=m, selected=selected)
             leaves = [t.clone().requires_grad_() for t in (q, kv, ent, sinks)]
             with K.use_backend("triton"):
-                o = sink_attention_rows(leaves[0], pos, leaves[1], leaves[3], rows, **{**kw, "entries": leaves[2]})
+                o = K.sink_attention_rows(leaves[0], pos, leaves[1], leaves[3], rows, **{**kw, "entries": leaves[2]})
             t_fused = _timed(lambda: torch.autograd.grad(o, leaves, w, retain_graph=True), a.reps, device)
             fused = torch.autograd.grad(o, leaves, w, retain_graph=True)
             sel_t = selected if selected is not None else torch.zeros(T, 0, dtype=torch.int32, device=device)

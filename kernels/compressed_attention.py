@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _exact
+from . import _exact, stock
 from ._backend import (
     backend_for,
     check_float,
@@ -274,31 +274,8 @@ def _rows_reference(q, qpos, kv, entries, selected, sinks, rows, scale, window, 
     return out
 
 
-def _row_keys(q, qpos, kv, entries, selected, rows, window, rate):
-    """(keys [T, W + E, D], valid [T, W + E]) of every row: its window, then its entries."""
-    t = qpos.long().view(-1, 1)
-    j = t - window + 1 + torch.arange(window, device=q.device).view(1, -1)
-    ok = j >= 0
-    keys = kv[rows.slots(j.clamp(min=0)).clamp(0, kv.shape[0] - 1)]
-    if entries is None:
-        return keys, ok
-    if selected is None:
-        c = torch.arange(max(1, rows.max_len // rate), device=q.device).view(1, -1).expand(t.shape[0], -1)
-        c_ok = c < torch.div(t + 1, rate, rounding_mode="floor")
-    else:
-        c, c_ok = selected.long(), selected >= 0
-    addr = rows.slots(((c.clamp(min=0) + 1) * rate - 1).clamp(max=rows.max_len - 1)).clamp(0, entries.shape[0] - 1)
-    return torch.cat([keys, entries[addr]], 1), torch.cat([ok, c_ok], 1)
-
-
-def _rows_plain(q, kv, entries, sinks, qpos, selected, rows, scale, window, rate):
-    keys, valid = _row_keys(q, qpos, kv, entries, selected, rows, window, rate)
-    keys = keys.float()
-    sc = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
-    sc = sc.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sk = sinks.float().view(1, -1, 1).expand(sc.shape[0], -1, 1)
-    p = torch.cat([sc, sk], -1).softmax(-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", p, keys)
+# the plain fp32 rows formula the backward recomputes (reference backend): the stock op's (one definition)
+_rows_plain = stock.sink_attention_rows_fp32
 
 
 class SinkAttentionRowsFunction(torch.autograd.Function):

@@ -300,6 +300,58 @@ def sink_attention(q, qpos, kv, entries, entry_mask, sinks, *, scale, window):
     return (p @ keys).transpose(0, 1).to(q.dtype)
 
 
+def row_keys(q, qpos, kv, entries, selected, rows, window, rate):
+    """(keys [T, W + E, D], valid [T, W + E]): each row's window of K = V rows, then its entries,
+    gathered through ``rows`` (a ``KeyRows``: packed or paged addressing)."""
+    t = qpos.long().view(-1, 1)
+    j = t - window + 1 + torch.arange(window, device=q.device).view(1, -1)
+    ok = j >= 0
+    keys = kv[rows.slots(j.clamp(min=0)).clamp(0, kv.shape[0] - 1)]
+    if entries is None:
+        return keys, ok
+    if selected is None:  # HCA: every complete window
+        c = torch.arange(max(1, rows.max_len // rate), device=q.device).view(1, -1).expand(t.shape[0], -1)
+        c_ok = c < torch.div(t + 1, rate, rounding_mode="floor")
+    else:
+        c, c_ok = selected.long(), selected >= 0
+    addr = rows.slots(((c.clamp(min=0) + 1) * rate - 1).clamp(max=rows.max_len - 1)).clamp(0, entries.shape[0] - 1)
+    return torch.cat([keys, entries[addr]], 1), torch.cat([ok, c_ok], 1)
+
+
+def sink_attention_rows_fp32(q, kv, entries, sinks, qpos, selected, rows, scale, window, rate):
+    """fp32 [T, H, D]: each row's keys and entries, one torch softmax with the sink (no value)."""
+    keys, valid = row_keys(q, qpos, kv, entries, selected, rows, window, rate)
+    keys = keys.float()
+    sc = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    sc = sc.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sk = sinks.float().view(1, -1, 1).expand(sc.shape[0], -1, 1)
+    p = torch.cat([sc, sk], -1).softmax(-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", p, keys)
+
+
+def sink_attention_rows(q, qpos, kv, sinks, rows, *, scale, window, entries=None, rate=0, selected=None):
+    """Every row of a step through its ``KeyRows``: the fp32 softmax above, rounded to q's dtype."""
+    return sink_attention_rows_fp32(q, kv, entries, sinks, qpos, selected, rows, scale, window, rate).to(q.dtype)
+
+
+def indexer_select(q, qpos, keys, weights, rows, *, rate, top_k, softmax_scale):
+    """Each row's top ``top_k`` complete index keys of its own sequence by fp32 einsum scores
+    (torch.topk's tie order), ascending, -1 padded: int32 [T, top_k]."""
+    n = max(1, rows.max_len // rate)
+    c = torch.arange(n, device=q.device).view(1, -1).expand(q.shape[0], -1)
+    addr = rows.slots(((c + 1) * rate - 1).clamp(max=rows.max_len - 1)).clamp(0, keys.shape[0] - 1)
+    dots = torch.einsum("thd,tcd->thc", q.float(), keys[addr].float())
+    scores = (torch.relu(dots) * softmax_scale * weights.float().unsqueeze(-1)).sum(1)
+    scores = scores.masked_fill(c >= torch.div(qpos.long().view(-1, 1) + 1, rate, rounding_mode="floor"),
+                                float("-inf"))
+    k = min(int(top_k), n)
+    val, idx = scores.topk(k, dim=-1)
+    sel = torch.where(torch.isfinite(val), idx, n).sort(1).values
+    if k < top_k:
+        sel = torch.cat([sel, torch.full((q.shape[0], top_k - k), n, dtype=sel.dtype, device=sel.device)], 1)
+    return torch.where(sel >= n, -1, sel).to(torch.int32)
+
+
 def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, has_prev=None):
     """Each window pooled by an fp32 softmax of gate + bias over its slots (CSA: the previous
     window's first half channels too, masked where there is none), summed by torch."""
@@ -424,5 +476,6 @@ __all__ = ["linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_c
            "apply_rotary_interleaved", "sdpa_prefill", "sdpa_paged", "attention_prefill", "attention_paged",
            "attention_decode", "write_kv_cache", "full_logprobs", "token_logprobs", "top_k_top_p_mask",
            "apply_top_k_top_p", "categorical_sample", "uniform_noise", "moe_scores", "moe_route", "moe_experts",
-           "sink_attention", "compress_windows", "indexer_topk", "hc_pre", "hc_post", "hc_head", "causal_conv1d",
+           "sink_attention", "sink_attention_rows", "compress_windows", "indexer_topk", "indexer_select", "hc_pre",
+           "hc_post", "hc_head", "causal_conv1d", "row_keys", "sink_attention_rows_fp32",
            "mamba_chunk_scan", "gated_rms_norm"]

@@ -35,7 +35,8 @@ from . import order, stock
 
 AXES = ("rows", "batch", "schedule", "state")
 # exported callables that are not ops: backend choice and input-check helpers, the override itself
-HELPERS = frozenset({"use_backend", "backend_for", "host_readable", "check_on_device", "override"})
+# (``KeyRows``: the row addressing the V4 row ops take, a dataclass)
+HELPERS = frozenset({"use_backend", "backend_for", "host_readable", "check_on_device", "override", "KeyRows"})
 
 _PACKAGE = __name__.rpartition(".")[0]   # "bitmatch.kernels": this module is imported by its __init__
 
@@ -95,8 +96,11 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("moe_route", "moe", _ROWS, _RT, stock.moe_route),
     OpSpec("moe_experts", "moe", _ROWS, _RT, stock.moe_experts),
     OpSpec("sink_attention", "compressed_attention", _SEQ, _RT, stock.sink_attention),
+    # every row of a step (trainer's packed rows or the engine's paged caches) through one KeyRows
+    OpSpec("sink_attention_rows", "compressed_attention", _STATE, _RT, stock.sink_attention_rows),
     OpSpec("compress_windows", "compressor", _SEQ, _RT, stock.compress_windows),
     OpSpec("indexer_topk", "indexer", _SEQ, _RT, stock.indexer_topk),
+    OpSpec("indexer_select", "indexer", _STATE, _RT, stock.indexer_select),
     OpSpec("hc_pre", "mhc", _ROWS, _RT, stock.hc_pre),
     OpSpec("hc_post", "mhc", _ROWS, ("torch",), stock.hc_post),
     OpSpec("hc_head", "mhc", _ROWS, _RT, stock.hc_head),

@@ -11,12 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bitmatch.kernels import stock
-from bitmatch.kernels.compressed_attention import (
-    KeyRows,
-    _row_keys,
-    entry_list,
-    sink_attention_rows,
-)
+from bitmatch.kernels.compressed_attention import KeyRows, entry_list, sink_attention_rows
 from bitmatch.kernels.indexer import indexer_select
 from host_reads import host_reads
 from test_engine import assert_bitmatch
@@ -203,7 +198,7 @@ def test_control_stock_attention_prefill_differs_from_decode():
 def _rows64(q, kv, ent, sinks, pos, sel, rows, mode, value_grad=True):
     """The rows' attention in float64 (the dense formula on every row's window and entries);
     ``value_grad=False`` detaches the keys' value role (the control: K = V feeds both)."""
-    keys, valid = _row_keys(q, pos, kv, ent if mode != "sliding" else None, sel if mode == "csa" else None,
+    keys, valid = stock.row_keys(q, pos, kv, ent if mode != "sliding" else None, sel if mode == "csa" else None,
                             rows, W, RATE)
     sc = torch.einsum("thd,tkd->thk", q, keys) * D ** -0.5
     sc = sc.masked_fill(~valid.unsqueeze(1), float("-inf"))

@@ -121,6 +121,35 @@ def _sink_attention():
     return K.sink_attention(q, pos, kv, ent, mask, torch.randn(H, generator=g), scale=D ** -0.5, window=6)
 
 
+def _rows_case(lens=(13, 9), H=4, D=32, seed=70):
+    """Two packed sequences from position 0: q, positions, the K = V and entry stores, KeyRows."""
+    g = _g(seed)
+    qpos = torch.cat([torch.arange(n) for n in lens])
+    T = qpos.shape[0]
+    q, kv, ent = (torch.randn(*s, generator=g).to(BF) for s in ((T, H, D), (T, D), (T, D)))
+    return q, qpos, kv, ent, torch.randn(H, generator=g), K.KeyRows.packed(qpos)
+
+
+def _sink_rows(selected: bool):
+    q, qpos, kv, ent, sinks, rows = _rows_case()
+    sel = None
+    if selected:  # CSA: up to 2 listed entries per row, -1 padded, only complete windows
+        n_vis = torch.div(qpos + 1, 4, rounding_mode="floor").view(-1, 1)
+        sel = torch.tensor([[0, 2]] * qpos.shape[0], dtype=torch.int32)
+        sel = torch.where(sel < n_vis, sel, -1).to(torch.int32)
+    return K.sink_attention_rows(q, qpos, kv, sinks, rows, scale=32 ** -0.5, window=6, entries=ent, rate=4,
+                                 selected=sel)
+
+
+def _indexer_rows():
+    g = _g(75)
+    qpos = torch.cat([torch.arange(17), torch.arange(11)])
+    T = qpos.shape[0]
+    return K.indexer_select(torch.randn(T, 4, 16, generator=g).to(BF), qpos, torch.randn(T, 16, generator=g).to(BF),
+                            torch.randn(T, 4, generator=g), K.KeyRows.packed(qpos), rate=4, top_k=2,
+                            softmax_scale=0.25)
+
+
 def _hc(T=5, N=3, D=16, seed=50):
     x = _rn(T, N, D, seed=seed)
     fn = _rn((2 + N) * N, N * D, seed=seed + 1, dtype=F32, scale=0.2)
@@ -168,6 +197,9 @@ CASES = {
         correction_bias=_rn(8, seed=17, dtype=F32, scale=0.1), scaling=1.5)},
     "moe_experts": {"6 tokens 4 experts h64 i32 swiglu": lambda: K.moe_experts(*_moe_case())},
     "sink_attention": {"L24 C6 h4 d32 bf16": _sink_attention},
+    "sink_attention_rows": {"2 seqs HCA m4 w6 bf16": lambda: _sink_rows(False),
+                            "2 seqs CSA m4 w6 bf16": lambda: _sink_rows(True)},
+    "indexer_select": {"2 seqs m4 k2 bf16": _indexer_rows},
     "compress_windows": {"5 windows m4 c16 f32": lambda: K.compress_windows(
         _rn(5, 4, 16, seed=41, dtype=F32), _rn(5, 4, 16, seed=42, dtype=F32), _rn(4, 16, seed=43, dtype=F32))},
     "indexer_topk": {"T20 C5 h4 d16 bf16": lambda: K.indexer_topk(

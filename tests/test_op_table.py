@@ -14,6 +14,7 @@ import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.faults import kernel_fault, parse_inject
 from bitmatch.kernels import order, table
+from bitmatch.models.deepseek_v4_tiny import tiny_model as v4_tiny_model
 from bitmatch.testing_models import random_prompts, tiny_model
 from test_golden_bits import CASES, _tensors
 
@@ -91,6 +92,29 @@ def test_override_reaches_every_caller_and_is_undone():
         assert len(seen) > 1
     assert K.linear is canon and table.overridden() == {}
     assert float(_caller().sum()) == 2 * 3 * 4
+
+
+def test_override_reaches_the_deepseek_v4_row_ops():
+    """The V4 attention block calls its row ops through the package: a stock override reaches the
+    engine's and the trainer's forward (a fault injected there is seen), and the stamp says so."""
+    calls = {"sink_attention_rows": 0, "indexer_select": 0}
+
+    def counting(name):
+        stock_fn = table.OPS[name].stock
+
+        def f(*a, **k):
+            calls[name] += 1
+            return stock_fn(*a, **k)
+        return f
+    m = bitmatch.patch(v4_tiny_model(seed=0))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        want = bitmatch.token_logprobs(m, ids, None)
+        with K.override({n: counting(n) for n in calls}):
+            assert set(order.current().overridden_ops) >= set(calls)
+            got = bitmatch.token_logprobs(m, ids, None)
+    assert calls["sink_attention_rows"] > 0 and calls["indexer_select"] > 0, calls
+    assert not torch.equal(got, want)  # the stock softmax is not the exact reference's
 
 
 def test_override_nests_and_restores_on_exception():

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from bitmatch.kernels.compressed_attention import KeyRows, sink_attention_rows
-from bitmatch.kernels.indexer import indexer_select
+from bitmatch.kernels import KeyRows
 from bitmatch.models.dense import linear, rms_norm
 from bitmatch.precision import cast_param
 
@@ -221,11 +220,11 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
         with torch.no_grad():
             ikeys = _entry_store(comp.indexer, ("ikv", "igate", "ientry"), store, cache, rows, ctx, m, True, dtype,
                                  rope_at)
-            selected = indexer_select(iq, ctx.positions, ikeys, iw, rows, rate=m, top_k=spec.index_topk,
-                                      softmax_scale=spec.index_head_dim ** -0.5)
+            selected = K.indexer_select(iq, ctx.positions, ikeys, iw, rows, rate=m, top_k=spec.index_topk,
+                                        softmax_scale=spec.index_head_dim ** -0.5)
         if rec is not None:  # per query token: the selected entry indices ascending, -1 padded
             rec(f"{prefix}.indexer", selected.long())
-    o = sink_attention_rows(q, ctx.positions, store["kv"], cast_param(attn.sinks, torch.float32), rows,
+    o = K.sink_attention_rows(q, ctx.positions, store["kv"], cast_param(attn.sinks, torch.float32), rows,
                               scale=spec.scale, window=spec.sliding_window, entries=entries, rate=m,
                               selected=selected)
     o = K.apply_rotary_interleaved(o, cos, sin, inverse=True)
