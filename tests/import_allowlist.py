@@ -17,8 +17,6 @@ LOCAL_IMPORTS = {
     # lazily loaded optional / heavy pieces
     ("bitmatch.sync.hash", "bitmatch.kernels.triton.fingerprint"):
         "optional extra: the Triton fingerprint kernel, imported on the first GPU tensor (pip install bitmatch[triton])",
-    ("bitmatch.adapters.vllm", "bitmatch"):
-        "vLLM imports this plugin in every process it starts: it stays light (no torch) until enabled",
     ("bitmatch.adapters.vllm", "bitmatch.kernels.order"):
         "vLLM imports this plugin in every process it starts: the kernels load only when it is enabled",
     ("bitmatch.adapters.vllm", "bitmatch.adapters.vllm.checks"):

@@ -18,8 +18,9 @@ import bitmatch
 from bitmatch.adapters.stepcheck import Divergence, StepChecker, weights_fingerprint, write_bundle
 from bitmatch.cli import main
 from bitmatch.engine import Engine, SamplingParams
+from bitmatch.models import load_model
 from bitmatch.models.lora import merged_state_dict
-from bitmatch.replay import read_bundle
+from bitmatch.replay import read_bundle, replay
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 
 T = 0.9
@@ -125,3 +126,21 @@ def test_read_bundle_lines_up_trl_rows(saved):
     t = torch.load(os.path.join(bad, "tokens.pt"))
     assert b.ids.shape[1] == t["prompt_ids"].shape[1] + t["completion_ids"].shape[1]
     assert b.completion_len == t["completion_ids"].shape[1] and b.dtype == torch.bfloat16 and b.temperature == T
+
+
+def test_verl_layout_replays_too(saved, tmp_path):
+    """verl's check writes whole rows (input_ids, attention_mask, responses, response_mask) and the
+    rollout dtype: the same step in that layout replays to the same verdict."""
+    ckpt, _, good = saved
+    t = torch.load(os.path.join(good, "tokens.pt"))
+    verl = write_bundle(str(tmp_path / "verl"), {"step": 1, "temperature": T, "rollout_dtype": "torch.bfloat16",
+                                                 "framework": "verl"}, {
+        "input_ids": torch.cat([t["prompt_ids"], t["completion_ids"]], 1),
+        "attention_mask": torch.cat([t["prompt_mask"], t["completion_mask"]], 1),
+        "responses": t["completion_ids"], "response_mask": t["completion_mask"],
+        "rollout_logprobs": t["rollout_logprobs"], "trainer_logprobs": t["trainer_logprobs"]})
+    b = read_bundle(verl)
+    assert b.dtype == torch.bfloat16 and b.completion_len == t["completion_ids"].shape[1]
+    model = load_model(ckpt, dtype=torch.bfloat16)
+    res = replay(b, model)
+    assert res.bitmatched and res.fingerprint_matches is None and res.located is None, res.summary()

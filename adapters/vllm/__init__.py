@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 
+import bitmatch
 from bitmatch import switch
 
 ENV_VAR = switch.ENV_VAR
@@ -43,7 +44,6 @@ def activation_message(device_type: str | None = None) -> str:
     """The line ``register`` logs: bitmatch's version, the backend of ``device_type`` (default: vLLM's
     platform) and the fingerprint of its canonical order (``bitmatch.kernels.order``), which
     ``bitmatch.sync`` compares between trainer and rollout."""
-    import bitmatch
     from bitmatch.kernels.order import stamp_for_device
 
     if device_type is None:
