@@ -20,8 +20,8 @@ tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``.
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
 in-place update (``copy_``, an optimizer step) is read by the next replay as is. Derived weights a
-family caches (dense's fused q/k/v, gate/up) are refreshed in place through the family's
-``refresh_derived_weights(lm)``. Both checks run when ``runner.weights_changed`` is set: the
+family caches (dense's fused q/k/v, gate/up; LoRA layers' merged weights) are refreshed in place
+through ``Family.refresh_derived_weights(lm)`` (a no-op by default). Both checks run when ``runner.weights_changed`` is set: the
 engine sets it whenever it starts work after being idle (weights change between generate calls:
 while requests run the engine refuses a weight switch), so a replay pays neither the walk over
 every parameter (~1.7 ms on 8B) nor the per-layer version checks.
@@ -38,10 +38,8 @@ from bitmatch.models import compute_logits, family_of, forward_hidden, unwrap_ca
 
 def graph_safe(model) -> bool:
     """Whether the model's family declares its decode forward capturable (no host syncs, no
-    data-dependent host control flow): ``Family.cuda_graph_safe(lm)``; False when absent."""
-    fam = family_of(model)
-    fn = getattr(fam, "cuda_graph_safe", None)
-    return bool(fn(unwrap_causal_lm(model))) if callable(fn) else False
+    data-dependent host control flow): ``Family.cuda_graph_safe(lm)`` (default False)."""
+    return bool(family_of(model).cuda_graph_safe(unwrap_causal_lm(model)))
 
 
 def padded_sampling(sampler, params, seeds, indices, bucket: int):
@@ -141,9 +139,7 @@ class DecodeGraphs:
             if key != self.key:  # a parameter was replaced: its old address is baked into the graphs
                 self.graphs.clear()
                 self.key = key
-            refresh = getattr(self.family, "refresh_derived_weights", None)
-            if refresh is not None:
-                refresh(self.lm)
+            self.family.refresh_derived_weights(self.lm)
             self.runner.weights_changed = False
         flags, sf32, si64 = padded_sampling(self.runner.sampler, params, seeds, indices, bucket)
         i64, sl, bt, qsl, f32 = self._buffers

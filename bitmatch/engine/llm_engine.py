@@ -297,10 +297,8 @@ class Engine:
         if self._idle:  # first step after idle: weights derived from the parameters are rebuilt
             self._idle = False
             self.model_runner.weights_changed = True
-            refresh = getattr(self._family, "refresh_derived_weights", None)
-            if refresh is not None:
-                with torch.no_grad():
-                    refresh(self._lm, force=True)
+            with torch.no_grad():
+                self._family.refresh_derived_weights(self._lm, force=True)
         for seq, _ in scheduled:
             if seq.weight_version is None and not seq.token_ids[seq.num_prompt_tokens:]:
                 seq.weight_version, seq.weight_fingerprint = version, fp
@@ -340,7 +338,7 @@ class Engine:
         seq = bad[0]
         self.abort_all()
         t = seq.params.temperature
-        cause = (f"the model's logits are NaN (greedy rows are scored at T = 1): check its weights" if t == 0.0 else
+        cause = ("the model's logits are NaN (greedy rows are scored at T = 1): check its weights" if t == 0.0 else
                  f"its logits divided by temperature={t!r} are not finite in float32: raise the temperature (or, "
                  "if the logits are NaN at temperature=1.0 too, check the model's weights)")
         raise ValueError(f"Engine: request {seq.request_id} (and {len(bad) - 1} more in this step) sampled a token "

@@ -148,6 +148,12 @@ class Family:
         runs eagerly."""
         return False
 
+    def refresh_derived_weights(self, lm, force: bool = False) -> None:
+        """Bring any weight the family derives from the parameters (fused copies, LoRA layers'
+        merged weights) up to date in place; the engine calls it when it starts work and before a
+        graph replay after weights may have changed (``force``: whatever the version counters
+        say). Default: the family derives nothing."""
+
     def tiny_config(self, **overrides):
         """An HF config of the family's smallest tested shape (``bitmatch locate/check --family``).
         Default: the family module's own ``tiny_config(**overrides)`` function, else the first
