@@ -15,7 +15,7 @@ it re-checks the wiring at ``on_train_begin`` and keeps the per-step history.
 
 What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at attach time):
 - patches the policy (and ``ref_model`` if any) onto ``bitmatch.kernels`` (``bitmatch.patch``);
-  PEFT LoRA layers run on the merged weight the rollout receives (``bitmatch.adapters.lora``);
+  PEFT LoRA layers run on the merged weight the rollout receives (``bitmatch.models.lora``);
 - ``_get_per_token_logps_and_entropies`` (old, ref and current logprobs) calls
   ``bitmatch.token_logprobs``: fp32 ``log_softmax(logits.float() / T)``, T divided like vLLM (TRL's
   fused head multiplies by 1/T: other bits), autocast off, weights cast by ``compute_cast``;
@@ -51,11 +51,10 @@ import bitmatch
 import bitmatch.adapters.vllm as plugin
 import bitmatch.sync as bsync
 from bitmatch import is_patched
-from bitmatch.adapters import lora
 from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker, locate_sentence,
                                          weights_fingerprint, weights_sentence)
 from bitmatch.logprobs import check_temperature
-from bitmatch.models import unwrap_causal_lm
+from bitmatch.models import lora, unwrap_causal_lm
 from bitmatch.models.lora import plain_name
 
 logger = logging.getLogger("bitmatch.trl")

@@ -1,4 +1,4 @@
-"""PEFT LoRA on bitmatch kernels (bitmatch.adapters.lora): the trainer's LoRA forward equals, bit for
+"""PEFT LoRA on bitmatch kernels (bitmatch.models.lora): the trainer's LoRA forward equals, bit for
 bit, a plain model holding the weights PEFT's own ``merge_adapter`` writes (what TRL pushes to the
 rollout); gradients of A and B match a float64 reference of the stock LoRA formulation."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 
 import bitmatch  # noqa: E402
 import bitmatch.kernels as K  # noqa: E402
-from bitmatch.adapters import lora  # noqa: E402
+from bitmatch.models import lora  # noqa: E402
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
