@@ -75,7 +75,6 @@ def patch_engine(engine, where: str = "actor"):
     check_supported(engine.module)
     dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
     bitmatch.patch(engine.module, compute_dtype=dtype)
-    engine._bitmatch_compute_dtype = dtype
     engine._autocast_dtype = torch.float32   # forward_step then runs without autocast (see module doc)
     engine.prepare_model_outputs = types.MethodType(prepare_model_outputs, engine)
     engine._bitmatch_patched = True
