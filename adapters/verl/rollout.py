@@ -27,7 +27,9 @@ from bitmatch.adapters.verl import check, require_plugin
 logger = logging.getLogger("bitmatch.verl")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-LIVE: list = []   # BitmatchRollout instances of this process (the step check locates against them)
+# the newest BitmatchRollout of this process (the step check locates against it); one entry, so a
+# process that builds rollouts repeatedly does not keep every old copy alive
+LIVE: list = []
 
 
 def _base():
@@ -72,7 +74,7 @@ class BitmatchRollout(_base()):
         self.version = None
         self.actor_engine = None   # set by the actor patch in a hybrid worker (the step check locates with it)
         self.tokenizer = self.model_config.tokenizer
-        LIVE.append(self)
+        LIVE[:] = [self]
         check.activate()
 
     def _build_copy(self):
