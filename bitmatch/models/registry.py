@@ -248,7 +248,7 @@ def family_for_config(config, arch: str | None = None) -> Family:
     if mt not in _BY_MODEL_TYPE:
         arch = arch or (getattr(config, "architectures", None) or [type(config).__name__])[0]
         raise ValueError(f"bitmatch: unsupported architecture {arch} (model_type {mt!r}); "
-                         f"supported: {supported_message()}")
+                         f"supported: {supported_message()}. To add a family: docs/porting.md in the bitmatch source")
     return _BY_MODEL_TYPE[mt]
 
 
