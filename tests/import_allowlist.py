@@ -34,11 +34,6 @@ LOCAL_IMPORTS = {
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.check"): PLUGIN,
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.rollout"): VERL,
     # files another change is editing this session
-    ("bitmatch.models.deepseek_v4", "bitmatch.kernels"): OWNED,
-    ("bitmatch.models.deepseek_v4", "bitmatch.kernels._backend"): OWNED,
-    ("bitmatch.models.deepseek_v4", "bitmatch.kernels.moe"): OWNED,
-    ("bitmatch.models.deepseek_v4_attention", "bitmatch.kernels"): OWNED,
-    ("bitmatch.models.dense", "bitmatch.kernels"): OWNED,
     ("bitmatch.parallel.tensor_parallel", "bitmatch.kernels.triton.linear"): OWNED,
 }
 
@@ -52,6 +47,5 @@ PRIVATE_USES = {
     ("bitmatch.kernels.triton.compressor", "bitmatch.kernels.compressor._slots"): OWNED,
     ("bitmatch.kernels.triton.mamba_ssd", "bitmatch.kernels.triton.attention._dot"):
         OWNED + " (use kernels/triton/_jit.py's dot)",
-    ("bitmatch.models.deepseek_v4", "bitmatch.kernels.moe._scores_plain"): OWNED + " (a public moe op)",
     ("bitmatch.models.nemotron_h", "bitmatch.models.dense._eps"): "dense.py is " + OWNED + " (make _eps public)",
 }

@@ -30,7 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
+from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
+from bitmatch.kernels._backend import backend_for, recompute_grads
+from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A
 from bitmatch.models import lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
@@ -41,8 +45,7 @@ F32 = torch.float32
 
 
 def _kernels():
-    import bitmatch.kernels as K
-
+    """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
     return K
 
 
@@ -139,22 +142,18 @@ class _ElementwiseScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, scoring):
-        from bitmatch.kernels.moe import _scores_plain
         ctx.save_for_backward(logits)
         ctx.scoring = scoring
-        return _scores_plain(logits, scoring)
+        return stock.moe_scores(logits, scoring)
 
     @staticmethod
     def backward(ctx, g):
-        from bitmatch.kernels._backend import recompute_grads
-        from bitmatch.kernels.moe import _scores_plain
         (logits,) = ctx.saved_tensors
-        return recompute_grads(lambda z: _scores_plain(z, ctx.scoring), (logits,), (True,), (g,))[0], None
+        return recompute_grads(lambda z: stock.moe_scores(z, ctx.scoring), (logits,), (True,), (g,))[0], None
 
 
 def _all_scores(logits, spec):
     """fp32 [T, E] scores in expert order for hash routing (which needs every expert's score)."""
-    from bitmatch.kernels._backend import backend_for
     if backend_for(logits) == "reference" or spec.scoring == "softmax":
         # all E scores (rank order) from moe_route, back to expert order: exact copies
         s, order = _kernels().moe_route(logits, spec.num_experts, scoring=spec.scoring)
@@ -227,9 +226,6 @@ class DeepseekV4Family(Family):
                     "caches, which the bitmatch plugin does not replace yet")
 
     def problems(self, config) -> list[str]:
-        from bitmatch.kernels import SUPPORTED_ROPE_TYPES
-        from bitmatch.kernels.moe import SCORINGS
-
         out = []
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             out.append(f"hidden_act={config.hidden_act!r} (only silu)")

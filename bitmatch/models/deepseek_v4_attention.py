@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+import bitmatch.kernels as K
 from bitmatch.kernels import KeyRows
 from bitmatch.models.dense import linear, rms_norm
 from bitmatch.precision import cast_param
@@ -45,8 +46,7 @@ CACHE_NAMES = {"swa": ("kv",), "hca": ("kv", "ckv", "cgate", "entry"),
 
 
 def _kernels():
-    import bitmatch.kernels as K
-
+    """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
     return K
 
 

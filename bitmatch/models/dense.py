@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import lora
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
 from bitmatch.precision import cast_param
-
 
 # lm -> one rank's tensor-parallel shard (bitmatch.parallel.enable_tensor_parallel): the family's
 # forward, LM head and KV caches then run the shard's gather-only layout (TP = 1's bits). Duck-typed
@@ -48,8 +48,7 @@ TENSOR_PARALLEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _kernels():
-    import bitmatch.kernels as K  # late import: the kernels package may load a backend
-
+    """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
     return K
 
 
@@ -408,9 +407,8 @@ class DenseFamily(Family):
             out.append(f"partial_rotary_factor={prf} (only 1.0)")
         rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         rtype = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
-        from bitmatch.kernels import SUPPORTED_ROPE_TYPES
-        if rtype not in (None, *SUPPORTED_ROPE_TYPES):
-            out.append(f"rope_type={rtype!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if rtype not in (None, *K.SUPPORTED_ROPE_TYPES):
+            out.append(f"rope_type={rtype!r} (supported: {', '.join(K.SUPPORTED_ROPE_TYPES)})")
         return out
 
     def build_spec(self, lm) -> DenseSpec:
