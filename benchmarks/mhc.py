@@ -19,7 +19,6 @@ against a float64 evaluation of HF's formula. Writes DIR/mhc.json after every to
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -28,20 +27,9 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
+from _common import machine_info  # noqa: E402
 
 KW = dict(eps=1e-6, norm_eps=1e-6)
-
-
-def machine_info(device):
-    import triton
-    import transformers
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine()}
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sm_count=p.multi_processor_count)
-    return info
 
 
 # ---------------------------------------------------------------- the replaced composition

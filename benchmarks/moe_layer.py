@@ -27,25 +27,13 @@ TRITON_INTERPRET=1 the Triton backward kernels run in the interpreter too).
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
-
-
-def machine_info(device):
-    import triton
-    import transformers
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine()}
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sm_count=p.multi_processor_count)
-    return info
+from _common import machine_info
 
 
 def build(cfg):
