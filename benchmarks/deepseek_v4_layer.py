@@ -78,14 +78,22 @@ FLASH4 = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, n
               rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536})
 
 
+# a mid-size V4 (the shape the V4 speed issue was filed on, one more layer of each compressed
+# type): hidden 2048, 16 heads x 512, 64 experts top-6, layers sliding / CSA / HCA / CSA / HCA / CSA
+MID = dict(FLASH4, hidden_size=2048, moe_intermediate_size=1024, num_hidden_layers=6, num_attention_heads=16,
+           q_lora_rank=512, n_routed_experts=64, o_groups=4, o_lora_rank=512, index_n_heads=32, index_topk=256,
+           mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4)
+CONFIGS = {"flash4": FLASH4, "mid": MID}
+
+
 def build(name, dtype, device, seed=0):
-    """The model of ``name`` (tiny | flash4) in ``dtype``, built directly on ``device``."""
+    """The model of ``name`` (tiny | flash4 | mid) in ``dtype``, built directly on ``device``."""
     from transformers import DeepseekV4ForCausalLM
 
     from bitmatch.models.deepseek_v4_tiny import randomize_constants, tiny_config, tiny_model
     if name == "tiny":
         return tiny_model(dtype, seed=seed).to(device)
-    cfg = tiny_config(**FLASH4)
+    cfg = tiny_config(**CONFIGS[name])
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -189,6 +197,79 @@ def attention_section(a, model, device, res):
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
+def decode_bytes(model, spec, B, ctx):
+    """(weight bytes, cache bytes) one decode step of B sequences at ``ctx`` tokens must read:
+    every weight once but the embedding (B rows) and the routed experts (the expected number of
+    distinct experts B uniform top-k rows touch, E (1 - (1 - k/E)^B), per MoE layer); per sequence
+    and layer the window's K = V rows, the compressed entries attention reads (HCA: all, CSA: the
+    indexer's top-k) and, for CSA, every indexer key it scores."""
+    cfg = model.config
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** B)
+    w = 0
+    for n, p in model.named_parameters():
+        nb = p.numel() * p.element_size()
+        if n.endswith("embed_tokens.weight"):
+            nb = B * p.shape[1] * p.element_size()
+        elif ".experts." in n:
+            nb = nb * touched / E
+        w += nb
+    d, di, el = spec.head_dim, spec.index_head_dim, 2
+    cache = 0
+    for lt in spec.layer_types:
+        per = min(ctx, spec.sliding_window) * d
+        if lt in spec.compress_rates:
+            n_ent = ctx // spec.compress_rates[lt]
+            if lt == "compressed_sparse_attention":
+                per += min(n_ent, spec.index_topk) * d + n_ent * di
+            else:
+                per += n_ent * d
+        cache += per * el * B
+    return int(w), int(cache)
+
+
+def decode_section(a, out):
+    """The engine's decode step at --decode-batch sequences of --seq tokens (graphs as the engine
+    chooses), median wall ms of 8 steps, against the weight + cache read roofline at --hbm-tbps."""
+    import statistics
+
+    import bitmatch
+    from bitmatch.models import family_of, unwrap_causal_lm
+    model = build(a.config, torch.bfloat16, a.device)
+    bitmatch.patch(model)
+    B, n_new = a.decode_batch, 24
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 128, (B, a.seq), generator=g).tolist()
+    eng = bitmatch.Engine(model, max_num_seqs=B)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
+    while eng.scheduler.waiting:
+        eng.step()
+    for _ in range(4):  # the prefill (possibly chunked), compiles, graph capture
+        eng.step()
+    ts = []
+    for _ in range(8):
+        _sync(a.device)
+        t = time.perf_counter()
+        eng.step()
+        _sync(a.device)
+        ts.append((time.perf_counter() - t) * 1e3)
+    while eng.has_unfinished_requests():
+        eng.step()
+    step_ms = statistics.median(ts)
+    spec = family_of(model).build_spec(unwrap_causal_lm(model))
+    wb, cb = decode_bytes(model, spec, B, a.seq + 8)
+    roof = (wb + cb) / (a.hbm_tbps * 1e12) * 1e3
+    out["results"]["decode_step"] = {"batch": B, "context_tokens": a.seq + 8, "step_ms": step_ms, "steps_ms": ts,
+                          "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": a.hbm_tbps, "roofline_ms": roof,
+                          "fraction_of_roofline": roof / step_ms,
+                          "graphs": getattr(eng.model_runner, "graphs", None) is not None}
+    out["ratios"]["decode_fraction_of_roofline"] = roof / step_ms
+    del eng, model
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sink_backward_check(a, spec, device, res):
     """The fused sink-attention backward vs the plain fp32 recompute (the reference backend's
     backward) on random rows at the config's widths (B x seq packed rows, HCA and CSA): the
@@ -233,13 +314,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--config", default="tiny", choices=("tiny", "flash4"))
+    ap.add_argument("--config", default="tiny", choices=("tiny", "flash4", "mid"))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=48)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, attn")
+    ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, decode, attn")
+    ap.add_argument("--decode-batch", type=int, default=64, help="decode section: sequences per step")
+    ap.add_argument("--hbm-tbps", type=float, default=4.3, help="decode section: the roofline's bandwidth")
+    ap.add_argument("--profile", action="store_true",
+                    help="train section: the top CUDA kernels and the host's own time of one step per side")
     ap.add_argument("--attn-batches", default="16,64", help="decode batches of the attn section")
     ap.add_argument("--backend", default=None, choices=("reference", "triton"),
                     help="force a kernel backend (--device cpu --backend triton: the Triton kernels in the "
@@ -272,7 +357,7 @@ def main(argv=None):
     ids = torch.randint(3, 128, (a.batch, a.seq), generator=g).to(a.device)
     mask = torch.ones_like(ids)
     sections = a.sections.split(",")
-    flash = a.config == "flash4"
+    flash = a.config != "tiny"
 
     if "train" in sections:  # trainer forward + backward; fp32 on the tiny config, bf16 at Flash widths
         model = build(a.config, torch.bfloat16 if flash else torch.float32, a.device).train()
@@ -303,6 +388,13 @@ def main(argv=None):
             bitmatch.patch(model)
             t_ours = _timed(ours_step, a.reps, a.device)
             peak_ours = peak_gib()
+            if a.profile and a.device == "cuda":
+                import gpu_train  # the script's folder is on sys.path
+                bitmatch.unpatch(model)
+                res["profile_hf"] = gpu_train.top_kernels(hf_step, k=25)
+                bitmatch.patch(model)
+                res["profile_bitmatch"] = gpu_train.top_kernels(ours_step, k=25)
+                res["host_profile_bitmatch"] = gpu_train.host_profile(ours_step, k=40)
             n_tok = a.batch * a.seq
             res["train_tokens_per_s"] = {"bitmatch": n_tok / t_ours, "hf": n_tok / t_hf}
             out["ratios"]["train_bitmatch_over_hf"] = t_hf / t_ours
@@ -338,6 +430,12 @@ def main(argv=None):
             res["diff"] = _diff_on_device(model, outs, a.device)
         except Exception as exc:
             res["rollout_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        save()
+    if "decode" in sections:
+        try:
+            decode_section(a, out)
+        except Exception as exc:
+            res["decode_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         save()
     if "attn" in sections:
         import bitmatch.kernels as K

@@ -326,6 +326,7 @@ def train(size, profile=True, iters=3):
     if profile:
         res["profile_ours"] = top_kernels(ours)
         res["host_syncs_ours"] = host_syncs(ours)
+        res["host_profile_ours"] = host_profile(ours, k=25)
     res.update(stock_step_ms=t_s, ours_step_ms=t_o, stock_tokens_per_s=B * L / t_s * 1e3,
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
