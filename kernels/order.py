@@ -54,8 +54,10 @@ class CanonicalOrder:
     kv_block: int = 64
     kv_partition: int = 512
     rowsum_mma: bool = True
-    # (N, K) -> K chunks; any shape not listed: 1 (plain sequential K). From the H200 sweep of
-    # benchmarks/gpu_ops.py --sweep (Qwen3-8B o_proj 2 x 2048, down_proj 3 x 4096).
+    # (N, K) -> K chunks; any shape not listed: 1 (plain sequential K). Fixed per weight shape,
+    # never per M, so every batch size sums the same chunks; chosen where a small-M launch has too
+    # few tiles to fill the GPU (Qwen3-8B o_proj: 2 chunks of 2048, down_proj: 3 of 4096). Changing
+    # an entry changes that shape's bits (and the stamp).
     linear_split_table: tuple = field(default=(((4096, 4096), 2), ((4096, 12288), 3)))
     # a K chunk's length is a multiple of this (every BK in linear's tile tables divides it); a
     # listed split that does not fit falls to the next smaller one

@@ -12,10 +12,10 @@ program) and whether partitions run in one program ("fused") or on separate prog
 _merge_kernel ("split", for decode / small batches) do not change the bits. The row sum l of P
 is part of the order: it is taken on the tensor core (rowsum_mma: P rounded to the input dtype
 times a ones column, the MMA's k-order, which mma.sync (< 64-row tiles) and wgmma share), so
-16-row decode tiles give prefill's bits (H200 harness, 2026-12-03: 0 mismatching rows on every
-axis). With a register tl.sum instead (rowsum_mma = False) the sum order follows the MMA's
-accumulator layout: 16/32-row tiles then changed ~2% of rows by 1 ulp, so every CUDA tile must
-have >= 64 rows (min_block_m_cuda = 64), which costs decode ~30% (see SKIP_FULL_BLOCK_MASKS).
+16-row decode tiles give prefill's bits (the GPU harness checks it on every axis). With a register
+tl.sum instead (rowsum_mma = False) the sum order follows the MMA's accumulator layout, which
+differs between 16/32-row tiles (mma.sync) and 64-row ones (wgmma), so then every CUDA tile must
+have >= 64 rows (min_block_m_cuda = 64), which makes decode slower.
 kv_block, kv_partition and rowsum_mma are fields of the canonical order (kernels/order.py),
 read from ``order.current()`` at every launch: ``order.override`` changes them and the stamp.
 GQA: a program's rows are (token, head-in-group) pairs of one KV head, so K/V is read once per
@@ -293,12 +293,12 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
         _store_lse(lse_ptr, q_rows, row_ok, M, L)
 
 
-# Launch-shape knobs (free: they do not change the bits).
-# The canonical order's rowsum_mma (both orders ran the full H200 harness with 0 mismatches,
-# 2026-12-03, benchmarks/results/h200.json): True = row sums of P on the tensor core, 16-row
-# decode tiles (decode 0.80-0.88 of the K/V roofline at batch 64-256, prefill 0.82-0.92 of SDPA
-# flash); False = register row sums, >= 64-row tiles everywhere (decode 0.59-0.63, prefill
-# 0.87-0.98). Flipping it changes the bits of every attention output: kernels/order.py.
+# Launch-shape knobs (free: they do not change the bits). Tuning rule: pick them per GPU by time
+# alone; the harness (benchmarks/gpu_ops.py) must still report 0 mismatching rows on every axis.
+# Not a knob: the canonical order's rowsum_mma. True = row sums of P on the tensor core, so decode
+# may use 16-row tiles (the faster decode); False = register row sums, >= 64-row tiles
+# everywhere. Flipping it changes the bits of every attention output: kernels/order.py. Both
+# orders' timings: docs/results.md.
 PREFILL_BLOCK_M = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
@@ -306,9 +306,8 @@ DECODE_WARPS = 4
 DECODE_STAGES = 3
 DECODE_SPLIT_MAX_PROGRAMS = None
 # Launch knob: skip the mask select on KV blocks that every valid row of the tile sees whole
-# (same bits by construction; interpreter tests check it). It wins back the prefill time the
-# tensor-core row sums cost: H200 run of 2026-12-03 (h200.json "followup_run_2"), prefill
-# 0.89-1.08 of SDPA flash with it vs 0.82-0.91 without, zero mismatches on every axis.
+# (same bits by construction: the select would keep every score; interpreter tests check it). It
+# wins back the prefill time the tensor-core row sums cost.
 SKIP_FULL_BLOCK_MASKS = True
 
 
@@ -347,7 +346,7 @@ def _run(q, k, v, qstart, seqlens, block_table, page_size, scale, causal, window
             block_m = max(PREFILL_BLOCK_M, GP) if not interp else max(16, min(64, GP * 8))
     # On the GPU, query tiles below 64 rows compile to mma.sync (mma v2) instead of wgmma; with
     # register row sums (rowsum_mma False) their accumulator layout sums a row of P in another
-    # order (~2% of rows 1 ulp off on the H200), so then every CUDA launch uses >= 64-row tiles.
+    # order (some rows 1 ulp off), so then every CUDA launch uses >= 64-row tiles.
     # (The interpreter has no such split.)
     block_m = max(block_m, GP, min_block_m)
     tpt = block_m // GP

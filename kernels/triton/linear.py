@@ -41,15 +41,17 @@ CONFIG_TABLE = [
 ]
 
 
-# Per weight shape (N, K): best config per M bucket from the H200 sweep (benchmarks/gpu_ops.py
-# --sweep, 2026-12-02; every config gave the same bits). Bucket bounds are the swept M values.
+# Per weight shape (N, K): the fastest config per M bucket of a sweep on the target GPU
+# (benchmarks/gpu_ops.py --sweep); bucket bounds are the swept M values. Tuning rule: any tile
+# shape may win, since tiles never change the bits (each K chunk is one sequential accumulation
+# whatever BM / BN / BK); the sweep checks every candidate's bits against the others of the same
+# split, and a config whose bits differ is a bug, not a choice.
 def _t(rows):
     return [(m, *c) for m, c in rows]
 
 
 CONFIG_TABLES = {
-    # M <= 256 rows: winners of the CUDA-graph-timed sweep of the final run (bits equal to the
-    # other configs of the same SPLIT, checked in that sweep); larger M: the first sweep.
+    # M <= 256 rows: timed inside CUDA graphs (decode launches are graph replays); larger M: eager.
     (6144, 4096): _t([(8, (16, 32, 128, 8, 4, 6, "fused")), (32, (32, 32, 256, 8, 4, 4, "fused")),
                       (64, (64, 64, 128, 8, 4, 4, "fused")), (128, (64, 64, 64, 8, 4, 6, "fused")),
                       (256, (128, 64, 64, 8, 4, 4, "fused")), (512, (128, 128, 64, 8, 8, 3, "fused")),
@@ -205,9 +207,10 @@ def _launch(x, weight, bias, cfg, split, out=None):
 # where the table below names a config; the harness (benchmarks/gpu_ops.py inv_linear) checks
 # its bits against the table kernel's on every Qwen3-8B shape.
 # (min_M, BM, BN, BK, GROUP_M, warps, stages) per weight shape, rows in decreasing min_M: the
-# first row with M >= min_M wins; M below the last row uses the table kernel. Winners of the
-# H200 run of 2026-12-03 (time_linear_tma at M = 512, 1024, 4096, 16384; 0 rows differing from
-# the table kernel at each). Two accumulators of 128x256 spill (o, down: 0.15), hence 128x128.
+# first row with M >= min_M wins; M below the last row uses the table kernel. Tuning rule as for
+# CONFIG_TABLES: the fastest of benchmarks/gpu_ops.py time_linear_tma per M, kept only with 0 rows
+# differing from the table kernel. A split weight (two accumulators) spills registers at 128x256
+# tiles, hence 128x128 for the o and down projections.
 TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
 _W, _S, _T = TMA_CONFIGS
 TMA_TABLE = {

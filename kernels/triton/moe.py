@@ -175,9 +175,10 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.cons
 
 
 # (max average rows per expert, BM, BN_in, BN_out, BK, warps, stages): launch knobs only (tile
-# shapes never change a row's bits); the first row whose bound >= T*k/E is used. From the H200
-# run in benchmarks/results/moe_h200.json (Qwen3-30B-A3B shapes; every variant gave the same
-# bits at every T): 16-row tiles at T = 1, 64-row tiles at T = 64 and 512, 128x128 from 4096.
+# shapes never change a row's bits: each expert row is one sequential K accumulation); the first
+# row whose bound >= T*k/E is used. Tuning rule: the fastest variant per bucket of
+# ``benchmarks/moe_layer.py --variants`` at the target model's shapes, which also checks that
+# every variant gives the same bits: small tiles for decode-size batches, large ones for prefill.
 CONFIG_TABLE = [
     (2, 16, 64, 64, 64, 4, 4),
     (64, 64, 64, 128, 64, 4, 3),
