@@ -41,16 +41,8 @@ import time
 
 import torch
 
-
-def versions():
-    import transformers
-    out = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    return out
+import _common  # the script's folder is on sys.path
+from _common import machine_info
 
 
 def _sync(device):
@@ -339,13 +331,10 @@ def main(argv=None):
     from bitmatch.engine import Engine, SamplingParams
 
     out = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-           "machine": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-                       "threads": a.threads}, "versions": versions(),
+           "machine": {**machine_info(a.device), "platform": platform.platform(), "threads": a.threads},
            "setup": {"config": a.config, "batch": a.batch, "seq": a.seq, "new_tokens": a.new, "reps": a.reps,
                      "backend": a.backend or "by device", "attn_batches": a.attn_batches,
                      "device": a.device}, "results": {}, "ratios": {}}
-    if a.device == "cuda":
-        out["machine"]["gpu"] = torch.cuda.get_device_name(0)
     path = os.path.join(a.out, f"deepseek_v4_{a.config}_{a.device}.json")
     os.makedirs(a.out, exist_ok=True)
 
@@ -389,12 +378,11 @@ def main(argv=None):
             t_ours = _timed(ours_step, a.reps, a.device)
             peak_ours = peak_gib()
             if a.profile and a.device == "cuda":
-                import gpu_train  # the script's folder is on sys.path
                 bitmatch.unpatch(model)
-                res["profile_hf"] = gpu_train.top_kernels(hf_step, k=25)
+                res["profile_hf"] = _common.top_kernels(hf_step, k=25)
                 bitmatch.patch(model)
-                res["profile_bitmatch"] = gpu_train.top_kernels(ours_step, k=25)
-                res["host_profile_bitmatch"] = gpu_train.host_profile(ours_step, k=40)
+                res["profile_bitmatch"] = _common.top_kernels(ours_step, k=25)
+                res["host_profile_bitmatch"] = _common.host_profile(ours_step, k=40)
             n_tok = a.batch * a.seq
             res["train_tokens_per_s"] = {"bitmatch": n_tok / t_ours, "hf": n_tok / t_hf}
             out["ratios"]["train_bitmatch_over_hf"] = t_hf / t_ours

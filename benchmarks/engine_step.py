@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import gpu_train  # noqa: E402
 from gpu_e2e import roofline_ms  # noqa: E402
 
@@ -26,10 +27,10 @@ from gpu_e2e import roofline_ms  # noqa: E402
 def _timed(fn, box, key):
     """fn wrapped: synchronizes before and after, adds its wall ms to box[key]."""
     def w(*a, **k):
-        gpu_train.sync()
+        _common.sync()
         t = time.perf_counter()
         out = fn(*a, **k)
-        gpu_train.sync()
+        _common.sync()
         box[key] = box.get(key, 0.0) + (time.perf_counter() - t) * 1e3
         return out
     return w
@@ -61,10 +62,10 @@ def breakdown(eng, steps=6):
     try:
         for _ in range(steps):
             box.clear()
-            gpu_train.sync()
+            _common.sync()
             t = time.perf_counter()
             eng.step()
-            gpu_train.sync()
+            _common.sync()
             box["step_total"] = (time.perf_counter() - t) * 1e3
             rows.append(dict(box))
     finally:
@@ -82,10 +83,10 @@ def breakdown(eng, steps=6):
 def plain_steps(eng, steps=8):
     ts = []
     for _ in range(steps):
-        gpu_train.sync()
+        _common.sync()
         t = time.perf_counter()
         eng.step()
-        gpu_train.sync()
+        _common.sync()
         ts.append((time.perf_counter() - t) * 1e3)
     return round(statistics.median(ts), 3)
 
@@ -128,7 +129,7 @@ def main():
     ap.add_argument("--engine-kw", default="", help="extra Engine keywords, k=v,k=v (ints)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    rec = gpu_train.Recorder(os.path.join(a.out, "engine_step.json"), a)
+    rec = _common.Recorder(os.path.join(a.out, "engine_step.json"), a)
     model = gpu_train.build_model(a.size)
     cfg = model.config
     per_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
@@ -152,7 +153,7 @@ def main():
             r["plain_step_ms"] = plain_steps(eng)
             r["phases_ms"] = breakdown(eng)
             r["graph_replay_gpu_ms"] = replay_ms(eng)
-            r["kernels"] = gpu_train.top_kernels(eng.step, k=10)
+            r["kernels"] = _common.top_kernels(eng.step, k=10)
         except Exception:
             r["error"] = traceback.format_exc()[-2000:]
             print(r["error"], flush=True)

@@ -28,6 +28,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import gpu_train  # noqa: E402
 from stock_ops import stock_ops  # noqa: E402
 
@@ -51,7 +52,7 @@ def _trainer_lps(model, outs, fn, rows=5):
         idx = order[a:a + rows]
         seqs = [outs[i].prompt_token_ids + outs[i].outputs[0].token_ids for i in idx]
         L = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), L, dtype=torch.long, device=gpu_train.DEV)
+        ids = torch.zeros(len(seqs), L, dtype=torch.long, device=_common.DEV)
         mask = torch.zeros_like(ids)
         for r, s in enumerate(seqs):
             ids[r, :len(s)] = torch.tensor(s)
@@ -144,7 +145,7 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     except Exception:
         res["default_kv_sizing"] = {"error": traceback.format_exc()[-2000:]}
     gc.collect()
-    gpu_train.empty_cache()
+    _common.empty_cache()
     res["same_tokens_across_configs"] = bool(tokens) and all(t == tokens[0] for t in tokens)
     cfgs = [v for v in res.values() if isinstance(v, dict) and "tokens" in v]
     res["total_tokens"] = sum(v["tokens"] for v in cfgs)
@@ -152,7 +153,7 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in cfgs)
     res["configs_failed"] = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     del model
-    gpu_train.empty_cache()
+    _common.empty_cache()
     return res
 
 
@@ -162,12 +163,12 @@ def cuda_controls():
     the check and this benchmark run the same ones); each must find a mismatch on the H200. Plus
     bitmatch's linear on the same small-M comparison the cuBLAS controls make (0 rows must differ)."""
     from bitmatch.controls import run_controls
-    res = {"check_controls": run_controls(gpu_train.DEV)}
+    res = {"check_controls": run_controls(_common.DEV)}
     res["every_stock_control_mismatches"] = all(v["mismatch_found"] for v in res["check_controls"].values())
-    g = torch.Generator(device=gpu_train.DEV).manual_seed(0)
+    g = torch.Generator(device=_common.DEV).manual_seed(0)
     for N, K_ in ((4096, 4096), (4096, 12288)):
-        x = torch.randn(4096, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g)
-        w = torch.randn(N, K_, device=gpu_train.DEV, dtype=torch.bfloat16, generator=g) * K_ ** -0.5
+        x = torch.randn(4096, K_, device=_common.DEV, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(N, K_, device=_common.DEV, dtype=torch.bfloat16, generator=g) * K_ ** -0.5
         big = K.linear(x, w)
         res[f"bitmatch_linear_small_m_{N}x{K_}"] = {f"M{m}": int((K.linear(x[:m], w) != big[:m]).any(-1).sum())
                                                     for m in (1, 8, 32, 64)}
@@ -195,14 +196,14 @@ def _engine_run(eng, prompts, params):
     """(wall s, per-step ms list, first-token logprobs in request order) of one generate,
     stepping the engine by hand."""
     ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
-    gpu_train.sync()
+    _common.sync()
     t0 = time.perf_counter()
     steps, first = [], {}
     while eng.has_unfinished_requests():
         s = time.perf_counter()
         for o in eng.step():
             first[o.request_id] = o.outputs[0].logprobs[0]
-        gpu_train.sync()
+        _common.sync()
         steps.append((time.perf_counter() - s) * 1e3)
     return time.perf_counter() - t0, steps, torch.tensor([first[i] for i in ids])
 
@@ -211,7 +212,7 @@ def _profile_decode(eng, prompts, params):
     for i, p in enumerate(prompts):
         eng.add_request(p, params(i))
     eng.step()                                   # the prefill
-    res = {"kernels": gpu_train.top_kernels(eng.step, k=8), "host_syncs": gpu_train.host_syncs(eng.step)}
+    res = {"kernels": _common.top_kernels(eng.step, k=8), "host_syncs": _common.host_syncs(eng.step)}
     while eng.has_unfinished_requests():
         eng.step()
     return res
@@ -229,15 +230,15 @@ def _hf_generate(model, ids, n_new):
 
     class Mark(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            gpu_train.sync()
+            _common.sync()
             marks.append(time.perf_counter())
             return scores
-    gpu_train.sync()
+    _common.sync()
     t0 = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
                    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList([Mark()]),
                    pad_token_id=0)
-    gpu_train.sync()
+    _common.sync()
     wall = time.perf_counter() - t0
     d = [(b - a) * 1e3 for a, b in zip(marks[:-1], marks[1:])]
     return wall, (statistics.median(d) if d else None)
@@ -289,8 +290,8 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
                          stock_first_logprob_max_abs_diff=float((lp_ours - lp_stock).abs().max()))
                 if B == 64:  # one decode step: kernel time inside it and its host syncs
                     r["ours_decode_step_profile"] = _profile_decode(eng, prompts, params)
-                _hf_generate(model, ids[:, :16].to(gpu_train.DEV), 2)
-                r["hf_wall_s"], r["hf_decode_ms"] = _hf_generate(model, ids.to(gpu_train.DEV), n_new)
+                _hf_generate(model, ids[:, :16].to(_common.DEV), 2)
+                r["hf_wall_s"], r["hf_decode_ms"] = _hf_generate(model, ids.to(_common.DEV), n_new)
             roof, wb, kvb = roofline_ms(model, B, prompt_len + n_new // 2, tbps)
             toks = B * n_new
             r.update(roofline_ms=roof, weight_bytes=wb, kv_bytes=kvb,
@@ -315,7 +316,7 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
     del eng, eager, model
     import gc
     gc.collect()
-    gpu_train.empty_cache()
+    _common.empty_cache()
     return out
 
 
@@ -333,7 +334,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330, help="no new measurement after this many s")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    rec = gpu_train.Recorder(os.path.join(a.out, "gpu_e2e.json"), a)
+    rec = _common.Recorder(os.path.join(a.out, "gpu_e2e.json"), a)
     t0 = time.time()
     deadline = t0 + a.budget_s
     secs = a.sections.split(",")

@@ -18,20 +18,15 @@ writes DIR/gpu_train.json after every section and model.
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
 
 # the stock ops HF runs, one definition each: the op table's (kernels/stock.py)
 import bitmatch.kernels.stock as KS
+from _common import BF, DEV, Recorder, cuda_ms, empty_cache, host_profile, host_syncs, sync, top_kernels
 
-BF = torch.bfloat16
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script's logic only
 QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -41,134 +36,6 @@ QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=1000),
 }
 TRAIN_SHAPES = {"1.7b": (8, 1024), "8b": (4, 1024), "tiny": (2, 32)}
-
-
-def sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def empty_cache():
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-
-
-class Recorder:
-    """One JSON file, rewritten after every put: a run cut short keeps what it measured."""
-
-    def __init__(self, path, args, extra=None):
-        self.path = path
-        self.data = {"command": "python " + " ".join(sys.argv), "args": vars(args),
-                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                     "machine": machine_info(), "sections": {}, "errors": {}, **(extra or {})}
-        self.flush()
-
-    def put(self, key, value):
-        self.data["sections"][key] = value
-        self.flush()
-
-    def err(self, key):
-        self.data["errors"][key] = traceback.format_exc()[-3000:]
-        print("ERROR in", key, traceback.format_exc(), flush=True)
-        self.flush()
-
-    def flush(self):
-        with open(self.path, "w") as f:
-            json.dump(self.data, f, indent=1, default=str)
-
-
-def machine_info():
-    import transformers
-    import triton
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sm_count=p.multi_processor_count, mem_gib=round(p.total_memory / 2 ** 30, 1))
-    try:
-        info["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
-    except Exception:
-        pass
-    return info
-
-
-def cuda_ms(fn, iters=10, warmup=3):
-    """Median wall ms of fn() over iters calls, synchronized (eager: launch overhead included)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def top_kernels(fn, k=12):
-    """The k CUDA kernels with the most self time in one call of fn (torch profiler), in ms."""
-    from torch.profiler import ProfilerActivity, profile
-    if DEV != "cuda":
-        return None
-    fn()
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t:
-            rows.append((t / 1e3, e.count, e.key[:90]))
-    rows.sort(reverse=True)
-    return {"total_kernel_ms": round(sum(r[0] for r in rows), 2),
-            "top": [{"ms": round(t, 2), "calls": c, "name": n} for t, c, n in rows[:k]]}
-
-
-def host_profile(fn, k=30):
-    """Where the host spends one call of fn (cProfile, after a warm call): the k functions with the
-    most own time, and the total. A step whose host time exceeds its kernel time is launch-bound."""
-    import cProfile
-    import pstats
-    fn()
-    sync()
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    fn()
-    prof.disable()
-    sync()
-    wall = (time.perf_counter() - t0) * 1e3
-    st = pstats.Stats(prof)
-    rows = sorted(((v[2], v[3], v[1], f"{os.path.basename(f[0])}:{f[1]}({f[2]})") for f, v in st.stats.items()),
-                  reverse=True)
-    return {"wall_ms_profiled": round(wall, 2), "host_ms": round(sum(r[0] for r in rows) * 1e3, 2),
-            "top_own": [{"own_ms": round(t * 1e3, 2), "cum_ms": round(c * 1e3, 2), "calls": n, "fn": name}
-                        for t, c, n, name in rows[:k]],
-            "top_cum": [{"cum_ms": round(c * 1e3, 2), "calls": n, "fn": name}
-                        for _, c, n, name in sorted(rows, key=lambda r: -r[1])[:k]]}
-
-
-def host_syncs(fn, k=8):
-    """Host syncs in one call of fn (torch's sync debug mode), with the k most frequent call sites."""
-    import collections
-    import warnings
-    if DEV != "cuda":
-        return None
-    torch.cuda.set_sync_debug_mode(1)
-    try:
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            fn()
-            sync()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    sites = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in got
-                                if "synchroniz" in str(w.message))
-    return {"count": sum(sites.values()), "top_sites": sites.most_common(k)}
 
 
 # ------------------------------------------------------------------ backward_ops

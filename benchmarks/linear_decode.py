@@ -23,13 +23,13 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from _common import machine_info
 
 BF = torch.bfloat16
 L2 = 50 * 2 ** 20
@@ -222,14 +222,6 @@ def fused_qkv_8b(lin, ms):
     return out
 
 
-def machine():
-    import triton
-    p = torch.cuda.get_device_properties(0)
-    return {"gpu": p.name, "sm_count": p.multi_processor_count, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__,
-            "python": platform.python_version(), "host": platform.node()}
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -242,7 +234,7 @@ def main():
     ms = [int(m) for m in a.ms.split(",")]
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "linear_decode.json")
-    data = {"command": " ".join(sys.argv), "machine": machine(), "commit": a.commit,
+    data = {"command": " ".join(sys.argv), "machine": machine_info("cuda"), "commit": a.commit,
             "timing": f"CUDA graph of {CALLS} calls, inputs rotated over copies > 3x L2, median "
                       "of 5 event-timed replays / 20; L2 not flushed", "shapes": {}}
     try:

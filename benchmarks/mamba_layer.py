@@ -34,12 +34,13 @@ TRITON_INTERPRET=1: a check that the script runs, no timings worth reading.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 import traceback
 import types
+
+import _common  # the script's folder is on sys.path
 
 SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chunk=128),
           "small": dict(heads=32, head_dim=64, groups=2, state=64, chunk=128),
@@ -73,19 +74,6 @@ def load_mamba_ssm(src):
             lines = f.read().splitlines()
     ver = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Version:")), "?")
     return ssd, ssu, f"mamba_ssm {ver} from {root}"
-
-
-def machine_info(device):
-    import torch
-    import triton
-    import transformers
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "host": platform.node()}
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sm_count=p.multi_processor_count)
-    return info
 
 
 class Bench:
@@ -364,7 +352,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "mamba_layer.json")
     res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": a.commit,
-           "machine": machine_info(a.device), "mamba_ssm": note,
+           "machine": _common.machine_info(a.device), "mamba_ssm": note,
            "kernels": {"ours_scan": "bitmatch.kernels.triton.mamba_ssd._ssd_kernel (+ _stash_kernel with a cache)",
                        "ours_conv": "bitmatch.kernels.triton.mamba._conv_kernel",
                        "mamba_ssm_prefill": "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"

@@ -41,7 +41,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_train  # noqa: E402  (Recorder, machine_info, cuda_ms, _peak, top_kernels, host_syncs)
+import _common  # noqa: E402
+import gpu_train  # noqa: E402  (stock_token_logprobs, _peak)
 
 SMOKE = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, experts=8, top_k=2, inter=32, vocab=256,
              prompts=4, prompt_len=24, batches="2,4", new_tokens=4, diff_tokens=4, train_shape="2x16",
@@ -138,14 +139,14 @@ def diff_check(model, hf, prompts, device, temperature, n_new):
 def engine_run(eng, prompts, params):
     """(wall s, per-step ms, [(tokens, logprobs)] in request order) of one generate, stepped by hand."""
     ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
-    gpu_train.sync()
+    _common.sync()
     t0 = time.perf_counter()
     steps, done = [], {}
     while eng.has_unfinished_requests():
         s = time.perf_counter()
         for o in eng.step():  # the requests that finished in this step
             done[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
-        gpu_train.sync()
+        _common.sync()
         steps.append((time.perf_counter() - s) * 1e3)
     return time.perf_counter() - t0, steps, [done[i] for i in ids]
 
@@ -161,18 +162,18 @@ def step_syncs(eng, prompts, params):
         eng.add_request(p, params(i))
     eng.step()
     eng.step()
-    res = gpu_train.host_syncs(eng.step)
+    res = _common.host_syncs(eng.step)
     while eng.has_unfinished_requests():
         eng.step()
     return res
 
 
 def hf_generate(hf, ids, n_new):
-    gpu_train.sync()
+    _common.sync()
     t0 = time.perf_counter()
     hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
-    gpu_train.sync()
+    _common.sync()
     return time.perf_counter() - t0
 
 
@@ -279,12 +280,12 @@ def train(model, hf, a, device):
         """Peak memory, step time, top kernels (and host syncs) of one side's training step."""
         try:
             res[f"{name}_peak_gib"], weights = gpu_train._peak(m, step)
-            res[f"{name}_step_ms"] = gpu_train.cuda_ms(step, iters=3, warmup=1)
-            res[f"profile_{name}"] = gpu_train.top_kernels(step, k=10)
+            res[f"{name}_step_ms"] = _common.cuda_ms(step, iters=3, warmup=1)
+            res[f"profile_{name}"] = _common.top_kernels(step, k=10)
             if a.train_syncs:
-                res[f"host_syncs_{name}"] = gpu_train.host_syncs(step)
+                res[f"host_syncs_{name}"] = _common.host_syncs(step)
             if a.host_profile:
-                res[f"host_profile_{name}"] = gpu_train.host_profile(step)
+                res[f"host_profile_{name}"] = _common.host_profile(step)
             return weights
         finally:
             m.zero_grad(set_to_none=True)
@@ -295,7 +296,7 @@ def train(model, hf, a, device):
                tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
     print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
-    gpu_train.empty_cache()
+    _common.empty_cache()
     return res
 
 
@@ -342,9 +343,9 @@ def main(argv=None):
     t_start = time.time()
     deadline = t_start + a.budget_s
     dev = torch.device(a.device)
-    gpu_train.DEV = dev.type  # gpu_train's helpers sync / measure memory on CUDA only
+    _common.DEV = dev.type  # gpu_train's helpers sync / measure memory on CUDA only
     os.makedirs(a.out, exist_ok=True)
-    rec = gpu_train.Recorder(os.path.join(a.out, "moe_e2e.json"), a, extra={
+    rec = _common.Recorder(os.path.join(a.out, "moe_e2e.json"), a, extra={
         "hostname": platform.node(), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "bitmatch": bitmatch.__version__}})
