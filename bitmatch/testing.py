@@ -6,7 +6,11 @@ Public and reused by every test and by users checking their own setup:
   position, zero padding left or right);
 * ``assert_schedule_invariant`` - attention: full prefill vs random chunked prefill vs
   token-by-token decode, random block sizes and shuffled block tables, mixed batches;
-* ``assert_thread_invariant`` - the same call in a subprocess with another thread count.
+* ``assert_thread_invariant`` - the same call in a subprocess with another thread count;
+
+and the bit comparisons the tests share: ``bits`` (a float tensor's integer view),
+``bits_equal``, ``assert_bitwise_equal`` and ``same_outputs`` (two engines' RequestOutputs:
+tokens, logprob bits, finish reasons).
 
 Cases come from hypothesis with a fixed, recorded seed (no shrinking, so a control that is
 expected to fail stops at its first failing case). A failure raises ``BitMismatch`` naming
@@ -41,16 +45,37 @@ def _hex(x: torch.Tensor) -> str:
     return str(x.item())
 
 
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The integer view of a float tensor's bits (contiguous, detached); other dtypes as they are."""
+    t = t.detach().contiguous()
+    return t.view(_INT_OF[t.element_size()]) if t.is_floating_point() else t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaNs with equal bits match)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def _output_bits(o):
+    c = o.outputs[0]
+    return (o.prompt_token_ids, c.token_ids, bits(torch.tensor(c.logprobs, dtype=torch.float32)).tolist(),
+            c.finish_reason)
+
+
+def same_outputs(a, b) -> bool:
+    """Two lists of RequestOutput with the same prompts, tokens, fp32 logprob bits and finish reasons."""
+    return len(a) == len(b) and all(_output_bits(x) == _output_bits(y) for x, y in zip(a, b))
+
+
 def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, case: str = "") -> None:
     """Raise BitMismatch at the first element whose bits differ (NaNs with equal bits match)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         raise BitMismatch(f"{case}: shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}")
     g, w = got.detach().cpu().contiguous(), want.detach().cpu().contiguous()
-    if g.is_floating_point():
-        itype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
-        diff = g.view(itype) != w.view(itype)
-    else:
-        diff = g != w
+    diff = bits(g) != bits(w)
     if bool(diff.any()):
         idx = tuple(int(i) for i in diff.nonzero()[0])
         raise BitMismatch(f"{case}: {int(diff.sum())} of {diff.numel()} elements differ; first at "

@@ -15,6 +15,7 @@ import torch
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.model_runner import capture_sizes
 from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing import same_outputs
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +27,6 @@ def _run(model, prompts, params, simulate, max_num_seqs=8):
     eng = Engine(model, num_gpu_blocks=256, max_num_seqs=max_num_seqs)
     eng.model_runner.simulate_buckets = simulate
     return eng, eng.generate(prompts, params, use_tqdm=False)
-
-
-def _bits(outs):
-    return [(o.outputs[0].token_ids, torch.tensor(o.outputs[0].logprobs, dtype=torch.float32).view(torch.int32))
-            for o in outs]
-
-
-def _same(a, b):
-    return all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(_bits(a), _bits(b), strict=True))
 
 
 def test_capture_sizes():
@@ -51,7 +43,7 @@ def test_padded_buckets_same_bits_as_unpadded(model):
     params = [SamplingParams(temperature=0.8, max_tokens=2 + i, ignore_eos=True, seed=i) for i in range(7)]
     _, ref = _run(model, prompts, params, simulate=False)
     eng, got = _run(model, prompts, params, simulate=True)
-    assert _same(ref, got)
+    assert same_outputs(ref, got)
 
 
 def test_same_request_in_every_bucket(model):
@@ -64,7 +56,7 @@ def test_same_request_in_every_bucket(model):
         ps = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=i) for i in range(k)]
         _, outs = _run(model, others[:k] + [target], ps + [sp], simulate=True)
         runs.append(outs[-1])
-    assert all(_same([runs[0]], [r]) for r in runs[1:])
+    assert all(same_outputs([runs[0]], [r]) for r in runs[1:])
 
 
 def test_control_padding_into_a_real_block_changes_bits(model, monkeypatch):
@@ -84,4 +76,4 @@ def test_control_padding_into_a_real_block_changes_bits(model, monkeypatch):
         return p
     monkeypatch.setattr(mr.ModelRunner, "pad", bad_pad)
     _, got = _run(model, prompts, params, simulate=True)
-    assert not _same(ref, got)
+    assert not same_outputs(ref, got)

@@ -9,20 +9,12 @@ from bitmatch.engine.block_manager import BlockManager, compute_block_hash
 from bitmatch.engine.sequence import Sequence
 from bitmatch.testing_models import random_prompts, tiny_model
 from test_engine import assert_bitmatch
+from bitmatch.testing import same_outputs
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("qwen3-hd64-gqa4-tied", seed=2, num_hidden_layers=1)
-
-
-def same_bits(a, b):
-    for x, y in zip(a, b, strict=True):
-        assert x.prompt_token_ids == y.prompt_token_ids
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert torch.equal(torch.tensor(x.outputs[0].logprobs, dtype=torch.float32).view(torch.int32),
-                           torch.tensor(y.outputs[0].logprobs, dtype=torch.float32).view(torch.int32))
-        assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
 
 
 def record_steps(engine):
@@ -47,7 +39,7 @@ def test_preemption_same_bits(model):
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.scheduler.num_preemptions > 0
     assert any(o.num_preemptions > 0 for o in outs)
-    same_bits(ref, outs)
+    assert same_outputs(ref, outs)
     assert_bitmatch(model, outs, params)
 
 
@@ -80,10 +72,10 @@ def test_prefix_caching_same_bits_and_shared_blocks_never_written(model):
     eng.model_runner.prepare = checked_prepare
     outs = eng.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in outs) >= 32 * 5
-    same_bits(ref, outs)
+    assert same_outputs(ref, outs)
     assert_bitmatch(model, outs, params)
     # again: the cache is reset at each generate (weights may have changed), still same bits
-    same_bits(ref, eng.generate(prompts, params, use_tqdm=False))
+    assert same_outputs(ref, eng.generate(prompts, params, use_tqdm=False))
 
 
 def test_steps_mix_decode_and_prefill_chunks(model):
@@ -100,7 +92,7 @@ def test_steps_mix_decode_and_prefill_chunks(model):
     assert_bitmatch(model, outs, [params] * len(prompts))
     # one request at a time, whole prompts: same bits
     one = Engine(model, num_gpu_blocks=256, max_num_seqs=1, enable_chunked_prefill=False)
-    same_bits(outs, one.generate(prompts, params, use_tqdm=False))
+    assert same_outputs(outs, one.generate(prompts, params, use_tqdm=False))
 
 
 def test_block_manager_allocate_free_and_hash_chain():

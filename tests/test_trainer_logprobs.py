@@ -9,12 +9,9 @@ from bitmatch.logprobs import token_logprobs
 from bitmatch.patching import patch, unpatch
 from bitmatch.precision import compute_cast
 from bitmatch.testing_models import TINY_CONFIGS, pad_batch, random_prompts, tiny_model
+from bitmatch.testing import bits_equal
 
 SEQS = random_prompts(6, 1, 24, seed=7)  # lengths 1..24 (sliding windows are 8)
-
-
-def _bits_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _per_seq(lp, mask, seqs, side):
@@ -51,7 +48,7 @@ def test_batch_padding_invariance_bitwise(bf16_model):
             assert lp.dtype == torch.float32 and lp.shape == (len(subset), ids.shape[1] - 1)
             got = _per_seq(lp, mask, subset, side)
             for s, g in zip(subset, got):
-                assert _bits_equal(g, ref[SEQS.index(s)]), (side, len(subset), len(s))
+                assert bits_equal(g, ref[SEQS.index(s)]), (side, len(subset), len(s))
             # padding positions and first tokens are 0
             valid = (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
             assert (lp[~valid] == 0).all()
@@ -70,7 +67,7 @@ def test_patched_forward_logits_match_token_logprobs(bf16_model):
             rows, cols = valid.nonzero(as_tuple=True)
             lp_hf = K.token_logprobs(logits[rows, cols], ids[rows, cols + 1], 0.7)
             lp = token_logprobs(m, ids, mask, temperature=0.7)
-            assert _bits_equal(lp_hf, lp[rows, cols])
+            assert bits_equal(lp_hf, lp[rows, cols])
             assert (logits[mask == 0] == 0).all()
     finally:
         unpatch(m)
@@ -81,7 +78,7 @@ def test_chunk_rows_do_not_change_bits(bf16_model):
     ids, mask = pad_batch(SEQS, "left")
     base = token_logprobs(bf16_model, ids, mask, temperature=1.3)
     for rows in (1, 5, 16, 1000):
-        assert _bits_equal(token_logprobs(bf16_model, ids, mask, temperature=1.3, chunk_rows=rows), base)
+        assert bits_equal(token_logprobs(bf16_model, ids, mask, temperature=1.3, chunk_rows=rows), base)
 
 
 @torch.no_grad()
@@ -93,16 +90,16 @@ def test_fp32_master_bf16_compute_equals_bf16_copy():
     ids, mask = pad_batch(SEQS, "right")
     a = token_logprobs(m32, ids, mask, temperature=0.9, compute_dtype=torch.bfloat16)
     b = token_logprobs(m16, ids, mask, temperature=0.9)
-    assert _bits_equal(a, b)
+    assert bits_equal(a, b)
     patch(m32, compute_dtype=torch.bfloat16)
     try:
         c = token_logprobs(m32, ids, mask, temperature=0.9)
-        assert _bits_equal(c, b)
+        assert bits_equal(c, b)
         assert m32(ids, attention_mask=mask).logits.dtype == torch.bfloat16
     finally:
         unpatch(m32)
     # and without the compute dtype the fp32 model computes in fp32 (different bits)
-    assert not _bits_equal(token_logprobs(m32, ids, mask, temperature=0.9), b)
+    assert not bits_equal(token_logprobs(m32, ids, mask, temperature=0.9), b)
 
 
 def _hf_logprobs(model, ids, mask, T=1.0):
@@ -130,7 +127,7 @@ def test_families_correct_and_invariant(name):
         ids, mask = pad_batch(seqs + seqs[:1], "right")
         got = _per_seq(token_logprobs(m16, ids, mask), mask, seqs + seqs[:1], "right")
     for a, g in zip(alone + alone[:1], got):
-        assert _bits_equal(a, g)
+        assert bits_equal(a, g)
 
 
 @torch.no_grad()
@@ -146,7 +143,7 @@ def test_control_stock_hf_differs_under_batch_change():
     for r, s in enumerate(seqs):
         alone = _hf_logprobs(m, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0]
         n_diff += int((alone != batched[r, :len(s) - 1]).sum())
-        assert _bits_equal(ours_alone[r], ours_b[r])
+        assert bits_equal(ours_alone[r], ours_b[r])
     assert n_diff > 0
 
 

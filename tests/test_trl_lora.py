@@ -14,6 +14,7 @@ import bitmatch  # noqa: E402
 import bitmatch.kernels as K  # noqa: E402
 from bitmatch.models import lora  # noqa: E402
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model  # noqa: E402
+from bitmatch.testing import bits
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 T = 0.8
@@ -26,10 +27,6 @@ def peft_model(dtype, seed=0, dropout=0.0):
     torch.manual_seed(seed + 1)
     return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=dropout,
                                            init_lora_weights=False))
-
-
-def bits(x):
-    return x.detach().contiguous().view(torch.int32 if x.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
