@@ -8,14 +8,13 @@ sequence's block instead of the scratch block and the same comparison fails.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine import SamplingParams
 from bitmatch.engine.model_runner import capture_sizes
-from bitmatch.testing_models import random_prompts, tiny_model
 from bitmatch.testing import same_outputs
+from bitmatch.testing_models import random_prompts, tiny_model
+from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +23,7 @@ def model():
 
 
 def _run(model, prompts, params, simulate, max_num_seqs=8):
-    eng = Engine(model, num_gpu_blocks=256, max_num_seqs=max_num_seqs)
-    eng.model_runner.simulate_buckets = simulate
-    return eng, eng.generate(prompts, params, use_tqdm=False)
+    return run(model, prompts, params, simulate, max_num_seqs=max_num_seqs, num_gpu_blocks=256)
 
 
 def test_capture_sizes():
@@ -48,32 +45,15 @@ def test_padded_buckets_same_bits_as_unpadded(model):
 
 def test_same_request_in_every_bucket(model):
     # one fixed request, alone and with 1, 3, 6 neighbours (buckets 1, 2, 4, 8): identical bits
-    target = random_prompts(1, 17, 17, seed=5)[0]
-    sp = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=99)
-    others = random_prompts(6, 2, 25, seed=6)
-    runs = []
-    for k in (0, 1, 3, 6):
-        ps = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=i) for i in range(k)]
-        _, outs = _run(model, others[:k] + [target], ps + [sp], simulate=True)
-        runs.append(outs[-1])
+    runs = one_request_in_buckets(model, (0, 1, 3, 6), max_tokens=5, neighbour_temperature=1.0)
     assert all(same_outputs([runs[0]], [r]) for r in runs[1:])
 
 
 def test_control_padding_into_a_real_block_changes_bits(model, monkeypatch):
-    # the control: padded rows write into block 0 (a real sequence's) instead of the scratch block
-    from bitmatch.engine import model_runner as mr
+    # the control: padded rows write into a real sequence's block instead of the scratch block
     prompts = random_prompts(3, 20, 30, seed=12)
     params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=i) for i in range(3)]
     _, ref = _run(model, prompts, params, simulate=False)
-    orig = mr.ModelRunner.pad
-
-    def bad_pad(self, inp, bucket):
-        p = orig(self, inp, bucket)
-        n = bucket - inp.B
-        if n > 0:
-            p.slots = p.slots.copy()
-            p.slots[inp.B:] = inp.slots[0] - 1  # the position before the first row's token: real K/V
-        return p
-    monkeypatch.setattr(mr.ModelRunner, "pad", bad_pad)
-    _, got = _run(model, prompts, params, simulate=True)
+    with padding_into_a_real_block(monkeypatch):
+        _, got = _run(model, prompts, params, simulate=True)
     assert not same_outputs(ref, got)

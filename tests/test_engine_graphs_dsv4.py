@@ -21,7 +21,7 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 import bitmatch.models as M
-from bitmatch.engine import Engine, SamplingParams, graphs, model_runner
+from bitmatch.engine import SamplingParams, graphs, model_runner
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import deepseek_v4 as V4
 from bitmatch.models import family_of, unwrap_causal_lm
@@ -29,7 +29,8 @@ from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing_models import random_prompts
 from host_reads import host_reads
 from test_engine import assert_bitmatch
-from test_engine_graphs import _same
+from bitmatch.testing import same_outputs
+from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run, staggered
 
 OPT_IN = V4.DeepseekV4Family.cuda_graph_safe  # the family's own, before any fixture forces it on
 
@@ -47,25 +48,15 @@ def model():
     return bitmatch.patch(tiny_model(torch.bfloat16, seed=1))
 
 
-def _run(model, prompts, params, simulate, max_num_seqs=8, **kw):
-    eng = Engine(model, num_gpu_blocks=96, max_num_seqs=max_num_seqs, **kw)
-    eng.model_runner.simulate_buckets = simulate
-    return eng, eng.generate(prompts, params, use_tqdm=False)
-
-
 def _staggered():
-    # 5 requests finishing at different times: decode steps of 5, 4, 3, 2, 1 rows in buckets 8, 4,
-    # 4, 2, 1; prompts long enough to close CSA (rate 2) and HCA (rate 4) windows while decoding
-    prompts = random_prompts(5, 5, 14, seed=11)
-    params = [SamplingParams(temperature=t, max_tokens=2 + i, ignore_eos=True, seed=i)
-              for i, t in enumerate([0.8, 1.0, 0.0, 0.6, 0.8])]
-    return prompts, params
+    # prompts long enough to close CSA (rate 2) and HCA (rate 4) windows while decoding
+    return staggered(lo=5, hi=14)
 
 
 @pytest.fixture(scope="module")
 def eager(model, simulate_graphs):
     prompts, params = _staggered()
-    eng, outs = _run(model, prompts, params, simulate=False)
+    eng, outs = run(model, prompts, params, simulate=False)
     assert eng.model_runner.num_simulated_steps == 0
     return outs
 
@@ -73,36 +64,28 @@ def eager(model, simulate_graphs):
 @pytest.fixture(scope="module")
 def simulated(model, simulate_graphs):
     prompts, params = _staggered()
-    eng, outs = _run(model, prompts, params, simulate=True)
+    eng, outs = run(model, prompts, params, simulate=True)
     assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
     return outs
 
 
 # ---------------------------------------------------------------- the engine (simulated graphs)
 def test_padded_buckets_same_bits_as_eager(eager, simulated):
-    assert _same(eager, simulated)
+    assert same_outputs(eager, simulated)
 
 
 def test_same_request_in_every_batch_bucket(model, simulate_graphs):
     # one fixed request alone and with 2 and 6 neighbours (buckets 1, 4, 8): identical bits
-    target = random_prompts(1, 13, 13, seed=5)[0]
-    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=99)
-    others = random_prompts(6, 2, 16, seed=6)
-    runs = []
-    for k in (0, 2, 6):
-        ps = [SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=i) for i in range(k)]
-        eng, outs = _run(model, others[:k] + [target], ps + [sp], simulate=True)
-        assert eng.model_runner.num_simulated_steps == 3
-        runs.append(outs[-1])
-    assert all(_same([runs[0]], [r]) for r in runs[1:])
+    runs = one_request_in_buckets(model, (0, 2, 6), target_len=13, others_hi=16, decode_steps=3)
+    assert all(same_outputs([runs[0]], [r]) for r in runs[1:])
 
 
 def test_same_request_in_every_context_bucket(model, simulate_graphs):
     # graphs captured up to 32 and 1024 tokens: host bounds 32 / 512, block tables 2 / 64 wide
     prompts = random_prompts(2, 9, 14, seed=8)
     params = [SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seed=i) for i in range(2)]
-    runs = [_run(model, prompts, params, simulate=True, max_seq_len_to_capture=cap)[1] for cap in (32, 1024)]
-    assert _same(runs[0], runs[1])
+    runs = [run(model, prompts, params, simulate=True, max_seq_len_to_capture=cap)[1] for cap in (32, 1024)]
+    assert same_outputs(runs[0], runs[1])
 
 
 def test_engine_equals_trainer_with_graphs(model, simulated):
@@ -112,19 +95,10 @@ def test_engine_equals_trainer_with_graphs(model, simulated):
 
 
 def test_control_padding_into_a_real_block_changes_bits(model, eager, monkeypatch):
-    from bitmatch.engine import model_runner as mr
-    orig = mr.ModelRunner.pad
-
-    def bad_pad(self, inp, bucket):
-        p = orig(self, inp, bucket)
-        if bucket > inp.B:
-            p.slots = p.slots.copy()
-            p.slots[inp.B:] = inp.slots[0] - 1  # the position before the first row's token: real K/V
-        return p
-    monkeypatch.setattr(mr.ModelRunner, "pad", bad_pad)
     prompts, params = _staggered()
-    _, got = _run(model, prompts, params, simulate=True)
-    assert not _same(eager, got)
+    with padding_into_a_real_block(monkeypatch):
+        _, got = run(model, prompts, params, simulate=True)
+    assert not same_outputs(eager, got)
 
 
 # ---------------------------------------------------------------- the opt-in
@@ -163,7 +137,7 @@ def _decode_step_reads(model, part: str, backend: str = "triton"):
     with pytest.MonkeyPatch.context() as mp:
         for mod in (M, model_runner, graphs):   # the engine's modules import it at their top
             mp.setattr(mod, "forward_hidden", spy)
-        _run(model, random_prompts(3, 4, 6, seed=3), SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
+        run(model, random_prompts(3, 4, 6, seed=3), SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
              simulate=True)
     assert len(seen) >= 2, "fewer than two pure-decode steps ran"
     return reads

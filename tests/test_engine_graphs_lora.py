@@ -26,7 +26,7 @@ from bitmatch.models import lora, unwrap_causal_lm  # noqa: E402
 from bitmatch.precision import cast_param  # noqa: E402
 from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
 from test_engine import assert_bitmatch  # noqa: E402
-from test_engine_graphs import _same  # noqa: E402
+from bitmatch.testing import same_outputs  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
@@ -107,7 +107,7 @@ def test_buckets_and_trainer_across_weight_updates(pm):
         a = _generate(eager, prompts, params)
         b = _generate(graphs, prompts, params)
         assert graphs.model_runner.num_simulated_steps > 0
-        assert _same(a, b), update
+        assert same_outputs(a, b), update
         assert assert_bitmatch(pm, b, params) > 0, update
 
 
@@ -118,7 +118,7 @@ def test_control_stale_kept_weight_differs(pm, monkeypatch):
     monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
     monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")  # no refresh on use either
     for m in unwrap_causal_lm(pm).modules():
-        for entry in lora._ROLLOUT.get(m, {}).values():
+        for entry in lora.rollout_weights_of(m).values():
             entry[0] = "frozen"
     _step_lora(pm, 0.5)
     outs = _generate(eng, prompts, params)

@@ -20,14 +20,15 @@ import torch.nn.functional as F
 
 import bitmatch
 import bitmatch.kernels as K
-from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine import SamplingParams
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import dense, family_of, unwrap_causal_lm
 from bitmatch.models.qwen3_moe import Qwen3MoeFamily
 from bitmatch.testing_models import random_prompts, tiny_model
 from host_reads import host_reads
 from test_engine import assert_bitmatch
-from test_engine_graphs import _same  # the dense graph tests' bit comparison of outputs
+from bitmatch.testing import same_outputs
+from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run, staggered
 
 # both layers sparse, 8 experts top-2; small attention (the reference kernels are slow per step)
 TINY = dict(hidden_size=64, num_hidden_layers=2, mlp_only_layers=[], num_attention_heads=2, num_key_value_heads=1)
@@ -38,26 +39,14 @@ def model():
     return bitmatch.patch(tiny_model("qwen3moe-e8-k2", dtype=torch.bfloat16, seed=1, **TINY))
 
 
-def _run(model, prompts, params, simulate, max_num_seqs=8, **kw):
-    eng = Engine(model, num_gpu_blocks=96, max_num_seqs=max_num_seqs, **kw)
-    eng.model_runner.simulate_buckets = simulate
-    outs = eng.generate(prompts, params, use_tqdm=False)
-    return eng, outs
-
-
 def _staggered():
-    # 5 requests finishing at different times: decode steps of 5, 4, 3, 2, 1 rows run in buckets
-    # 8, 4, 4, 2, 1 (padded with 3, 0, 1, 0, 0 rows); greedy and sampled rows mixed
-    prompts = random_prompts(5, 3, 30, seed=11)
-    params = [SamplingParams(temperature=t, max_tokens=2 + i, ignore_eos=True, seed=i)
-              for i, t in enumerate([0.8, 1.0, 0.0, 0.6, 0.8])]
-    return prompts, params
+    return staggered(lo=3, hi=30)
 
 
 @pytest.fixture(scope="module")
 def eager(model):
     prompts, params = _staggered()
-    eng, outs = _run(model, prompts, params, simulate=False)
+    eng, outs = run(model, prompts, params, simulate=False)
     assert eng.model_runner.num_simulated_steps == 0
     return outs
 
@@ -65,7 +54,7 @@ def eager(model):
 @pytest.fixture(scope="module")
 def simulated(model):
     prompts, params = _staggered()
-    eng, outs = _run(model, prompts, params, simulate=True)
+    eng, outs = run(model, prompts, params, simulate=True)
     assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
     return outs
 
@@ -175,22 +164,14 @@ def test_moe_block_triton_real_rows_same_bits_in_every_bucket(monkeypatch):
 
 # ---------------------------------------------------------------- the engine (simulated graphs)
 def test_padded_buckets_same_bits_as_eager(eager, simulated):
-    assert _same(eager, simulated)
+    assert same_outputs(eager, simulated)
 
 
 def test_same_request_in_every_batch_bucket(model):
     # one fixed request, alone and with 2 and 6 neighbours (buckets 1, 4, 8; 1 padded row in the
     # last two): identical bits
-    target = random_prompts(1, 17, 17, seed=5)[0]
-    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=99)
-    others = random_prompts(6, 2, 25, seed=6)
-    runs = []
-    for k in (0, 2, 6):
-        ps = [SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=i) for i in range(k)]
-        eng, outs = _run(model, others[:k] + [target], ps + [sp], simulate=True)
-        assert eng.model_runner.num_simulated_steps == 3
-        runs.append(outs[-1])
-    assert all(_same([runs[0]], [r]) for r in runs[1:])
+    runs = one_request_in_buckets(model, (0, 2, 6), target_len=17, others_hi=25, decode_steps=3)
+    assert all(same_outputs([runs[0]], [r]) for r in runs[1:])
 
 
 def test_same_request_in_every_context_bucket(model, monkeypatch):
@@ -212,11 +193,11 @@ def test_same_request_in_every_context_bucket(model, monkeypatch):
     runs = []
     for cap in (32, 128, 1024):
         seen.clear()
-        eng, outs = _run(model, prompts, params, simulate=True, max_seq_len_to_capture=cap)
+        eng, outs = run(model, prompts, params, simulate=True, max_seq_len_to_capture=cap)
         assert eng.model_runner.num_simulated_steps == 3
         assert set(seen) == {(min(cap, 512), -(-cap // 16))}, (cap, seen)
         runs.append(outs)
-    assert all(_same(runs[0], r) for r in runs[1:])
+    assert all(same_outputs(runs[0], r) for r in runs[1:])
 
 
 def test_engine_equals_trainer_with_graphs(model, simulated):
@@ -228,16 +209,7 @@ def test_engine_equals_trainer_with_graphs(model, simulated):
 
 def test_control_padding_into_a_real_block_changes_bits(model, eager, monkeypatch):
     # the dense tests' control: padded rows write into a real sequence's block, not the scratch block
-    from bitmatch.engine import model_runner as mr
-    orig = mr.ModelRunner.pad
-
-    def bad_pad(self, inp, bucket):
-        p = orig(self, inp, bucket)
-        if bucket > inp.B:
-            p.slots = p.slots.copy()
-            p.slots[inp.B:] = inp.slots[0] - 1  # the position before the first row's token: real K/V
-        return p
-    monkeypatch.setattr(mr.ModelRunner, "pad", bad_pad)
     prompts, params = _staggered()
-    _, got = _run(model, prompts, params, simulate=True)
-    assert not _same(eager, got)
+    with padding_into_a_real_block(monkeypatch):
+        _, got = run(model, prompts, params, simulate=True)
+    assert not same_outputs(eager, got)

@@ -1,0 +1,68 @@
+"""The scaffolding every family's CUDA-graph bucket tests share (tests/test_engine_graphs*.py).
+
+On CPU there are no graphs: ``ModelRunner.simulate_buckets`` runs each pure-decode step eagerly on
+exactly the padded inputs a replay gets (scratch block, padded rows decoding token 0, the context
+bucket's host bound and full-width block table). These helpers run an engine that way, build the
+staggered batch whose decode steps land in every batch bucket, replay one request in several
+buckets, and plant the control (padded rows written into a real sequence's block).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.engine import model_runner as mr
+from bitmatch.testing_models import random_prompts
+
+
+def run(model, prompts, params, simulate, max_num_seqs=8, num_gpu_blocks=96, **kw):
+    """(engine, outputs) of one generate, decode steps simulated as graph replays or not."""
+    eng = Engine(model, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, **kw)
+    eng.model_runner.simulate_buckets = simulate
+    return eng, eng.generate(prompts, params, use_tqdm=False)
+
+
+def staggered(n=5, lo=3, hi=30, seed=11):
+    """n requests finishing at different times (max_tokens 2 .. n + 1), greedy and sampled rows
+    mixed: with n = 5 the decode steps of 5, 4, 3, 2, 1 rows run in buckets 8, 4, 4, 2, 1."""
+    temps = [0.8, 1.0, 0.0, 0.6, 0.8]
+    prompts = random_prompts(n, lo, hi, seed=seed)
+    params = [SamplingParams(temperature=temps[i % len(temps)], max_tokens=2 + i, ignore_eos=True, seed=i)
+              for i in range(n)]
+    return prompts, params
+
+
+def one_request_in_buckets(model, neighbours=(0, 2, 6), target_len=17, others_hi=25, max_tokens=4,
+                           neighbour_temperature=0.7, decode_steps=None):
+    """The outputs of one fixed request run alone and beside k other requests for each k in
+    ``neighbours`` (so its decode steps run in different batch buckets), all simulated replays.
+    ``decode_steps``: the simulated steps each run must have taken (None: not checked)."""
+    target = random_prompts(1, target_len, target_len, seed=5)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=99)
+    others = random_prompts(max(neighbours), 2, others_hi, seed=6)
+    runs = []
+    for k in neighbours:
+        ps = [SamplingParams(temperature=neighbour_temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+              for i in range(k)]
+        eng, outs = run(model, others[:k] + [target], ps + [sp], simulate=True)
+        if decode_steps is not None:
+            assert eng.model_runner.num_simulated_steps == decode_steps
+        runs.append(outs[-1])
+    return runs
+
+
+@contextlib.contextmanager
+def padding_into_a_real_block(monkeypatch):
+    """The control: padded rows write their K/V at the position before the first row's token (a
+    real sequence's block) instead of the scratch block."""
+    orig = mr.ModelRunner.pad
+
+    def bad_pad(self, inp, bucket):
+        p = orig(self, inp, bucket)
+        if bucket > inp.B:
+            p.slots = p.slots.copy()
+            p.slots[inp.B:] = inp.slots[0] - 1
+        return p
+    with monkeypatch.context() as m:
+        m.setattr(mr.ModelRunner, "pad", bad_pad)
+        yield
