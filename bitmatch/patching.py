@@ -15,10 +15,8 @@ import types
 import torch
 
 from bitmatch.models import compute_logits, forward_hidden, pack, spec_of, unwrap_causal_lm
-from bitmatch.models.registry import STATE_KEY, BoundForward, PatchState, bound_forward, patch_state
-
-
-_LM = "_bitmatch_lm"
+from bitmatch.models.registry import BoundForward, PatchState, bound_forward, patch_state
+from bitmatch.models.state import create_state, drop_state, get_state
 
 
 class BitmatchCacheError(RuntimeError):
@@ -80,7 +78,7 @@ def _base_forward(self, input_ids=None, attention_mask=None, position_ids=None, 
                   inputs_embeds=None, use_cache=None, *, state, **kwargs):
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    lm = self.__dict__[_LM]
+    lm = get_state(self).lm
     p, hidden = _patched_run(lm, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                              use_cache)
     B, L = (input_ids[None] if input_ids.dim() == 1 else input_ids).shape
@@ -125,10 +123,10 @@ def patch(model, compute_dtype: torch.dtype | None = None):
     state = patch_state(lm)
     if state is None:
         state = PatchState(fam, compute_dtype)
-        lm.__dict__[STATE_KEY] = state
+        create_state(lm).patch = state
     state.compute_dtype = compute_dtype
     _bind(lm, _causal_forward, state)
-    lm.model.__dict__[_LM] = lm  # the base model's forward runs the whole LM (a deepcopy maps it too)
+    create_state(lm.model).lm = lm  # the base model's forward runs the whole LM (a deepcopy maps it too)
     _bind(lm.model, _base_forward, state)
     for mod, fn in fam.patch_modules(lm):
         _bind(mod, fn, state)
@@ -136,7 +134,9 @@ def patch(model, compute_dtype: torch.dtype | None = None):
 
 
 def unpatch(model):
-    """Undo ``patch``: every module's own forward again (parameters untouched); returns ``model``."""
+    """Undo ``patch``: every module's own forward again (parameters untouched), and the state patch
+    kept on the model dropped (the fused copies an engine derived stay: its CUDA graphs read them);
+    returns ``model``."""
     lm = unwrap_causal_lm(model)
     for mod in lm.modules():
         bf = bound_forward(mod)
@@ -146,8 +146,8 @@ def unpatch(model):
             del mod.__dict__["forward"]
         else:
             mod.forward = bf.saved
-    lm.__dict__.pop(STATE_KEY, None)
-    lm.model.__dict__.pop(_LM, None)
+    drop_state(lm, "patch", "spec")
+    drop_state(lm.model, "lm")
     return model
 
 

@@ -77,6 +77,9 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None, max_pos: int | N
 
 
 _TABLES: dict = {}   # (rope config, dtype, device) -> (cos, sin) rows for positions 0..n-1
+# tables a larger one replaced: a captured CUDA graph may still read one (it holds addresses, not
+# references), so they live as long as the process, at most as many rows as the current table
+_RETIRED: list = []
 _TABLE_MIN = 4096
 
 
@@ -96,13 +99,21 @@ def _table(key, n, inv, attn_factor, dtype, device):
     if t is None or t[0].shape[0] < n:
         size = max(_TABLE_MIN, 1 << (n - 1).bit_length())
         cos, sin = _angles_cos_sin(torch.arange(size), inv, attn_factor, dtype)
+        if t is not None:
+            _RETIRED.append(t)
         t = _TABLES[key] = (cos.to(device), sin.to(device))
     return t
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling: dict | None = None,
-                   dtype: torch.dtype = torch.float32, max_position_embeddings: int | None = None):
+                   dtype: torch.dtype = torch.float32, max_position_embeddings: int | None = None,
+                   max_seq_len: int | None = None):
     """(cos, sin), each [T, head_dim // 2], for integer ``positions`` [T].
+
+    ``max_seq_len``: a host bound, 0 <= positions < max_seq_len (the engine's step bound): the rows
+    are gathered from the table with no read back of the positions, so a CUDA graph can capture
+    the call once the table holds max_seq_len rows. Without it the call reads the positions' range
+    back (one host sync).
 
     Invariance: each position's row depends only on that position and the rope config.
     """
@@ -114,7 +125,9 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling:
     inv, attn_factor = _inv_freq(head_dim, base, scaling, max_position_embeddings)
     pos = positions.detach().reshape(-1)
     lo = hi = None
-    if pos.numel():
+    if max_seq_len is not None and pos.numel():
+        lo, hi = 0, max(int(max_seq_len), 1) - 1
+    elif pos.numel():
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(pos)).tolist())  # the one host sync
     if pos.numel() == 0 or lo < 0:   # negative positions: direct computation (no table row)
         cos, sin = _angles_cos_sin(pos.cpu(), inv, attn_factor, dtype)

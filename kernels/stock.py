@@ -91,8 +91,9 @@ def _rope_inv_freq(head_dim, base, scaling, max_pos):
     return inv, 1.0
 
 
-def rotary_cos_sin(positions, head_dim, base, scaling=None, dtype=F32, max_position_embeddings=None):
-    """HF's rotary embedding: fp32 frequencies, fp32 angles, torch cos / sin times the attention factor."""
+def rotary_cos_sin(positions, head_dim, base, scaling=None, dtype=F32, max_position_embeddings=None, max_seq_len=None):
+    """HF's rotary embedding: fp32 frequencies, fp32 angles, torch cos / sin times the attention factor
+    (``max_seq_len``, the kernel's host bound, changes nothing here)."""
     inv, attn = _rope_inv_freq(head_dim, base, scaling, max_position_embeddings)
     ang = positions.reshape(-1, 1).float() * inv.to(positions.device)[None]
     return (ang.cos() * attn).to(dtype), (ang.sin() * attn).to(dtype)

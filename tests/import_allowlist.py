@@ -47,5 +47,4 @@ PRIVATE_USES = {
     ("bitmatch.kernels.triton.compressor", "bitmatch.kernels.compressor._slots"): OWNED,
     ("bitmatch.kernels.triton.mamba_ssd", "bitmatch.kernels.triton.attention._dot"):
         OWNED + " (use kernels/triton/_jit.py's dot)",
-    ("bitmatch.models.nemotron_h", "bitmatch.models.dense._eps"): "dense.py is " + OWNED + " (make _eps public)",
 }

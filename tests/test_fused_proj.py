@@ -85,9 +85,9 @@ def test_dense_fused_copy_follows_in_place_updates():
                               caches=allocate_caches(cache_groups(model), 1, 16, "cpu"))
     with torch.no_grad():
         sep = forward_hidden(model, ids, packed)
-        assert not dense._FUSED.get(model.model.layers[0].self_attn), "the trainer path fused"
+        assert not dense.fused_copies(model.model.layers[0].self_attn), "the trainer path fused"
         fused = forward_hidden(model, ids, paged())
-        assert dense._FUSED.get(model.model.layers[0].self_attn), "the engine path did not fuse"
+        assert dense.fused_copies(model.model.layers[0].self_attn), "the engine path did not fuse"
     assert _bits_equal(fused, sep)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place: _version bumps
@@ -124,7 +124,7 @@ def test_engine_sees_a_weight_write_through_data_between_generates(monkeypatch):
     eng = Engine(model, num_gpu_blocks=64)
     prompts = random_prompts(3, 3, 12, seed=5)
     assert _engine_vs_trainer(eng, model, prompts) == 0
-    assert dense._FUSED, "the engine did not fuse (the test would prove nothing)"
+    assert dense.fused_copies(model.model.layers[0].self_attn), "the engine did not fuse (the test would prove nothing)"
 
     def write(seed):
         g = torch.Generator().manual_seed(seed)

@@ -107,3 +107,17 @@ def test_rotary_table_rows_equal_direct_computation():
                 p = torch.randint(0, hi, (257,))
                 got, want = K.rotary_cos_sin(p, 64, 1e4, sc, dtype=dt), direct(p, sc, dt)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                # a host bound (the engine's step): the same rows, no read back of the positions
+                got = K.rotary_cos_sin(p, 64, 1e4, sc, dtype=dt, max_seq_len=hi)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rotary_table_outlives_its_growth():
+    """A captured CUDA graph holds the table's address: a grown table replaces it in the cache, but
+    the old one stays alive (its storage is not reused while a graph may read it)."""
+    from bitmatch.kernels import rotary as R
+    K.rotary_cos_sin(torch.arange(3), 48, 1234.5, max_seq_len=3)
+    key = next(k for k in R._TABLES if k[:2] == (48, 1234.5))
+    old = R._TABLES[key]
+    K.rotary_cos_sin(torch.arange(3), 48, 1234.5, max_seq_len=5000)
+    assert R._TABLES[key][0].shape[0] == 8192 and any(t is old for t in R._RETIRED)

@@ -86,29 +86,21 @@ def sequences(ctx, positions) -> KeyRows:
     return rows
 
 
-_ROPE_TABLES: dict = {}
 _POOL_SCRATCH = 1 << 26  # gathered window elements per chunk of rows (memory, not bits)
 
 
 def rope_lookup(spec, ctx, rows: KeyRows):
-    """rope_at(positions, kind) -> (cos, sin) fp32: rows of a table ``kernels.rotary_cos_sin(
-    arange(n))`` per rope config and device, n >= the step's host bound ``rows.max_len``. The
-    table is built once (its build reads its range back, like dense.rope_cos_sin's) on every
-    backend, so the engine's first prefill builds it and its decode steps read nothing back.
-    Same bits as rotary_cos_sin of the positions (a row depends only on its position). Tables
-    are never dropped (a captured graph may read an older, smaller one)."""
+    """rope_at(positions, kind) -> (cos, sin) fp32 of ``kernels.rotary_cos_sin`` with the step's host
+    bound ``rows.max_len`` (positions < it): the kernel gathers the rows from its table with no read
+    back, on every backend, so the engine's first prefill builds the table and its decode steps read
+    nothing back (the kernel keeps every table a captured graph may read). Same bits as without the
+    bound (a row depends only on its position)."""
     K = _kernels()
 
     def rope_at(positions, kind):
         base, scaling = spec.rope_main if kind == "main" else spec.rope_compress
-        key = (kind, spec.rope_dim, base, repr(scaling), spec.max_position_embeddings, str(positions.device))
-        tables = _ROPE_TABLES.setdefault(key, [])
-        if not tables or tables[-1][0].shape[0] < rows.max_len:
-            n = max(4096, 1 << max(0, rows.max_len - 1).bit_length())
-            tables.append(K.rotary_cos_sin(torch.arange(n, device=positions.device), spec.rope_dim, base, scaling,
-                                           dtype=torch.float32, max_position_embeddings=spec.max_position_embeddings))
-        cos_t, sin_t = tables[-1]
-        return cos_t[positions], sin_t[positions]
+        return K.rotary_cos_sin(positions, spec.rope_dim, base, scaling, dtype=torch.float32,
+                                max_position_embeddings=spec.max_position_embeddings, max_seq_len=rows.max_len)
     return rope_at
 
 

@@ -39,6 +39,7 @@ import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import lora
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
+from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param
 
 # lm -> one rank's tensor-parallel shard (bitmatch.parallel.enable_tensor_parallel): the family's
@@ -120,7 +121,8 @@ def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _kernels().linear(x, cast_param(w, dtype), cast_param(b, dtype))
 
 
-def _eps(norm_mod) -> float:
+def norm_eps(norm_mod) -> float:
+    """The epsilon of an HF RMSNorm module (``variance_epsilon`` or ``eps``)."""
     for name in ("variance_epsilon", "eps"):
         if hasattr(norm_mod, name):
             return float(getattr(norm_mod, name))
@@ -128,11 +130,11 @@ def _eps(norm_mod) -> float:
 
 
 def rms_norm(norm_mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _kernels().rms_norm(x, cast_param(norm_mod.weight, dtype), _eps(norm_mod))
+    return _kernels().rms_norm(x, cast_param(norm_mod.weight, dtype), norm_eps(norm_mod))
 
 
 def fused_add_rms_norm(norm_mod, x, residual, dtype):
-    return _kernels().fused_add_rms_norm(x, residual, cast_param(norm_mod.weight, dtype), _eps(norm_mod))
+    return _kernels().fused_add_rms_norm(x, residual, cast_param(norm_mod.weight, dtype), norm_eps(norm_mod))
 
 
 def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,8 +156,8 @@ def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # copy of the HF weights, which stay the source of truth. kernels.linear(segments=) gives each
 # segment the bits of its own linear, so fusing changes no bit. The copy is keyed on the weights'
 # data_ptr (a replaced tensor: new copy) and _version (an in-place update, an optimizer step or
-# a weight sync: recomputed in place, so a captured CUDA graph reading it stays valid).
-_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# a weight sync: recomputed in place, so a captured CUDA graph reading it stays valid). It lives in
+# the parent module's ModelState (``derived``), so it goes with the module.
 
 
 class _FusedEntry:
@@ -191,7 +193,7 @@ def _fused_weight(parent, name: str, mods, dtype):
         return None
     if len({getattr(m, "bias", None) is None for m in mods}) != 1:
         return None
-    per = _FUSED.setdefault(parent, {})
+    per = create_state(parent).derived
     e = per.get(name)
     if e is None or e.dtype != dtype or any(a is not b for a, b in zip(e.mods, mods)):
         e = _FusedEntry()
@@ -211,8 +213,14 @@ def refresh_fused(lm, force: bool = False) -> None:
     work after being idle, so such a write between generate() calls is seen)."""
     for layer in lm.model.layers:
         for parent in (layer.self_attn, layer.mlp):
-            for e in _FUSED.get(parent, {}).values():
+            for e in fused_copies(parent).values():
                 e.refresh(force)
+
+
+def fused_copies(parent) -> dict:
+    """``{name: fused copy}`` the engine derived from ``parent``'s projections (empty if none)."""
+    st = get_state(parent)
+    return {} if st is None else st.derived
 
 
 def _fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
@@ -311,31 +319,18 @@ def _paged_attention(K, q, k, v, k_cache, v_cache, ctx: ForwardContext, scale, s
                              scale, sliding_window=sw, **host)
 
 
-_ROPE_TABLES: dict = {}
-
-
 def rope_cos_sin(ctx: ForwardContext, head_dim: int, base: float, scaling, max_position_embeddings):
     """(cos, sin) fp32 [T, head_dim // 2] of ``ctx.positions``.
 
-    With the step's host bound (``ctx.max_seq_len``: positions < it) the rows are gathered from a
-    table ``kernels.rotary_cos_sin(arange(n))`` built once per rope config and device, so the step
-    has no host sync (the kernel's own call reads the positions' range back) and can be captured
-    in a CUDA graph. Same bits: rotary_cos_sin's row of a position depends only on the position.
-    Tables are never dropped (a captured graph may read an older, smaller one).
+    With the step's host bound (``ctx.max_seq_len``: positions < it) on device positions, the
+    kernel gathers the rows from its table with no read back of the positions, so the step can be
+    captured in a CUDA graph (the kernel keeps every table a graph may read). Same bits either
+    way: rotary_cos_sin's row of a position depends only on the position.
     """
     K = _kernels()
-    if ctx.max_seq_len is None or K.host_readable(ctx.positions):
-        return K.rotary_cos_sin(ctx.positions, head_dim, base, scaling, dtype=torch.float32,
-                                max_position_embeddings=max_position_embeddings)
-    key = (head_dim, float(base), repr(scaling), max_position_embeddings, str(ctx.positions.device))
-    tables = _ROPE_TABLES.setdefault(key, [])
-    if not tables or tables[-1][0].shape[0] < ctx.max_seq_len:
-        n = max(4096, 1 << max(0, ctx.max_seq_len - 1).bit_length())
-        pos = torch.arange(n, device=ctx.positions.device)
-        tables.append(K.rotary_cos_sin(pos, head_dim, base, scaling, dtype=torch.float32,
-                                       max_position_embeddings=max_position_embeddings))
-    cos_t, sin_t = tables[-1]
-    return cos_t[ctx.positions], sin_t[ctx.positions]
+    bound = None if ctx.max_seq_len is None or K.host_readable(ctx.positions) else ctx.max_seq_len
+    return K.rotary_cos_sin(ctx.positions, head_dim, base, scaling, dtype=torch.float32,
+                            max_position_embeddings=max_position_embeddings, max_seq_len=bound)
 
 
 @dataclass

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param
 
 __all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
@@ -82,8 +82,9 @@ def merged_weight(mod) -> torch.Tensor:
     return w
 
 
-# mod -> {dtype: [key, tensor]}: the kept cast merged weights of the rollout (inference only)
-_ROLLOUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# the kept cast merged weights of the rollout (inference only): {dtype: [key, tensor]} under this
+# name in the LoRA layer's ModelState (``derived``), so they go with the layer
+_ROLLOUT = "lora_rollout"
 _state = threading.local()
 
 
@@ -129,7 +130,7 @@ def rollout_weight(mod, dtype: torch.dtype, force: bool = False) -> torch.Tensor
     differs. Inference only (outside inference mode, whose tensors carry no version counter)."""
     live = _live(mod)
     key = _rollout_key(mod, live)
-    entry = _ROLLOUT.setdefault(mod, {}).setdefault(dtype, [None, None])
+    entry = create_state(mod).derived.setdefault(_ROLLOUT, {}).setdefault(dtype, [None, None])
     if force or entry[0] != key:
         _fill(entry, mod, dtype, key)
     return entry[1]
@@ -139,8 +140,14 @@ def refresh_rollout_weights(lm, force: bool = False) -> None:
     """Bring every kept rollout weight of ``lm``'s LoRA layers up to date in place (before a CUDA
     graph replay, which runs no host code)."""
     for m in lm.modules():
-        for dtype in list(_ROLLOUT.get(m, {})):
+        for dtype in list(rollout_weights_of(m)):
             rollout_weight(m, dtype, force)
+
+
+def rollout_weights_of(mod) -> dict:
+    """``{dtype: [key, weight]}``: what ``rollout_weight`` keeps for ``mod`` (empty if nothing)."""
+    st = get_state(mod)
+    return {} if st is None else st.derived.get(_ROLLOUT, {})
 
 
 def graph_capturable(lm) -> bool:

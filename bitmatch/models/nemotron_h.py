@@ -69,7 +69,7 @@ class NemotronHSpec:
 
 def _norm(mod, h, dtype):
     """NemotronHRMSNorm: normalize and multiply by the weight in fp32, round once to ``dtype``."""
-    return K.rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense._eps(mod)).to(dtype)
+    return K.rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense.norm_eps(mod)).to(dtype)
 
 
 def _rec(rec, name, v):

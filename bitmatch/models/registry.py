@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import types
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable
@@ -33,6 +32,7 @@ from typing import Callable, Iterable
 import torch
 
 from bitmatch import testing_models  # not its names: a module-level tiny_config here would pass for a family's own
+from bitmatch.models.state import create_state, drop_state, get_state
 
 FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h",
                  "bitmatch.models.deepseek_v4")
@@ -263,26 +263,22 @@ def check_config(config, arch: str | None = None) -> Family:
     return fam
 
 
-# A model's spec is read from its config and modules once, not on every forward.
-_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def spec_of(lm):
-    """(family, spec) of an unwrapped causal LM, cached per model object."""
-    hit = _SPECS.get(lm)
-    if hit is not None:
-        return hit
+    """(family, spec) of an unwrapped causal LM, read from its config and modules once per model
+    object (kept in its ``ModelState``), not on every forward."""
+    st = get_state(lm)
+    if st is not None and st.spec is not None:
+        return st.spec
     fam = check_config(getattr(lm, "config", None), type(lm).__name__)
     hit = (fam, fam.build_spec(lm))
-    try:
-        _SPECS[lm] = hit
-    except TypeError:  # not weak-referenceable (a plain namespace view): no cache
-        pass
+    if hasattr(lm, "__dict__"):
+        create_state(lm).spec = hit
     return hit
 
 
 def forget_spec(lm) -> None:
-    _SPECS.pop(lm, None)
+    """Drop ``lm``'s cached spec (the next ``spec_of`` reads the config and modules again)."""
+    drop_state(lm, "spec")
 
 
 # ----------------------------------------------------------------------------- patch state
@@ -306,11 +302,10 @@ class BoundForward:
         return self.fn(module, *args, state=self.state, **kwargs)
 
 
-STATE_KEY = "_bitmatch_state"
-
-
 def patch_state(lm) -> PatchState | None:
-    return getattr(lm, "__dict__", {}).get(STATE_KEY)
+    """What ``bitmatch.patch`` set on ``lm``, or None when it is not patched."""
+    st = get_state(lm)
+    return None if st is None else st.patch
 
 
 def bound_forward(mod) -> BoundForward | None:

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from bitmatch.kernels.order import stamp_for_device
+from bitmatch.models.state import create_state, get_state
 
 from .errors import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, SyncError,  # noqa: F401
                      WeightsNotReadyError, WeightVersionError)
@@ -67,17 +68,16 @@ class WeightState:
             yield self.require_ready(expected_version)
 
 
-_STATE_ATTR = "_bitmatch_weight_state"
-
-
 def attach_state(model, state: WeightState) -> None:
-    object.__setattr__(model, _STATE_ATTR, state) if isinstance(model, torch.nn.Module) \
-        else setattr(model, _STATE_ATTR, state)
+    """Make ``state`` the WeightState of ``model`` (kept in its ``ModelState``; a copy of the model
+    is no receiver's target, so it does not carry it)."""
+    create_state(model).weights = state
 
 
 def weight_state(model) -> WeightState | None:
     """The WeightState a receiver attached to ``model`` (None for a model no receiver manages)."""
-    return getattr(model, _STATE_ATTR, None)
+    st = get_state(model)
+    return None if st is None else st.weights
 
 
 def require_ready(model, expected_version: int | None = None) -> int | None:
