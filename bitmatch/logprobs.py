@@ -12,6 +12,7 @@ from bitmatch.context import ForwardContext
 from bitmatch.kernels import check_on_device, host_readable
 from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causal_lm
 from bitmatch.models import compute_dtype_of as default_compute_dtype
+from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
 
 # fp32 logits elements per chunk (1 GiB): each chunk pays its own launches (the head GEMM, the
 # logprob kernel, the checkpointed recompute and backward GEMMs); at 2**25 a TRL micro-batch of
@@ -192,8 +193,21 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     recomputed in backward (checkpointed), so the whole [B, L, V] never exists. The bits do
     not depend on ``chunk_rows``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
     the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
+    An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
+    layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``): the same bits on
+    every rank, gradients reduce-scattered into the shards as FSDP2's own forward has them.
     Invariance: each token's value depends only on its own row's tokens, T, k and p.
     """
+    units = fsdp_units(model)
+    if units:
+        return fsdp_forward(units, _token_logprobs, model, input_ids, attention_mask, temperature, top_k, top_p,
+                            chunk_rows, compute_dtype, return_entropy)
+    return _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
+                           return_entropy)
+
+
+def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
+                    return_entropy):
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
     lm = unwrap_causal_lm(model)

@@ -4,20 +4,30 @@
 cross-rank sums, so TP = N gives TP = 1's bits with every kernel's canonical order unchanged);
 ``expert_parallel``: experts spread over ranks, combined in the one-rank slot order;
 ``collectives``: the fixed-order, bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models
-on bitmatch's forward. docs/scaling.md has the design and its costs.
-"""
-from bitmatch.parallel.collectives import TPGroup, all_gather_cat, comm_bytes_per_layer
-from bitmatch.parallel.expert_parallel import allreduce_expert_parallel, expert_parallel_experts
-from bitmatch.parallel.fsdp import fsdp_unsharded
-from bitmatch.parallel.tensor_parallel import (
-    DenseShard, allreduce_row_parallel_linear, cache_groups, compute_logits, disable_tensor_parallel,
-    enable_tensor_parallel, forward_hidden, gathered_row_parallel_linear, shard_dense_model, shard_linear,
-    token_logprobs,
-)
+on bitmatch's forward and backward. docs/scaling.md has the design and its costs.
 
-__all__ = [
-    "TPGroup", "all_gather_cat", "comm_bytes_per_layer", "DenseShard", "shard_dense_model", "shard_linear",
-    "gathered_row_parallel_linear", "allreduce_row_parallel_linear", "forward_hidden", "compute_logits",
-    "token_logprobs", "cache_groups", "enable_tensor_parallel", "disable_tensor_parallel",
-    "fsdp_unsharded", "expert_parallel_experts", "allreduce_expert_parallel",
-]
+Names are imported lazily (as in ``bitmatch``): ``bitmatch.logprobs`` imports ``bitmatch.parallel.fsdp``
+for sharded models, and ``tensor_parallel`` imports ``bitmatch.logprobs``, so this package's
+``__init__`` must not import its modules at its top.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TPGroup": "collectives", "all_gather_cat": "collectives", "comm_bytes_per_layer": "collectives",
+    "expert_parallel_experts": "expert_parallel", "allreduce_expert_parallel": "expert_parallel",
+    "fsdp_unsharded": "fsdp", "fsdp_forward": "fsdp", "fsdp_units": "fsdp",
+    **{name: "tensor_parallel" for name in (
+        "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "disable_tensor_parallel",
+        "enable_tensor_parallel", "forward_hidden", "gathered_row_parallel_linear", "shard_dense_model",
+        "shard_linear", "token_logprobs")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"bitmatch.parallel.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'bitmatch.parallel' has no attribute {name!r}")
