@@ -92,7 +92,7 @@ def check(argv=None) -> int:
     if a.family is not None:
         try:
             if not any(a.family in (f.name, *f.model_types) for f in families()):
-                tiny_model_for(a.family)   # a TINY_CONFIGS name passes; anything else raises naming the families
+                tiny_model_for(a.family)   # a family's named tiny shape passes; anything else raises naming the families
         except ValueError as e:
             print(f"bitmatch check: {e}", file=sys.stderr)
             return 2

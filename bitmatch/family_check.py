@@ -8,10 +8,7 @@ axes. The controls are the device's stock controls (``bitmatch.controls``, the s
 plain check) and the family's own HF forward, batch vs alone."""
 from __future__ import annotations
 
-import importlib
-
 import torch
-import transformers
 
 import bitmatch
 import bitmatch.kernels as K
@@ -20,42 +17,30 @@ from bitmatch.controls import stock_controls
 from bitmatch.kernels.table import OPS
 from bitmatch.models import compute_logits, families, forward_hidden, pack
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal, assert_schedule_invariant
-from bitmatch.testing_models import TINY_CONFIGS, pad_batch, random_prompts, tiny_model
+from bitmatch.testing_models import pad_batch, random_prompts
 
 
 def tiny_model_for(family: str, dtype=None, seed: int = 0):
-    """(tiny random-weight model of ``family``, what it is): a TINY_CONFIGS entry name; or a
-    registered family (its name or a model_type), built by the family's own ``tiny_model`` (on the
-    Family, its module, or its ``<module>_tiny`` module), else the first TINY_CONFIGS entry of its
-    model types. ValueError naming the registered families otherwise."""
+    """(tiny random-weight model, what it is) of ``family``: a registered family (its name or a model
+    type: its default tiny shape) or one of the families' named tiny shapes, built by the family's
+    ``Family.tiny_model``. ValueError naming the registered families otherwise."""
     dtype = dtype or torch.bfloat16
-    if family in TINY_CONFIGS:
-        return tiny_model(family, dtype=dtype, seed=seed), f"tiny {family}"
     fams = families()
+    fam = next((f for f in fams if family in f.tiny_configs), None)
+    if fam is not None:
+        return fam.tiny_model(family, dtype=dtype, seed=seed), f"tiny {family}"
     fam = next((f for f in fams if f.name == family or family in f.model_types), None)
     if fam is None:
         raise ValueError(f"unknown family {family!r}; registered: {', '.join(f.name for f in fams)} "
-                         f"(or a tiny config: {', '.join(TINY_CONFIGS)})")
-    mod = type(fam).__module__
-    for where in (fam, mod, mod + "_tiny"):
-        try:
-            obj = importlib.import_module(where) if isinstance(where, str) else where
-        except ImportError:
-            continue
-        if callable(getattr(obj, "tiny_model", None)):
-            return obj.tiny_model(dtype=dtype, seed=seed), f"tiny {fam.name} ({getattr(obj, '__name__', fam.name)}.tiny_model)"
+                         f"(or a tiny config: {', '.join(n for f in fams for n in f.tiny_configs)})")
     try:
-        cfg = fam.tiny_config()   # the registry's: the module's tiny_config, else a TINY_CONFIGS entry
-    except (NotImplementedError, AttributeError):
-        raise ValueError(f"family {fam.name!r} has no tiny model: give its module a tiny_model(dtype, seed) or "
-                         f"tiny_config(), or add a TINY_CONFIGS entry (model types {sorted(fam.model_types)}); "
-                         "or pass a checkpoint") from None
-    cfg._attn_implementation = "eager"
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    entry = next((n for n, (mt, _) in TINY_CONFIGS.items() if mt in fam.model_types), None)
-    return model.to(dtype).eval(), f"tiny {entry or fam.name + ' (' + type(fam).__name__ + '.tiny_config)'}"
+        model = fam.tiny_model(dtype=dtype, seed=seed)
+    except NotImplementedError:
+        raise ValueError(f"family {fam.name!r} has no tiny model: declare {type(fam).__name__}.tiny_config "
+                         "(see bitmatch/models/registry.py), or pass a checkpoint") from None
+    if fam.tiny_configs:
+        return model, f"tiny {fam.tiny_name(None)}"
+    return model, f"tiny {fam.name} ({type(fam).__name__}.tiny_model)"
 
 
 def _capture_kernel_calls(model, seqs):

@@ -210,7 +210,7 @@ def test_triton_scan_refuses_untileable_shapes_and_a_misaligned_cache():
 def test_nemotron_h_bf16_engine_equals_trainer_on_triton():
     """The bf16 model on the Triton backend (bf16 dot operands in the scan): the engine's chunked
     prefill and decode across chunk boundaries == the trainer's forward, bit for bit."""
-    m = bitmatch.patch(NH.tiny_model(torch.bfloat16, seed=0, chunk_size=16), compute_dtype=torch.bfloat16)
+    m = bitmatch.patch(NH.FAMILY.tiny_model(dtype=torch.bfloat16, seed=0, chunk_size=16), compute_dtype=torch.bfloat16)
     prompts = random_prompts(2, 13, 18, seed=2)
     params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=i) for i in range(2)]
     with torch.no_grad(), K.use_backend("triton"):

@@ -21,7 +21,7 @@ Q = 8  # the tiny config's chunk_size
 
 @pytest.fixture(scope="module")
 def hf32():
-    return NH.tiny_model(torch.float32, seed=0)
+    return NH.FAMILY.tiny_model(dtype=torch.float32, seed=0)
 
 
 def _patched(hf, dtype=None):
@@ -89,7 +89,7 @@ def test_control_hf_forward_and_hf_cached_decode_differ(hf32):
 
 
 def test_unsupported_options_refused_and_prefix_caching_refused(hf32):
-    bad = NH.tiny_config(n_group=2, topk_group=1, mlp_hidden_act="gelu", mamba_ssm_cache_dtype="bfloat16")
+    bad = NH.FAMILY.tiny_config(n_group=2, topk_group=1, mlp_hidden_act="gelu", mamba_ssm_cache_dtype="bfloat16")
     with pytest.raises(ValueError) as e:
         bitmatch.models.check_config(bad)
     for word in ("n_group=2", "mlp_hidden_act='gelu'", "mamba_ssm_cache_dtype"):
@@ -103,7 +103,7 @@ def test_unsupported_options_refused_and_prefix_caching_refused(hf32):
 
 
 def test_gradients_match_hf_autograd():
-    ref = NH.tiny_model(torch.float32, seed=3).train()
+    ref = NH.FAMILY.tiny_model(dtype=torch.float32, seed=3).train()
     m = _patched(ref).train()
     ids, mask = pad_batch(random_prompts(2, Q + 3, 3 * Q, seed=2), "right")
     lp = bitmatch.token_logprobs(m, ids, mask, temperature=0.8)
@@ -127,7 +127,7 @@ def test_gradients_match_hf_autograd():
 def test_parity_latent_moe_biases_tied_embeddings():
     """The optional parts: MoE latent projection (fc1/fc2), in/out_proj and MLP biases, no conv bias,
     tied embeddings, a chunk of 4 and a pattern starting with attention."""
-    hf = NH.tiny_model(torch.float32, seed=5, moe_latent_size=24, use_bias=True, mlp_bias=True, use_conv_bias=False,
+    hf = NH.FAMILY.tiny_model(dtype=torch.float32, seed=5, moe_latent_size=24, use_bias=True, mlp_bias=True, use_conv_bias=False,
                        tie_word_embeddings=True, chunk_size=4,
                        layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention"])
     with torch.no_grad():
@@ -170,7 +170,7 @@ def test_triton_backend_interpreter_parity_and_engine_diff_zero():
     engine (chunked prefill, decode across a chunk boundary) == trainer bit for bit."""
     import bitmatch.kernels as K
 
-    hf = NH.tiny_model(torch.float32, seed=0, chunk_size=16)
+    hf = NH.FAMILY.tiny_model(dtype=torch.float32, seed=0, chunk_size=16)
     m = _patched(hf)
     prompts = random_prompts(2, 12, 20, seed=1)
     ids, mask = pad_batch(prompts, "right")

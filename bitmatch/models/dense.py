@@ -391,6 +391,57 @@ class DenseFamily(Family):
         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
     )
     vllm_supported = True
+    # tiny shapes covering head_dim 64 / 128, GQA 1 / 4 / 8, tied and untied embeddings, RoPE
+    # scaling, sliding windows; small, since the CPU reference kernels are slow
+    tiny_configs = {
+        # Qwen3: q/k norms, head_dim 64, GQA 4, tied embeddings (the demo's shape)
+        "qwen3-hd64-gqa4-tied": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                                               tie_word_embeddings=True)),
+        # Qwen2: q/k/v bias, GQA 1, untied, sliding window on layer 1 (use_sliding_window)
+        "qwen2-hd64-gqa1-bias-sw": ("qwen2", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                                  use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+        # Llama: head_dim 128, GQA 8, llama3 RoPE scaling, untied
+        "llama-hd128-gqa8-llama3rope": ("llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=128,
+                                                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                                                       "high_freq_factor": 4.0,
+                                                                       "original_max_position_embeddings": 32})),
+        # Mistral: head_dim 128, GQA 4, sliding window 8, tied
+        "mistral-hd128-gqa4-sw": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                                                  sliding_window=8, tie_word_embeddings=True)),
+        # Qwen3 with linear RoPE scaling, head_dim 128, GQA 1
+        "qwen3-hd128-gqa1-linearrope": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                                                      rope_parameters={"rope_type": "linear",
+                                                                       "rope_theta": 1000000.0, "factor": 4.0})),
+    }
+
+    def tiny_config(self, name: str | None = None, **overrides):
+        """A ``tiny_configs`` shape, or the base tiny config of one of ``model_types`` (hidden 128,
+        2 layers, 4 heads, 2 KV heads, head_dim 64, vocabulary 128, untied)."""
+        import transformers  # a third-party import, deferred: only tiny models need the config classes
+
+        name = self.tiny_name(name)
+        model_type = name
+        if name in self.tiny_configs:
+            model_type, extra = self.tiny_configs[name]
+            overrides = {**extra, **overrides}
+        kw = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if model_type == "mistral":
+            kw["sliding_window"] = None
+        kw.update(overrides)
+        rope = kw.pop("rope_parameters", None)
+        cfg_cls = transformers.CONFIG_MAPPING[model_type]
+        if rope is None:
+            return cfg_cls(**kw)
+        try:
+            return cfg_cls(rope_parameters=rope, **kw)
+        except TypeError:  # older transformers: rope_scaling + rope_theta
+            rope = dict(rope)
+            theta = rope.pop("rope_theta", 10000.0)
+            return cfg_cls(rope_scaling=rope, rope_theta=theta, **kw)
 
     def problems(self, config) -> list[str]:
         out = []

@@ -197,6 +197,41 @@ class NemotronHFamily(Family):
     # logits); dt_bias and the conv are cast to the compute dtype
     FP32_SUFFIXES = (".norm.weight", ".norm_f.weight", ".A_log", ".D", ".mixer.gate.weight")
 
+    def tiny_config(self, name: str | None = None, **overrides):
+        """A tiny HF NemotronH config with every block kind (M, E, *, -, M) and chunk_size 8."""
+        from transformers import NemotronHConfig  # third-party, deferred: only tiny models need it
+
+        self.tiny_name(name)
+        kw = dict(vocab_size=128, hidden_size=64, layers_block_type=[MAMBA, MOE, ATTN, MLP, MAMBA],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5, norm_topk_prob=True,
+                  max_position_embeddings=1024, initializer_range=0.1, use_conv_bias=True, use_bias=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        kw.update(overrides)
+        return NemotronHConfig(**kw)
+
+    def tiny_model(self, name: str | None = None, dtype=torch.bfloat16, seed: int = 0,
+                   attn_implementation: str = "eager", **overrides):
+        """HF's init, then the router's correction bias, the Mamba skip D and gated-norm weights off
+        their constant inits (small random values), so none of them is a no-op in a test."""
+        import transformers  # third-party, deferred: only tiny models need it
+
+        cfg = self.tiny_config(name, **overrides)
+        cfg._attn_implementation = attn_implementation
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    if layer.block_type == MOE:
+                        layer.mixer.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.05)
+                    if layer.block_type == MAMBA:  # A_log / D / dt_bias off their constant inits
+                        layer.mixer.D.add_(torch.randn_like(layer.mixer.D) * 0.3)
+                        layer.mixer.norm.weight.add_(torch.randn_like(layer.mixer.norm.weight) * 0.3)
+        return model.to(dtype).eval()
+
     def fp32_parameters(self, lm) -> set[str]:
         return self.parameters_ending(lm, self.FP32_SUFFIXES)
 
@@ -286,36 +321,6 @@ class NemotronHFamily(Family):
 FAMILY = register(NemotronHFamily())
 
 
-def tiny_config(**overrides):
-    """A tiny HF NemotronH config with every block kind (M, E, *, -, M) and chunk_size 8 (tests, example)."""
-    from transformers import NemotronHConfig
-
-    kw = dict(vocab_size=128, hidden_size=64, layers_block_type=[MAMBA, MOE, ATTN, MLP, MAMBA],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-              mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
-              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-              moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5, norm_topk_prob=True,
-              max_position_embeddings=1024, initializer_range=0.1, use_conv_bias=True, use_bias=False,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    kw.update(overrides)
-    return NemotronHConfig(**kw)
-
-
 def tiny_model(dtype=torch.float32, seed=0, **overrides):
-    """Random-weight tiny NemotronHForCausalLM (eval mode), deterministic given ``seed``; the router's
-    correction bias gets small random values so the biased selection is exercised."""
-    import transformers
-
-    cfg = tiny_config(**overrides)
-    cfg._attn_implementation = "eager"
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                if layer.block_type == MOE:
-                    layer.mixer.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.05)
-                if layer.block_type == MAMBA:  # A_log / D / dt_bias off their constant inits
-                    layer.mixer.D.add_(torch.randn_like(layer.mixer.D) * 0.3)
-                    layer.mixer.norm.weight.add_(torch.randn_like(layer.mixer.norm.weight) * 0.3)
-    return model.to(dtype).eval()
+    """``FAMILY.tiny_model`` with this module's old signature (``examples/nemotron_h_grpo.py`` imports it)."""
+    return FAMILY.tiny_model(dtype=dtype, seed=seed, **overrides)

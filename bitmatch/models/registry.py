@@ -16,8 +16,12 @@ How to add a family (one module plus its tests):
    per-token ``"paged"`` state, per-sequence ``"per_seq"`` state; see ``CacheGroup``) and ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
 3. Declare ``packed_modules``: how vLLM merges HF tensors (``qkv_proj`` = q, k, v rows) or
    renames them; ``bitmatch.sync`` and the vLLM plugin derive their name tables from it.
-4. Add the module to ``FAMILY_MODULES`` below. Tests: parity with HF's own fp32 forward,
-   engine vs trainer Diff = 0 along every axis, a control that fails on HF's stock forward.
+4. Declare its tiny shapes: ``tiny_config(name=None, **overrides)`` (and ``tiny_configs`` for
+   named ones; ``tiny_model`` where random weights need more than HF's init). The conformance
+   suite, ``bitmatch check/locate --family`` and the tests build their models from it.
+5. Add the module to ``FAMILY_MODULES`` below. Tests: parity with HF's own fp32 forward,
+   engine vs trainer Diff = 0 along every axis, a control that fails on HF's stock forward
+   (``tests/test_family_conformance.py`` runs them for every registered family).
 
 Users can also ``register`` a family from their own package before building a model.
 """
@@ -31,7 +35,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from bitmatch import testing_models  # not its names: a module-level tiny_config here would pass for a family's own
 from bitmatch.models.state import create_state, drop_state, get_state
 
 FAMILY_MODULES = ("bitmatch.models.dense", "bitmatch.models.qwen3_moe", "bitmatch.models.nemotron_h",
@@ -154,18 +157,39 @@ class Family:
         graph replay after weights may have changed (``force``: whatever the version counters
         say). Default: the family derives nothing."""
 
-    def tiny_config(self, **overrides):
-        """An HF config of the family's smallest tested shape (``bitmatch locate/check --family``).
-        Default: the family module's own ``tiny_config(**overrides)`` function, else the first
-        ``bitmatch.testing_models.TINY_CONFIGS`` entry of one of its model types."""
-        import sys
-        own = getattr(sys.modules.get(type(self).__module__), "tiny_config", None)
-        if callable(own):
-            return own(**overrides)
-        for key, (mt, _) in testing_models.TINY_CONFIGS.items():
-            if mt in self.model_types:
-                return testing_models.tiny_config(key, **overrides)
-        raise NotImplementedError(f"family {self.name!r} has no tiny_config: give a checkpoint path instead")
+    # the family's named tiny shapes: name -> (HF model_type, overrides of its tiny config); the first
+    # is the default. A family with one shape may leave it empty and only define tiny_config.
+    tiny_configs: dict[str, tuple[str, dict]] = {}
+
+    def tiny_config(self, name: str | None = None, **overrides):
+        """An HF config of the family's tiny shape ``name`` (a ``tiny_configs`` entry or one of its
+        model types; default: its first shape), ``overrides`` winning: the one source of the tiny
+        models of the tests, ``bitmatch locate/check --family`` and the examples. Default: the
+        family declares none (NotImplementedError)."""
+        raise NotImplementedError(f"family {self.name!r} declares no tiny config: give a checkpoint path instead")
+
+    def tiny_model(self, name: str | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                   attn_implementation: str = "eager", **overrides):
+        """A random-weight model of ``tiny_config(name, **overrides)`` in ``dtype``, eval mode,
+        deterministic given ``seed`` (drawn in fp32 under a forked RNG: the global RNG is untouched)."""
+        import transformers  # a third-party import, deferred: building a model is the only use here
+
+        cfg = self.tiny_config(name, **overrides)
+        cfg._attn_implementation = attn_implementation
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        return model.to(dtype).eval()
+
+    def tiny_name(self, name: str | None) -> str:
+        """``name`` checked against the family's tiny shapes and model types (None: the first shape,
+        else the family's name); ValueError naming them otherwise."""
+        if name is None:
+            return next(iter(self.tiny_configs), self.name)
+        if name in self.tiny_configs or name in self.model_types or name == self.name:
+            return name
+        raise ValueError(f"family {self.name!r} has no tiny config {name!r}: one of "
+                         f"{sorted({*self.tiny_configs, *self.model_types})}")
 
     def patch_modules(self, lm) -> list[tuple[torch.nn.Module, Callable]]:
         """(module, forward(module, *args, state=PatchState, **kwargs)) pairs for ``bitmatch.patch``."""
