@@ -18,69 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
-LETTERS = "abcd"
-
-
-# ----------------------------------------------------------------------------- the toy task
-
-def char_tokenizer():
-    """A real ``PreTrainedTokenizerFast``, one token per character (ids as
-    ``bitmatch.testing_models.CharTokenizer``: 0 <pad>, 1 <bos>, 2 <eos>, then '\\n' and printable ASCII)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   clean_up_tokenization_spaces=False)
-
-
-def tiny_policy(seed: int = 0, dtype=None, layers: int = 2):
-    """A tiny random-weight Qwen3 (hidden 64, vocab 128) in fp32, trainable."""
-    import torch
-    from bitmatch.testing_models import tiny_model
-
-    model = tiny_model("qwen3", dtype=dtype or torch.float32, seed=seed, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-    model.train()
-    return model
-
-
-def toy_dataset(n: int = 256, seed: int = 0):
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    return Dataset.from_dict({"prompt": [f"{rng.choice(LETTERS)}:" for _ in range(n)]})
-
-
-def repeat_letter_reward(prompts, completions, **kwargs):
-    """Fraction of the completion's characters equal to the prompt's letter (max_len characters)."""
-    out = []
-    for p, c in zip(prompts, completions):
-        letter = p[0]
-        out.append(sum(ch == letter for ch in c) / TOY_COMPLETION_LEN)
-    return out
-
-
-TOY_COMPLETION_LEN = 8
-
-
-def toy_config(output_dir: str, steps: int, **overrides):
-    """GRPOConfig for the toy task on CPU (fp32, no gradient checkpointing, seeded)."""
-    from trl import GRPOConfig
-
-    kw = dict(output_dir=output_dir, use_cpu=True, bf16=False, max_steps=steps, learning_rate=3e-3,
-              per_device_train_batch_size=32, num_generations=8, max_completion_length=TOY_COMPLETION_LEN,
-              temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-              gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0,
-              lr_scheduler_type="constant")
-    kw.update(overrides)
-    return GRPOConfig(**kw)
+# the toy task (tokenizer, prompts, reward, tiny policy, GRPOConfig) lives in the package, so the
+# TRL tests and an installed bitmatch use the same one; the other examples import it from here too
+from bitmatch.testing_trl import (  # noqa: F401  (the other examples read them from here)
+    LETTERS, TOY_COMPLETION_LEN, char_tokenizer, repeat_letter_reward, tiny_policy, toy_config, toy_dataset,
+)
 
 
 # ----------------------------------------------------------------------------- main

@@ -16,9 +16,7 @@ pytest.importorskip("peft")
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import assert_trained, grpo_trainer, load_example, logged, params_snapshot  # noqa: E402
-
-ex = load_example("trl_grpo")
+from bitmatch.testing_trl import assert_trained, grpo_trainer, logged, params_snapshot, tiny_policy  # noqa: E402
 
 
 def make_trainer(tmp_path, steps=5, lora=False, rollout_func=None, **over):
@@ -31,7 +29,7 @@ def make_trainer(tmp_path, steps=5, lora=False, rollout_func=None, **over):
         from peft import LoraConfig
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                  target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
-    return grpo_trainer(ex.tiny_policy(), tmp_path / "out", steps, peft_config=peft_config,
+    return grpo_trainer(tiny_policy(), tmp_path / "out", steps, peft_config=peft_config,
                         rollout_func=rollout_func, **kw)
 
 
@@ -215,3 +213,16 @@ def test_use_vllm_without_plugin_enabled_is_refused(tmp_path, monkeypatch):
     tr.use_vllm = True   # as if GRPOConfig(use_vllm=True): attach checks before anything runs
     with pytest.raises(RuntimeError, match=r"BITMATCH=1"):
         bt.attach(tr)
+
+
+def test_toy_task_needs_no_source_checkout(tmp_path, monkeypatch):
+    """The toy task lives in the package: with no examples folder beside it, it still builds."""
+    import bitmatch.testing_trl as ttrl
+    monkeypatch.setattr(ttrl, "EXAMPLES", tmp_path / "no-examples")
+    ds, tok = ttrl.toy_dataset(4), ttrl.char_tokenizer()
+    assert len(ds) == 4 and all(p[0] in ttrl.LETTERS for p in ds["prompt"])
+    assert tok.decode(tok("a:")["input_ids"]) == "a:"
+    assert ttrl.repeat_letter_reward(["a:"], ["aaaabbbb"]) == [0.5]
+    assert ttrl.toy_config(str(tmp_path), 1).max_completion_length == ttrl.TOY_COMPLETION_LEN
+    with pytest.raises(FileNotFoundError, match="source checkout"):
+        ttrl.load_example.__wrapped__("trl_grpo")

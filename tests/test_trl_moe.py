@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import (assert_diff_zero, assert_trained, grpo_trainer, load_example,  # noqa: E402
-                                  params_snapshot)
+from bitmatch.testing_trl import (assert_diff_zero, assert_trained, grpo_trainer, params_snapshot,  # noqa: E402
+                                  repeat_letter_reward)
 
 
 def test_router_aux_loss_is_refused_with_the_fix(tmp_path):
@@ -20,7 +20,7 @@ def test_router_aux_loss_is_refused_with_the_fix(tmp_path):
     from bitmatch.testing_models import tiny_model
 
     policy = tiny_model("qwen3moe-e4-k1-step2", dtype=torch.float32, seed=0, hidden_size=64).train()
-    reward = load_example("trl_grpo").repeat_letter_reward
+    reward = repeat_letter_reward
     trainer = grpo_trainer(policy, tmp_path / "out", 1, dataset_size=8, reward=reward, per_device_train_batch_size=4,
                            num_generations=4, max_completion_length=3)
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0\.0"):

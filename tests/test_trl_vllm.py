@@ -39,8 +39,7 @@ def _child(spec):
 
     import bitmatch.adapters.trl as bt
 
-    from bitmatch.testing_trl import load_example
-    ex = load_example("trl_grpo")
+    import bitmatch.testing_trl as ex
     ckpt = spec["ckpt"]
     model = ex.tiny_policy(dtype=torch.bfloat16)
     model.config.architectures = [type(model).__name__]
