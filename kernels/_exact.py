@@ -82,6 +82,12 @@ def log64(y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(y) & (y > 0), y, out)
 
 
+def log1p64(y):
+    """log(1 + y) for float64 y >= 0, accurate for tiny y (Goldberg's trick, elementwise)."""
+    u = 1.0 + y
+    return torch.where(u == 1.0, y, log64(u) * (y / (u - 1.0)))
+
+
 def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sin, cos) of float64 angles |x| < 1.6e6, about 1 ulp, from elementwise IEEE ops."""
     if x.numel() and float(x.abs().max()) >= 1.6e6:
@@ -117,22 +123,13 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # The integer grid (|integer| <= 2**exact_grid_bits, 20: a product is <= 2**40) and the K chunk
 # (exact_k_chunk, 4096: a chunk's sum of products stays below 2**53, exact in float64) are fields
 # of the canonical order (kernels/order.py), read at every call so ``order.override`` and the
-# stamp agree: ``grid_bits()`` / ``k_chunk()`` for other reference ops; ``_exact._GRID_BITS`` /
-# ``_exact._K_CHUNK`` resolve to the same through the module ``__getattr__`` (older callers).
+# stamp agree: ``grid_bits()`` / ``k_chunk()`` for other reference ops.
 def grid_bits() -> int:
     return order.current().exact_grid_bits
 
 
 def k_chunk() -> int:
     return order.current().exact_k_chunk
-
-
-def __getattr__(name):
-    if name == "_GRID_BITS":
-        return order.current().exact_grid_bits
-    if name == "_K_CHUNK":
-        return order.current().exact_k_chunk
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def quantize_rows(x: torch.Tensor, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -161,10 +158,6 @@ def matmul_exact_ints(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         part = torch.matmul(a[..., s:s + chunk], b[..., s:s + chunk].transpose(-1, -2))
         out = part if out is None else out + part
     return out
-
-
-# kernels/compressed_attention.py (edited by another change) still reads the old private name
-_matmul_exact_ints = matmul_exact_ints
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor, a_slices: int = 1, b_slices: int = 1) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _int_matmul(qw, qv_t):
     acc = None
     terms = sorted(((a + b, a, b) for a in range(len(qw)) for b in range(len(qv_t))), reverse=True)
     for order, a, b in terms:
-        t = _exact._matmul_exact_ints(qw[a], qv_t[b]) * float(2.0 ** (-_exact._GRID_BITS * order))
+        t = _exact.matmul_exact_ints(qw[a], qv_t[b]) * float(2.0 ** (-_exact.grid_bits() * order))
         acc = t if acc is None else acc + t
     return acc
 
@@ -67,7 +67,7 @@ def sink_attention_reference(q, qpos, kv, entries, entry_mask, sinks, scale, win
     n_loc, n_ent = kv.shape[0], entries.shape[0]
     keys = torch.cat([kv, entries], 0)  # scores are per (query row, key row): position-free
     qk, ek = _exact.quantize_rows(keys, _exact.slices_for(keys.dtype))  # values = keys (K = V)
-    key_scale = _exact.two_pow(ek - _exact._GRID_BITS).view(1, 1, -1)   # [1, 1, L + C]
+    key_scale = _exact.two_pow(ek - _exact.grid_bits()).view(1, 1, -1)   # [1, 1, L + C]
     qk_t = [t.transpose(0, 1) for t in qk]                                # [D, L + C]
     j = torch.arange(n_loc, device=q.device)
     sink = sinks.to(F64).view(-1, 1)                                      # [H, 1]
@@ -86,7 +86,7 @@ def sink_attention_reference(q, qpos, kv, entries, entry_mask, sinks, scale, win
         num = _int_matmul([w[..., :n_loc] for w in qw], [v[..., :n_loc] for v in qk_t])
         if n_ent:  # the entries' own exact sum, added after the local one: a fixed order
             num = num + _int_matmul([w[..., n_loc:] for w in qw], [v[..., n_loc:] for v in qk_t])
-        o = num * _exact.two_pow(ew - _exact._GRID_BITS) / den.unsqueeze(-1)
+        o = num * _exact.two_pow(ew - _exact.grid_bits()) / den.unsqueeze(-1)
         out.append((o + 0.0).to(q.dtype).transpose(0, 1))
     return torch.cat(out, 0) if out else q.new_zeros(q.shape)
 

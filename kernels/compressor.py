@@ -27,7 +27,7 @@ from ._backend import backend_for, check_float, check_same_device, needs_autogra
 F64 = torch.float64
 
 
-def _slots(kv, gate, bias, prev_kv, prev_gate, has_prev):
+def pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev):
     """(kv [W, S, D], z [W, S, D] fp32, valid [W, S, 1]) over the S = m or 2m pooling slots."""
     m = kv.shape[1]
     if prev_kv is None:
@@ -41,7 +41,7 @@ def _slots(kv, gate, bias, prev_kv, prev_gate, has_prev):
 
 
 def compress_reference(kv, gate, bias, prev_kv, prev_gate, has_prev):
-    kv_all, z, valid = _slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    kv_all, z, valid = pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
     z = z.to(F64)
     if valid is not None:
         z = torch.where(valid, z, -torch.inf)
@@ -54,7 +54,7 @@ def compress_reference(kv, gate, bias, prev_kv, prev_gate, has_prev):
 
 
 def _compress_plain(kv, gate, bias, prev_kv, prev_gate, has_prev):
-    kv_all, z, valid = _slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    kv_all, z, valid = pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
     if valid is not None:
         z = z.masked_fill(~valid, float("-inf"))
     return (kv_all.float() * z.softmax(1)).sum(1)

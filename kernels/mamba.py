@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from . import _exact
 from ._backend import (backend_for, check_float, check_int, check_on_device, host_readable, needs_autograd,
                        recompute_grads, triton_impl)
-from .moe import _log1p64
 
 F64 = torch.float64
 _SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x above it
@@ -168,7 +167,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=
 def process_dt(dt, dt_bias, dt_min):
     """dt_t = clamp(round_dtype(softplus(round_dtype(dt + dt_bias))), min=dt_min) as fp32 (elementwise)."""
     z = dt.to(F64) if dt_bias is None else (dt.to(F64) + dt_bias.to(F64)).to(dt.dtype).to(F64)
-    sp = torch.where(z > _SOFTPLUS_THRESHOLD, z, _log1p64(_exact.exp64(z.clamp(max=_SOFTPLUS_THRESHOLD))))
+    sp = torch.where(z > _SOFTPLUS_THRESHOLD, z, _exact.log1p64(_exact.exp64(z.clamp(max=_SOFTPLUS_THRESHOLD))))
     sp = sp.to(dt.dtype)
     lo = torch.tensor(dt_min, dtype=F64).to(dt.dtype)
     return torch.where(sp < lo, lo, sp).float()

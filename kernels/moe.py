@@ -38,12 +38,6 @@ _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus returns x above it (H
 
 
 # ---------------------------------------------------------------- routing
-def _log1p64(y):
-    """log(1 + y) for float64 y >= 0, accurate for tiny y (Goldberg's trick, elementwise)."""
-    u = 1.0 + y
-    return torch.where(u == 1.0, y, _exact.log64(u) * (y / (u - 1.0)))
-
-
 def scores_reference(logits, scoring):
     """fp32 [T, E] scores, each row from that row alone (exact exp/log, fixed-tree sums)."""
     z = logits.to(F64)
@@ -53,7 +47,7 @@ def scores_reference(logits, scoring):
     if scoring == "sigmoid":
         return (1.0 / (1.0 + _exact.exp64(-z))).float()
     # sqrtsoftplus (DeepSeek-V4): sqrt(softplus(x)), softplus rounded to fp32 first as HF does
-    sp = torch.where(z > _SOFTPLUS_THRESHOLD, z, _log1p64(_exact.exp64(z.clamp(max=_SOFTPLUS_THRESHOLD))))
+    sp = torch.where(z > _SOFTPLUS_THRESHOLD, z, _exact.log1p64(_exact.exp64(z.clamp(max=_SOFTPLUS_THRESHOLD))))
     return sp.float().sqrt()
 
 

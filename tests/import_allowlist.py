@@ -39,12 +39,4 @@ LOCAL_IMPORTS = {
 
 # (using module, "defining_module._name"): why another module reads the private name
 PRIVATE_USES = {
-    ("bitmatch.kernels.compressed_attention", "bitmatch.kernels._exact._GRID_BITS"):
-        OWNED + " (use _exact.grid_bits())",
-    ("bitmatch.kernels.compressed_attention", "bitmatch.kernels._exact._matmul_exact_ints"):
-        OWNED + " (use _exact.matmul_exact_ints)",
-    ("bitmatch.kernels.mamba", "bitmatch.kernels.moe._log1p64"): OWNED,
-    ("bitmatch.kernels.triton.compressor", "bitmatch.kernels.compressor._slots"): OWNED,
-    ("bitmatch.kernels.triton.mamba_ssd", "bitmatch.kernels.triton.attention._dot"):
-        OWNED + " (use kernels/triton/_jit.py's dot)",
 }

@@ -96,8 +96,8 @@ def test_launchers_read_the_order_at_launch():
         assert TN._block_and_warps(4096) == (4096, 4)
     from bitmatch.kernels import _exact
     with order.override(exact_grid_bits=16, exact_k_chunk=256):
-        assert (_exact._GRID_BITS, _exact._K_CHUNK) == (16, 256)
-    assert (_exact._GRID_BITS, _exact._K_CHUNK) == (20, 4096)
+        assert (_exact.grid_bits(), _exact.k_chunk()) == (16, 256)
+    assert (_exact.grid_bits(), _exact.k_chunk()) == (20, 4096)
 
 
 def test_inexact_grid_is_refused():

@@ -34,10 +34,6 @@ from .attention_bwd import attention_prefill_backward
 _LOG2E = 1.4426950408889634
 
 
-# mamba_ssd (edited by another change) still imports the old private name; drop once it uses _jit.dot
-_dot = dot
-
-
 @triton.jit
 def _merge(M, L, A, m, l, a):
     """Merge partition state (m, l, a) into the running state (M, L, A); exact no-op if empty."""

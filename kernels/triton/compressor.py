@@ -10,11 +10,11 @@ on its window's rows alone, whatever the number of windows in the call.
 import torch
 
 from .._exact import tree_sum
-from ..compressor import _slots
+from ..compressor import pooling_slots
 
 
 def compress_windows(kv, gate, bias, prev_kv, prev_gate, has_prev):
-    kv_all, z, valid = _slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
+    kv_all, z, valid = pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
     if valid is not None:
         z = torch.where(valid, z, -torch.inf)
     e = torch.exp(z - z.amax(1, keepdim=True))

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import _dot  # the interpreter's exact-dot switch, shared with attention and MoE
+from ._jit import dot as _dot  # the interpreter's exact-dot switch (kernels/triton/_jit.py)
 
 # Triton specialises a pointer on 16-byte alignment, which picks vector widths and so layouts:
 # every float pointer is aligned in every call (inputs copied when not, the cache refused when not,
