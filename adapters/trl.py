@@ -51,8 +51,8 @@ import bitmatch
 import bitmatch.adapters.vllm as plugin
 import bitmatch.sync as bsync
 from bitmatch import is_patched
-from bitmatch.adapters.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker, locate_sentence,
-                                         weights_fingerprint, weights_sentence)
+from bitmatch.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker, locate_sentence,
+                                weights_fingerprint, weights_sentence)
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import lora, unwrap_causal_lm
 from bitmatch.models.lora import plain_name

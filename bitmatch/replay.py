@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import bitmatch
-from bitmatch.adapters.stepcheck import weights_fingerprint
+from bitmatch.stepcheck import weights_fingerprint
 from bitmatch.logprobs import token_logprobs
 from bitmatch.models.lora import merged_state_dict
 from bitmatch.verify import CompareResult, LocateResult, compare, locate
@@ -118,8 +118,8 @@ class ReplayResult:
         return self.rollout.bitmatched
 
     def summary(self) -> str:
-        lines = [f"rescored vs rollout logprobs: {_line(self.rollout, 'rollout')}",
-                 f"rescored vs trainer logprobs: {_line(self.trainer, 'trainer')}"]
+        lines = [f"rescored vs rollout logprobs: {self.rollout.summary('rollout', 'rescored')}",
+                 f"rescored vs trainer logprobs: {self.trainer.summary('trainer', 'rescored')}"]
         if self.fingerprint_matches is not None:
             lines.append("weights fingerprint: " + ("matches the bundle's" if self.fingerprint_matches else
                                                     "DIFFERS from the bundle's (not the step's weights)"))
@@ -132,18 +132,6 @@ class ReplayResult:
         lines.append("verdict: " + ("rollout logprobs reproduced bit for bit" if self.bitmatched else
                                     "the rollout's logprobs DIFFER from this model's"))
         return "\n".join(lines)
-
-
-def _line(r: CompareResult, side: str) -> str:
-    """``compare(bundle side, rescored)`` in words that name both sides (its own summary says rollout
-    and trainer)."""
-    s = (f"tokens compared {r.total}, mismatches {r.mismatches}, max |diff| {r.max_abs_diff:.3g}, "
-         f"k3 KL {r.k3_kl:.3g}")
-    if r.first_divergence is not None:
-        s += (f"; first divergence at (seq {r.first_divergence[0]}, token {r.first_divergence[1]}): {side} "
-              f"{r.first_rollout_value!r} ({r.first_rollout_hex}) vs rescored {r.first_trainer_value!r} "
-              f"({r.first_trainer_hex})")
-    return s
 
 
 def replay(bundle: Bundle, model, *, dtype: torch.dtype | None = None, block_size: int = 16,

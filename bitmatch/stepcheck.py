@@ -1,14 +1,20 @@
-"""The per-step proof every RL adapter runs (TRL, verl): rollout vs trainer logprobs of the same tokens.
+"""The per-step proof of an RL loop: rollout vs trainer logprobs of the same tokens. The TRL and
+verl adapters run it; a custom training loop imports it the same way::
 
-One ``StepChecker`` per run compares the two logprob tensors of a generation step as fp32 bit patterns
-(``bitmatch.verify.compare``), keeps a ``StepCheck`` per step in ``history``, hands the
+    from bitmatch.stepcheck import StepChecker
+    checker = StepChecker(on_mismatch="raise", repro_dir="bitmatch-repro")
+    check = checker.check(step=step, mode="train", rollout=rollout_lp, trainer=trainer_lp, mask=completion_mask)
+
+One ``StepChecker`` per run compares the two logprob tensors of a generation step as fp32 bit
+patterns (``bitmatch.verify.compare``), keeps a ``StepCheck`` per step in ``history``, hands the
 ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` metrics to the framework's
 logger with ``bitmatch/compared_tokens`` and ``bitmatch/compared_seqs`` (so "0 mismatches" never
 stands for "nothing checked"), and on any difference, or a step where nothing was compared, applies
-the policy (``raise`` / ``warn`` / ``log``) with one message format: step, first divergent sequence and token, both values in hex, the first divergent layer
-(``bitmatch.verify.locate``, through ``locate_sentence``) and the path of a small repro bundle.
-The adapters supply only their glue: where the tensors live, how to gather across ranks, how to
-locate (which two models), and what goes into the bundle's config.
+the policy (``raise`` / ``warn`` / ``log``) with one message format: step, first divergent sequence
+and token, both values in hex, the first divergent layer (``bitmatch.verify.locate``, through
+``locate_sentence``) and the path of a small repro bundle. A caller supplies only its glue: where
+the tensors live, how to gather across ranks, how to locate (which two models), and what goes
+into the bundle's config.
 """
 from __future__ import annotations
 

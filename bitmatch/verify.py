@@ -44,12 +44,13 @@ class CompareResult:
     def bitmatched(self) -> bool:
         return self.mismatches == 0
 
-    def summary(self) -> str:
+    def summary(self, a: str = "rollout", b: str = "trainer") -> str:
+        """One line: counts, differences, KL and the first divergence, the two sides named a and b."""
         s = (f"tokens compared {self.total}, mismatches {self.mismatches}, max |diff| {self.max_abs_diff:.3g}, "
              f"mean |diff| {self.mean_abs_diff:.3g}, k3 KL {self.k3_kl:.3g}")
         if self.first_divergence is not None:
             s += (f"; first divergence at (seq {self.first_divergence[0]}, token {self.first_divergence[1]}): "
-                  f"rollout {self.first_rollout_value!r} ({self.first_rollout_hex}) vs trainer "
+                  f"{a} {self.first_rollout_value!r} ({self.first_rollout_hex}) vs {b} "
                   f"{self.first_trainer_value!r} ({self.first_trainer_hex})")
         return s
 

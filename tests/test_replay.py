@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bitmatch
-from bitmatch.adapters.stepcheck import Divergence, StepChecker, weights_fingerprint, write_bundle
+from bitmatch.stepcheck import Divergence, StepChecker, weights_fingerprint, write_bundle
 from bitmatch.cli import main
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models import load_model

@@ -13,13 +13,13 @@ What the plugin does (``plugin.py``; verl 0.9.1):
   fp32 ``token_logprobs`` at verl's temperature instead of the bf16 ``logprobs_from_logits``;
 - the check (``check.py``): each step, ``rollout_log_probs`` vs ``old_log_probs`` bit for bit,
   ``bitmatch/*`` metrics in verl's metric dict, policy raise / warn / log
-  (``BITMATCH_ON_MISMATCH``), the shared message and repro bundle (``bitmatch.adapters.stepcheck``).
+  (``BITMATCH_ON_MISMATCH``), the shared message and repro bundle (``bitmatch.stepcheck``).
 With the vLLM rollout (``rollout.name=vllm``) and the bitmatch vLLM plugin on (``BITMATCH=1`` in
 the workers' environment) the actor patch and the check apply as well.
 """
 from __future__ import annotations
 
-from bitmatch.adapters.stepcheck import BitmatchMismatchError, StepCheck
+from bitmatch.stepcheck import BitmatchMismatchError, StepCheck
 
 __all__ = ["require_plugin", "plugin_loaded", "BitmatchMismatchError", "StepCheck", "configure", "check_batch"]
 

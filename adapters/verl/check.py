@@ -5,7 +5,7 @@ imports ``verl.utils.debug.metrics.calculate_debug_metrics`` and calls it on the
 whenever the rollout returned ``rollout_log_probs``, and merges what it returns into the step's
 metric dict. ``install`` wraps that function: verl's ``training/rollout_probs_diff_*`` plus
 ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3``, ``bitmatch/compared_tokens``,
-``bitmatch/compared_seqs``, from the shared ``bitmatch.adapters.stepcheck.StepChecker`` (bit
+``bitmatch/compared_seqs``, from the shared ``bitmatch.stepcheck.StepChecker`` (bit
 patterns of the same response tokens, a step with no response token compared is a failure; policy
 raise / warn / log, the TRL adapter's message: step, sequence, token, both values in hex, first
 divergent layer, repro bundle). ``check_batch`` is the same check for loops that drive the
@@ -23,7 +23,7 @@ import os
 import torch
 
 from bitmatch import switch
-from bitmatch.adapters.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
+from bitmatch.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
 from bitmatch.adapters.verl import require_plugin
 
 _CHECKER: StepChecker | None = None
