@@ -10,11 +10,7 @@ import torch
 
 import bitmatch.kernels as K
 from bitmatch.kernels import order
-
-
-def _bits_equal(a, b):
-    return torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                       b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+from bitmatch.testing import bits_equal
 
 
 def _weights(sizes, k, dtype, seed=0):
@@ -30,7 +26,7 @@ def test_reference_fused_equals_separate(dtype):
         x = torch.randn(m, 96).to(dtype)
         fused = K.linear(x, torch.cat(ws), torch.cat(bs), segments=(64, 16, 16))
         sep = torch.cat([K.linear(x, w, b) for w, b in zip(ws, bs)], -1)
-        assert _bits_equal(fused, sep)
+        assert bits_equal(fused, sep)
 
 
 def test_segments_validated():
@@ -52,11 +48,11 @@ def test_triton_fused_equals_separate_mixed_splits(m):
         with K.use_backend("triton"):
             fused = K.linear(x, torch.cat(ws), segments=(64, 32, 32))
             sep = torch.cat([K.linear(x, w) for w in ws], -1)
-            assert _bits_equal(fused, sep)
+            assert bits_equal(fused, sep)
             # control: the whole fused weight under the k/v split (what a plain fused GEMM does)
             plain = K.linear(x, torch.cat(ws))
         assert TL.split_for(128, 512) == 1 and TL.split_for(64, 512) == 2
-        assert not _bits_equal(plain[:, :64], sep[:, :64])
+        assert not bits_equal(plain[:, :64], sep[:, :64])
 
 
 @triton_only
@@ -64,7 +60,7 @@ def test_triton_fused_gate_up_equal_split():
     ws = _weights((48, 48), 256, torch.float32, seed=2)
     x = torch.randn(9, 256)
     with K.use_backend("triton"):
-        assert _bits_equal(K.linear(x, torch.cat(ws), segments=(48, 48)),
+        assert bits_equal(K.linear(x, torch.cat(ws), segments=(48, 48)),
                            torch.cat([K.linear(x, w) for w in ws], -1))
 
 
@@ -88,13 +84,13 @@ def test_dense_fused_copy_follows_in_place_updates():
         assert not dense.fused_copies(model.model.layers[0].self_attn), "the trainer path fused"
         fused = forward_hidden(model, ids, paged())
         assert dense.fused_copies(model.model.layers[0].self_attn), "the engine path did not fuse"
-    assert _bits_equal(fused, sep)
+    assert bits_equal(fused, sep)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place: _version bumps
         model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
         after = forward_hidden(model, ids, paged())
         sep2 = forward_hidden(model, ids, packed)
-    assert _bits_equal(after, sep2) and not _bits_equal(after, fused)
+    assert bits_equal(after, sep2) and not bits_equal(after, fused)
 
 
 def _engine_vs_trainer(eng, model, prompts):
