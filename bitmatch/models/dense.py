@@ -290,7 +290,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     if ctx.paged:
         k_cache, v_cache = ctx.cache("kv", layer_idx)
         K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        o = _paged_attention(K, q, k, v, k_cache, v_cache, ctx, spec.scale, sw)
+        o = paged_attention(K, q, k, v, k_cache, v_cache, ctx, spec.scale, sw)
     else:
         if ctx.cu_seqlens is None:
             raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
@@ -305,11 +305,13 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     return o
 
 
-def _paged_attention(K, q, k, v, k_cache, v_cache, ctx: ForwardContext, scale, sw):
+def paged_attention(K, q, k, v, k_cache, v_cache, ctx: ForwardContext, scale, sw=None):
     """The paged step's attention (K/V already written): a step of fresh prefills (no cached
     prefix) attends over its own contiguous K/V with attention_prefill, with no per-token gather
-    through the block table; any other step through attention_paged. Same bits either way (the
-    kernels share the canonical KV-block order: tests/test_engine_prefill_fast.py)."""
+    through the block table; any other step through attention_paged, given the context's host
+    bounds when it has them (a decode step then reads nothing back: graph capture). Same bits
+    either way (the kernels share the canonical KV-block order: tests/test_engine_prefill_fast.py).
+    Shared by every family with plain paged attention (dense, Qwen3-MoE, Nemotron-H)."""
     if ctx.fresh_prefill and ctx.max_query_len is not None:
         return K.attention_prefill(q, k, v, ctx.query_start_loc, scale, causal=True, sliding_window=sw,
                                    max_seqlen=ctx.max_query_len)

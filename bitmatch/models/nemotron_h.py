@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
-from bitmatch.models import dense
+from bitmatch.models import dense, lora
 from bitmatch.models.registry import CacheGroup, Family, call_layer, register
 from bitmatch.precision import cast_param
 
@@ -108,7 +108,7 @@ def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=No
     if ctx.paged:
         kc, vc = ctx.cache("kv", i)
         K.write_kv_cache(k, v, kc, vc, ctx.slot_mapping)
-        o = K.attention_paged(q, kc, vc, ctx.block_table, ctx.query_start_loc, ctx.seq_lens, spec.scale)
+        o = dense.paged_attention(K, q, k, v, kc, vc, ctx, spec.scale)
     else:
         o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True)
     _rec(rec, f"{prefix}.attn", o)
@@ -310,6 +310,18 @@ class NemotronHFamily(Family):
 
     def compute_logits(self, lm, spec, hidden, dtype):
         return dense.lm_head_logits(lm, hidden, dtype)
+
+    def cuda_graph_safe(self, lm) -> bool:
+        """The engine may capture this family's decode steps in CUDA graphs: on the Triton backend a
+        decode step reads nothing back to the host (the Mamba layers' conv and scan address their
+        per-sequence state through ``ctx.state_slots`` and each row's start from ``ctx.positions``
+        on the device; attention gets the context's host bounds; the MoE routing is sync-free;
+        tests/test_engine_graphs_nemotron.py probes it), and padded graph rows decode in the
+        runner's scratch block and scratch state slot. A subclass overriding the forward must opt
+        in again; LoRA layers keep the model eager (their forward here is not declared sync-free)."""
+        cls = type(self)
+        return (cls.forward_hidden is NemotronHFamily.forward_hidden
+                and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm_f, _norm_forward)]
