@@ -5,10 +5,12 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 import traceback
+import types
 
 import torch
 
@@ -223,3 +225,132 @@ def triton_bench(fn, rep=60, warmup=15):
     """Eager median (do_bench flushes L2 before each call); for ms-scale autograd calls."""
     import triton
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def load_mamba_ssm(src):
+    """(ssd_combined, selective_state_update modules, note) from an unpacked mamba-ssm sdist at
+    ``src`` (its Triton kernels need only torch, triton and einops): the package and its ops
+    folders enter sys.modules as stubs, so the package's __init__ (which imports the compiled
+    selective_scan_cuda) never runs; modules None when not importable. Done before transformers
+    imports a Mamba model, HF's kernel lookup finds these Triton kernels too."""
+    if not src:
+        return None, None, "no --mamba-src given"
+    root = os.path.abspath(src)
+    pkg = os.path.join(root, "mamba_ssm")
+    if not os.path.isdir(pkg):
+        return None, None, f"{pkg} is not a directory"
+    sys.path.insert(0, root)
+    for name, path in (("mamba_ssm", pkg), ("mamba_ssm.ops", os.path.join(pkg, "ops")),
+                       ("mamba_ssm.ops.triton", os.path.join(pkg, "ops", "triton"))):
+        if name not in sys.modules:  # a stub: its __init__ (compiled extensions) never runs
+            mod = types.ModuleType(name)
+            mod.__path__ = [path]
+            sys.modules[name] = mod
+    try:
+        import mamba_ssm.ops.triton.selective_state_update as ssu
+        import mamba_ssm.ops.triton.ssd_combined as ssd
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the rest still runs
+        return None, None, f"import failed: {exc!r}"
+    info = os.path.join(root, "PKG-INFO")
+    lines = []
+    if os.path.exists(info):
+        with open(info) as f:
+            lines = f.read().splitlines()
+    ver = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Version:")), "?")
+    return ssd, ssu, f"mamba_ssm {ver} from {root}"
+
+
+# ------------------------------------------------------------------ engine runs (rollout benchmarks)
+def engine(model, device, **kw):
+    """A bitmatch.Engine; on CPU its decode steps run the graph simulation (the CPU tests' one)."""
+    import bitmatch
+    eng = bitmatch.Engine(model, **kw)
+    if device.type == "cpu" and not kw.get("enforce_eager"):
+        eng.model_runner.simulate_buckets = True
+    return eng
+
+
+def graph_use(eng):
+    r = eng.model_runner
+    if r.graphs is not None:
+        return {"captures": r.graphs.num_captures, "replays": r.graphs.num_replays}
+    return {"graphs": None, "simulated_steps": r.num_simulated_steps}
+
+
+DIFF_CONFIGS = (("64 seqs, chunked 512", dict(max_num_seqs=64, max_num_batched_tokens=512)),
+                ("3 seqs, block 32, 97-token steps", dict(max_num_seqs=3, max_num_batched_tokens=97, block_size=32)))
+
+
+def engine_diff(model, hf, prompts, device, temperature, n_new):
+    import bitmatch
+    from bitmatch.testing_models import pad_batch
+
+    rows = []
+    for label, kw in DIFF_CONFIGS:
+        eng = engine(model, device, kv_cache_bytes=1 << 30, **kw)
+        params = [bitmatch.SamplingParams(temperature=temperature, max_tokens=n_new, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
+        outs = eng.generate(prompts, params, use_tqdm=False)
+        seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+        mism = tot = ctrl = 0
+        for s in range(0, len(outs), 5):
+            idx = list(range(s, min(s + 5, len(outs))))[::-1]   # other batch, other order than the engine's
+            ids, mask = pad_batch([seqs[i] for i in idx], "right")
+            ids, mask = ids.to(device), mask.to(device)
+            with torch.no_grad():
+                lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
+                stock = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
+            for b, i in enumerate(idx):
+                o = outs[i]
+                p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
+                got = torch.tensor(o.outputs[0].logprobs, device=device)
+                st = stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]
+                mism += int((got != lp[b, p - 1:p + c - 1]).sum())
+                ctrl += int((got != st).sum())
+                tot += c
+        rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
+                     "control_stock_hf_mismatches": ctrl, **graph_use(eng)})
+        print("diff", rows[-1], flush=True)
+        del eng
+    return rows
+
+
+def engine_run(eng, prompts, params):
+    """(wall s, per-step ms, [(tokens, logprobs)] in request order) of one generate, stepped by hand."""
+    ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
+    sync()
+    t0 = time.perf_counter()
+    steps, done = [], {}
+    while eng.has_unfinished_requests():
+        s = time.perf_counter()
+        for o in eng.step():  # the requests that finished in this step
+            done[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
+        sync()
+        steps.append((time.perf_counter() - s) * 1e3)
+    return time.perf_counter() - t0, steps, [done[i] for i in ids]
+
+
+def decode_ms(steps, n_new):
+    dec = steps[1:n_new]  # step 0 is the whole prefill (the step budget holds every prompt)
+    return statistics.median(dec) if dec else None
+
+
+def step_syncs(eng, prompts, params):
+    """Host syncs of one pure-decode step (torch's sync debug mode)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params(i))
+    eng.step()
+    eng.step()
+    res = host_syncs(eng.step)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return res
+
+
+def hf_generate(hf, ids, n_new):
+    sync()
+    t0 = time.perf_counter()
+    hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    sync()
+    return time.perf_counter() - t0

@@ -38,42 +38,12 @@ import statistics
 import sys
 import time
 import traceback
-import types
 
 import _common  # the script's folder is on sys.path
 
 SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chunk=128),
           "small": dict(heads=32, head_dim=64, groups=2, state=64, chunk=128),
           "tiny": dict(heads=4, head_dim=16, groups=2, state=16, chunk=16)}
-
-
-def load_mamba_ssm(src):
-    """(ssd_combined, selective_state_update modules, note); modules None when not importable."""
-    if not src:
-        return None, None, "no --mamba-src given"
-    root = os.path.abspath(src)
-    pkg = os.path.join(root, "mamba_ssm")
-    if not os.path.isdir(pkg):
-        return None, None, f"{pkg} is not a directory"
-    sys.path.insert(0, root)
-    for name, path in (("mamba_ssm", pkg), ("mamba_ssm.ops", os.path.join(pkg, "ops")),
-                       ("mamba_ssm.ops.triton", os.path.join(pkg, "ops", "triton"))):
-        if name not in sys.modules:  # a stub: its __init__ (compiled extensions) never runs
-            mod = types.ModuleType(name)
-            mod.__path__ = [path]
-            sys.modules[name] = mod
-    try:
-        import mamba_ssm.ops.triton.selective_state_update as ssu
-        import mamba_ssm.ops.triton.ssd_combined as ssd
-    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the rest still runs
-        return None, None, f"import failed: {exc!r}"
-    info = os.path.join(root, "PKG-INFO")
-    lines = []
-    if os.path.exists(info):
-        with open(info) as f:
-            lines = f.read().splitlines()
-    ver = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Version:")), "?")
-    return ssd, ssu, f"mamba_ssm {ver} from {root}"
 
 
 class Bench:
@@ -348,7 +318,7 @@ def main(argv=None):
     import torch
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("mamba_layer: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
-    ssd, ssu, note = load_mamba_ssm(a.mamba_src)
+    ssd, ssu, note = _common.load_mamba_ssm(a.mamba_src)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "mamba_layer.json")
     res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": a.commit,

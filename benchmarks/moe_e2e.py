@@ -33,7 +33,6 @@ import contextlib
 import copy
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -68,22 +67,6 @@ def build(a, device):
     return m.eval()
 
 
-def engine(model, device, **kw):
-    """A bitmatch.Engine; on CPU its decode steps run the graph simulation (the CPU tests' one)."""
-    import bitmatch
-    eng = bitmatch.Engine(model, **kw)
-    if device.type == "cpu" and not kw.get("enforce_eager"):
-        eng.model_runner.simulate_buckets = True
-    return eng
-
-
-def graph_use(eng):
-    r = eng.model_runner
-    if r.graphs is not None:
-        return {"captures": r.graphs.num_captures, "replays": r.graphs.num_replays}
-    return {"graphs": None, "simulated_steps": r.num_simulated_steps}
-
-
 @contextlib.contextmanager
 def hf_moe_block():
     """The engine's sparse layers on HF's own MoE block (its experts implementation)."""
@@ -97,86 +80,7 @@ def hf_moe_block():
 
 
 # ------------------------------------------------------------------ diff
-DIFF_CONFIGS = (("64 seqs, chunked 512", dict(max_num_seqs=64, max_num_batched_tokens=512)),
-                ("3 seqs, block 32, 97-token steps", dict(max_num_seqs=3, max_num_batched_tokens=97, block_size=32)))
-
-
-def diff_check(model, hf, prompts, device, temperature, n_new):
-    import bitmatch
-    from bitmatch.testing_models import pad_batch
-
-    rows = []
-    for label, kw in DIFF_CONFIGS:
-        eng = engine(model, device, kv_cache_bytes=1 << 30, **kw)
-        params = [bitmatch.SamplingParams(temperature=temperature, max_tokens=n_new, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
-        outs = eng.generate(prompts, params, use_tqdm=False)
-        seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-        mism = tot = ctrl = 0
-        for s in range(0, len(outs), 5):
-            idx = list(range(s, min(s + 5, len(outs))))[::-1]   # other batch, other order than the engine's
-            ids, mask = pad_batch([seqs[i] for i in idx], "right")
-            ids, mask = ids.to(device), mask.to(device)
-            with torch.no_grad():
-                lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
-                stock = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
-            for b, i in enumerate(idx):
-                o = outs[i]
-                p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
-                got = torch.tensor(o.outputs[0].logprobs, device=device)
-                st = stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]
-                mism += int((got != lp[b, p - 1:p + c - 1]).sum())
-                ctrl += int((got != st).sum())
-                tot += c
-        rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
-                     "control_stock_hf_mismatches": ctrl, **graph_use(eng)})
-        print("diff", rows[-1], flush=True)
-        del eng
-    return rows
-
-
 # ------------------------------------------------------------------ rollout
-def engine_run(eng, prompts, params):
-    """(wall s, per-step ms, [(tokens, logprobs)] in request order) of one generate, stepped by hand."""
-    ids = [eng.add_request(p, params(i)) for i, p in enumerate(prompts)]
-    _common.sync()
-    t0 = time.perf_counter()
-    steps, done = [], {}
-    while eng.has_unfinished_requests():
-        s = time.perf_counter()
-        for o in eng.step():  # the requests that finished in this step
-            done[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
-        _common.sync()
-        steps.append((time.perf_counter() - s) * 1e3)
-    return time.perf_counter() - t0, steps, [done[i] for i in ids]
-
-
-def decode_ms(steps, n_new):
-    dec = steps[1:n_new]  # step 0 is the whole prefill (the step budget holds every prompt)
-    return statistics.median(dec) if dec else None
-
-
-def step_syncs(eng, prompts, params):
-    """Host syncs of one pure-decode step (torch's sync debug mode)."""
-    for i, p in enumerate(prompts):
-        eng.add_request(p, params(i))
-    eng.step()
-    eng.step()
-    res = _common.host_syncs(eng.step)
-    while eng.has_unfinished_requests():
-        eng.step()
-    return res
-
-
-def hf_generate(hf, ids, n_new):
-    _common.sync()
-    t0 = time.perf_counter()
-    hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
-    _common.sync()
-    return time.perf_counter() - t0
-
-
 def rollout(model, hf, a, device, rec, deadline):
     import bitmatch
     batches = [int(b) for b in a.batches.split(",")]
@@ -184,7 +88,7 @@ def rollout(model, hf, a, device, rec, deadline):
     per_tok = 2 * a.layers * a.kv_heads * a.head_dim * 2
     kw = dict(max_num_seqs=Bmax, max_num_batched_tokens=Bmax * L + Bmax,
               kv_cache_bytes=int(Bmax * (L + n_new + 64) * per_tok * 1.2))
-    graphs, eager = engine(model, device, **kw), engine(model, device, enforce_eager=True, **kw)
+    graphs, eager = _common.engine(model, device, **kw), _common.engine(model, device, enforce_eager=True, **kw)
 
     def params(i):  # seeded per request: every engine draws the same noise for the same request
         return bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
@@ -202,24 +106,24 @@ def rollout(model, hf, a, device, rec, deadline):
         r = {"B": B, "prompt_len": L, "new_tokens": n_new}
         try:
             with torch.no_grad():
-                engine_run(graphs, prompts, warm)          # Triton compiles, graph capture of the bucket
-                engine_run(graphs, prompts, warm)
-                wall, steps, toks_g = engine_run(graphs, prompts, params)
-                r.update(graphs_wall_s=wall, graphs_decode_ms=decode_ms(steps, n_new), prefill_step_ms=steps[0],
-                         graphs=graph_use(graphs))
-                engine_run(eager, prompts, warm)
-                wall, steps, toks_e = engine_run(eager, prompts, params)
-                r.update(eager_wall_s=wall, eager_decode_ms=decode_ms(steps, n_new),
+                _common.engine_run(graphs, prompts, warm)          # Triton compiles, graph capture of the bucket
+                _common.engine_run(graphs, prompts, warm)
+                wall, steps, toks_g = _common.engine_run(graphs, prompts, params)
+                r.update(graphs_wall_s=wall, graphs_decode_ms=_common.decode_ms(steps, n_new), prefill_step_ms=steps[0],
+                         graphs=_common.graph_use(graphs))
+                _common.engine_run(eager, prompts, warm)
+                wall, steps, toks_e = _common.engine_run(eager, prompts, params)
+                r.update(eager_wall_s=wall, eager_decode_ms=_common.decode_ms(steps, n_new),
                          graphs_vs_eager_bits_equal=toks_g == toks_e)
                 with hf_moe_block():
-                    engine_run(eager, prompts, warm)
-                    wall, steps, _ = engine_run(eager, prompts, params)
-                r.update(stock_moe_block_wall_s=wall, stock_moe_block_decode_ms=decode_ms(steps, n_new))
+                    _common.engine_run(eager, prompts, warm)
+                    wall, steps, _ = _common.engine_run(eager, prompts, params)
+                r.update(stock_moe_block_wall_s=wall, stock_moe_block_decode_ms=_common.decode_ms(steps, n_new))
                 if B == Bmax:
-                    r["host_syncs_per_decode_step"] = {"graphs": step_syncs(graphs, prompts, params),
-                                                       "eager": step_syncs(eager, prompts, params)}
-                hf_generate(hf, ids[:, :16].to(device), 2)
-                r["hf_generate_wall_s"] = hf_generate(hf, ids.to(device), n_new)
+                    r["host_syncs_per_decode_step"] = {"graphs": _common.step_syncs(graphs, prompts, params),
+                                                       "eager": _common.step_syncs(eager, prompts, params)}
+                _common.hf_generate(hf, ids[:, :16].to(device), 2)
+                r["hf_generate_wall_s"] = _common.hf_generate(hf, ids.to(device), n_new)
             toks = B * n_new
             r.update(tokens_per_s=toks / r["graphs_wall_s"], eager_tokens_per_s=toks / r["eager_wall_s"],
                      stock_moe_block_tokens_per_s=toks / r["stock_moe_block_wall_s"],
@@ -247,14 +151,14 @@ def stock_graphs(model, a, device, rec):
     prompts = torch.randint(0, a.vocab, (B, L), generator=torch.Generator().manual_seed(B)).tolist()
     r = {"B": B}
     with hf_moe_block(), torch.no_grad():
-        eng = engine(model, device, max_num_seqs=B, max_num_batched_tokens=B * L + B,
+        eng = _common.engine(model, device, max_num_seqs=B, max_num_batched_tokens=B * L + B,
                      kv_cache_bytes=int(B * (L + n_new + 64) * per_tok * 1.2))
         warm = lambda i: bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i)  # noqa: E731
-        engine_run(eng, prompts, warm)
-        engine_run(eng, prompts, warm)
-        wall, steps, _ = engine_run(eng, prompts, lambda i: bitmatch.SamplingParams(
+        _common.engine_run(eng, prompts, warm)
+        _common.engine_run(eng, prompts, warm)
+        wall, steps, _ = _common.engine_run(eng, prompts, lambda i: bitmatch.SamplingParams(
             temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
-    r.update(wall_s=wall, decode_ms=decode_ms(steps, n_new), tokens_per_s=B * n_new / wall, graphs=graph_use(eng))
+    r.update(wall_s=wall, decode_ms=_common.decode_ms(steps, n_new), tokens_per_s=B * n_new / wall, graphs=_common.graph_use(eng))
     rec.put("stock_graphs", r)
     print("stock_graphs", r, flush=True)
 
@@ -364,7 +268,7 @@ def main(argv=None):
         try:
             if name == "diff":
                 prompts = random_prompts(a.prompts, 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
-                rec.put("diff", diff_check(model, hf, prompts, dev, 0.9, a.diff_tokens))
+                rec.put("diff", _common.engine_diff(model, hf, prompts, dev, 0.9, a.diff_tokens))
             elif name == "rollout":
                 rollout(model, hf, a, dev, rec, deadline)
             elif name == "train":
