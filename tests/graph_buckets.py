@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import contextlib
 
-from bitmatch.engine import Engine, SamplingParams
+import pytest
+import torch
+
+import bitmatch.kernels as K
+import bitmatch.models as M
+from bitmatch.engine import Engine, SamplingParams, graphs
 from bitmatch.engine import model_runner as mr
 from bitmatch.testing_models import random_prompts
+from host_reads import host_reads
 
 
 def run(model, prompts, params, simulate, max_num_seqs=8, num_gpu_blocks=96, **kw):
@@ -20,6 +26,16 @@ def run(model, prompts, params, simulate, max_num_seqs=8, num_gpu_blocks=96, **k
     eng = Engine(model, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, **kw)
     eng.model_runner.simulate_buckets = simulate
     return eng, eng.generate(prompts, params, use_tqdm=False)
+
+
+def eager_and_simulated(model, prompts, params, decode_steps):
+    """(eager outputs, simulated-replay outputs) of one batch; the simulated run must have taken
+    ``decode_steps`` padded replays (every decode step), the eager one none."""
+    eng, eager = run(model, prompts, params, simulate=False)
+    assert eng.model_runner.num_simulated_steps == 0
+    eng, simulated = run(model, prompts, params, simulate=True)
+    assert eng.model_runner.num_simulated_steps == decode_steps
+    return eager, simulated
 
 
 def staggered(n=5, lo=3, hi=30, seed=11):
@@ -66,3 +82,37 @@ def padding_into_a_real_block(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(mr.ModelRunner, "pad", bad_pad)
         yield
+
+
+def decode_step_reads(model, prompts, params, backend: str = "triton", part=None):
+    """Host reads (tests/host_reads.py) of a simulated pure-decode step on ``backend`` (Triton:
+    the interpreter stands in for the GPU): of the whole forward of the second decode step (the
+    first may build tables once, as a graph's warm-up run does), or, with ``part(model, ids)``,
+    of that call alone at the first decode step. The engine's modules import forward_hidden at
+    their top: each is patched."""
+    reads, seen = [], []
+    orig = M.forward_hidden
+
+    def spy(m, ids, ctx, *a, **kw):
+        if ctx.max_query_len != 1:
+            return orig(m, ids, ctx, *a, **kw)
+        seen.append(1)
+        with K.use_backend(backend):
+            if part is None:
+                if len(seen) != 2:
+                    return orig(m, ids, ctx, *a, **kw).to(torch.bfloat16)
+                with host_reads() as r:
+                    out = orig(m, ids, ctx, *a, **kw)
+                reads.extend(r)
+                return out.to(torch.bfloat16)
+            if len(seen) == 1:
+                with host_reads() as r:
+                    part(m, ids)
+                reads.extend(r)
+        return orig(m, ids, ctx, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (M, mr, graphs):
+            mp.setattr(mod, "forward_hidden", spy)
+        run(model, prompts, params, simulate=True)
+    assert len(seen) >= 2, "fewer than two pure-decode steps ran"
+    return reads

@@ -20,17 +20,16 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
-import bitmatch.models as M
-from bitmatch.engine import SamplingParams, graphs, model_runner
+from bitmatch.engine import SamplingParams
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import deepseek_v4 as V4
 from bitmatch.models import family_of, unwrap_causal_lm
 from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing_models import random_prompts
-from host_reads import host_reads
 from test_engine import assert_bitmatch
 from bitmatch.testing import same_outputs
-from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run, staggered
+from graph_buckets import (decode_step_reads, eager_and_simulated, one_request_in_buckets,
+                          padding_into_a_real_block, run, staggered)
 
 OPT_IN = V4.DeepseekV4Family.cuda_graph_safe  # the family's own, before any fixture forces it on
 
@@ -54,19 +53,18 @@ def _staggered():
 
 
 @pytest.fixture(scope="module")
-def eager(model, simulate_graphs):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=False)
-    assert eng.model_runner.num_simulated_steps == 0
-    return outs
+def runs(model, simulate_graphs):
+    return eager_and_simulated(model, *_staggered(), decode_steps=5)
 
 
 @pytest.fixture(scope="module")
-def simulated(model, simulate_graphs):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=True)
-    assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
-    return outs
+def eager(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def simulated(runs):
+    return runs[1]
 
 
 # ---------------------------------------------------------------- the engine (simulated graphs)
@@ -102,45 +100,26 @@ def test_control_padding_into_a_real_block_changes_bits(model, eager, monkeypatc
 
 
 # ---------------------------------------------------------------- the opt-in
-def _decode_step_reads(model, part: str, backend: str = "triton"):
-    """Host reads of a simulated pure-decode step's forward on the Triton backend (interpreter):
-    of the whole forward (part "step"; the second decode step: the first builds the rope tables
-    once, as a graph's warm-up run does) or of the mHC / MoE / head ops alone (part "mhc_moe")."""
-    reads, seen = [], []
-    orig = M.forward_hidden
+def _mhc_moe_head(m, ids):
+    """The mHC / MoE / head ops of a decode step alone (layer 0: hash routing, layer 1: learned)."""
+    lm = unwrap_causal_lm(m)
+    spec, layer = family_of(m).build_spec(lm), lm.model.layers[0]
+    streams = torch.randn(ids.shape[0], spec.hc_mult, spec.hidden_size).to(torch.bfloat16)
+    head = lm.model.hc_head
+    post, comb, x = V4._hc(streams, layer.attn_hc, spec)
+    y = V4.moe_block(layer.mlp, x, ids, spec, 0, torch.bfloat16)
+    streams = K.hc_post(streams, y, post, comb)
+    K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=1e-6, norm_eps=1e-6)
+    V4.moe_block(lm.model.layers[1].mlp, x, ids, spec, 1, torch.bfloat16)
 
-    def spy(m, ids, ctx, *a, **kw):
-        if ctx.max_query_len != 1:
-            return orig(m, ids, ctx, *a, **kw)
-        seen.append(1)
-        with K.use_backend(backend):
-            if part == "step":
-                if len(seen) != 2:
-                    return orig(m, ids, ctx, *a, **kw).to(torch.bfloat16)
-                with host_reads() as r:
-                    out = orig(m, ids, ctx, *a, **kw)
-                reads.extend(r)
-                return out.to(torch.bfloat16)
-            if len(seen) == 1:
-                lm = unwrap_causal_lm(m)
-                spec, layer = family_of(m).build_spec(lm), lm.model.layers[0]   # layer 0: hash routing
-                streams = torch.randn(ids.shape[0], spec.hc_mult, spec.hidden_size).to(torch.bfloat16)
-                head = lm.model.hc_head
-                with host_reads() as r:
-                    post, comb, x = V4._hc(streams, layer.attn_hc, spec)
-                    y = V4.moe_block(layer.mlp, x, ids, spec, 0, torch.bfloat16)
-                    streams = K.hc_post(streams, y, post, comb)
-                    K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=1e-6, norm_eps=1e-6)
-                    V4.moe_block(lm.model.layers[1].mlp, x, ids, spec, 1, torch.bfloat16)  # learned routing
-                reads.extend(r)
-        return orig(m, ids, ctx, *a, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        for mod in (M, model_runner, graphs):   # the engine's modules import it at their top
-            mp.setattr(mod, "forward_hidden", spy)
-        run(model, random_prompts(3, 4, 6, seed=3), SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
-             simulate=True)
-    assert len(seen) >= 2, "fewer than two pure-decode steps ran"
-    return reads
+
+def _decode_step_reads(model, part: str, backend: str = "triton"):
+    """Host reads of a simulated pure-decode step on ``backend``: of the whole forward (part
+    "step"; the second decode step: the first builds the rope tables once, as a graph's warm-up
+    run does) or of the mHC / MoE / head ops alone (part "mhc_moe")."""
+    return decode_step_reads(model, random_prompts(3, 4, 6, seed=3),
+                             SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True), backend,
+                             part=_mhc_moe_head if part == "mhc_moe" else None)
 
 
 @pytest.mark.interpreter

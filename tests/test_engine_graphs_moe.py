@@ -28,7 +28,7 @@ from bitmatch.testing_models import random_prompts, tiny_model
 from host_reads import host_reads
 from test_engine import assert_bitmatch
 from bitmatch.testing import same_outputs
-from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run, staggered
+from graph_buckets import eager_and_simulated, one_request_in_buckets, padding_into_a_real_block, run, staggered
 
 # both layers sparse, 8 experts top-2; small attention (the reference kernels are slow per step)
 TINY = dict(hidden_size=64, num_hidden_layers=2, mlp_only_layers=[], num_attention_heads=2, num_key_value_heads=1)
@@ -44,19 +44,18 @@ def _staggered():
 
 
 @pytest.fixture(scope="module")
-def eager(model):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=False)
-    assert eng.model_runner.num_simulated_steps == 0
-    return outs
+def runs(model):
+    return eager_and_simulated(model, *_staggered(), decode_steps=5)
 
 
 @pytest.fixture(scope="module")
-def simulated(model):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=True)
-    assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
-    return outs
+def eager(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def simulated(runs):
+    return runs[1]
 
 
 # ---------------------------------------------------------------- the opt-in

@@ -20,16 +20,14 @@ import pytest
 import torch
 
 import bitmatch
-import bitmatch.kernels as K
-import bitmatch.models as M
-from bitmatch.engine import SamplingParams, graphs, model_runner
+from bitmatch.engine import SamplingParams, model_runner
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import nemotron_h as NH
 from bitmatch.models import unwrap_causal_lm
 from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts
-from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run, staggered
-from host_reads import host_reads
+from graph_buckets import (decode_step_reads, eager_and_simulated, one_request_in_buckets,
+                          padding_into_a_real_block, run, staggered)
 from test_engine import assert_bitmatch
 
 # every block type (Mamba, attention, MLP, MoE); a chunk of 8 so decode crosses chunk boundaries
@@ -46,19 +44,18 @@ def _staggered():
 
 
 @pytest.fixture(scope="module")
-def eager(model):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=False)
-    assert eng.model_runner.num_simulated_steps == 0
-    return outs
+def runs(model):
+    return eager_and_simulated(model, *_staggered(), decode_steps=5)
 
 
 @pytest.fixture(scope="module")
-def simulated(model):
-    prompts, params = _staggered()
-    eng, outs = run(model, prompts, params, simulate=True)
-    assert eng.model_runner.num_simulated_steps == 5  # every decode step ran as a padded replay
-    return outs
+def eager(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def simulated(runs):
+    return runs[1]
 
 
 # ---------------------------------------------------------------- the engine (simulated graphs)
@@ -120,27 +117,8 @@ def test_control_padding_into_a_real_state_slot_changes_bits(model, eager, monke
 def _decode_step_reads(model, backend: str = "triton"):
     """Host reads of the second simulated pure-decode step's forward on ``backend`` (Triton: the
     interpreter; the Triton scan needs chunks >= 16)."""
-    reads, seen = [], []
-    orig = M.forward_hidden
-
-    def spy(m, ids, ctx, *a, **kw):
-        if ctx.max_query_len != 1:
-            return orig(m, ids, ctx, *a, **kw)
-        seen.append(1)
-        with K.use_backend(backend):
-            if len(seen) != 2:
-                return orig(m, ids, ctx, *a, **kw).to(torch.bfloat16)
-            with host_reads() as r:
-                out = orig(m, ids, ctx, *a, **kw)
-            reads.extend(r)
-            return out.to(torch.bfloat16)
-    with pytest.MonkeyPatch.context() as mp:
-        for mod in (M, model_runner, graphs):   # the engine's modules import it at their top
-            mp.setattr(mod, "forward_hidden", spy)
-        run(model, random_prompts(3, 13, 18, seed=3), SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
-            simulate=True)
-    assert len(seen) >= 2, "fewer than two pure-decode steps ran"
-    return reads
+    return decode_step_reads(model, random_prompts(3, 13, 18, seed=3),
+                             SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True), backend)
 
 
 @pytest.fixture(scope="module")
