@@ -12,7 +12,9 @@ VENV="${BITMATCH_VERL_VENV:-.venv-verl}"
 # the dense model path must work with the older transformers verl accepts
 "$VENV/bin/python" -c "import transformers, verl; from packaging.version import Version as V; assert V(transformers.__version__) < V('5.11'), transformers.__version__; import bitmatch.adapters.verl as bv; bv.require_plugin(); print('verl', verl.__version__, 'transformers', transformers.__version__, 'plugin loaded', bv.plugin_loaded())"
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 tests/test_verl.py "$@"
+# test_verl.py: verl's worker and trainer code in one process; test_verl_ray.py: verl's own Ray loop
+# (python -m verl.trainer.main_ppo -> RayPPOTrainer.fit) on declared GPUs, about 3 minutes
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 tests/test_verl.py tests/test_verl_ray.py "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -4,7 +4,8 @@
 verl's ``_ROLLOUT_REGISTRY``), ``update_weights`` every step, ``RayPPOTrainer``'s own
 ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` / ``_update_actor``, ``compute_advantage``
 (GRPO), ``calculate_debug_metrics`` and ``compute_rollout_correction_and_add_to_batch``
-(``examples/verl_grpo.py`` drives them). verl's Ray trainer itself does not start on CPU.
+(``examples/verl_grpo.py`` drives them). verl's Ray trainer itself (``RayPPOTrainer.fit``) runs in
+tests/test_verl_ray.py.
 Runs in the verl environment (scripts/test_verl.sh); skipped where verl is not installed.
 """
 from __future__ import annotations

@@ -14,11 +14,15 @@ What it registers (verl 0.9.1):
 - a wrapper around ``ActorRolloutRefWorker.init_model`` that puts the actor and ref engines on
   bitmatch kernels after verl built them (``bitmatch.adapters.verl.actor``);
 - a wrapper around ``verl.utils.debug.metrics.calculate_debug_metrics`` (the trainer imports it
-  at each step, beside ``training/rollout_probs_diff_*``) that runs the bitmatch step check.
+  at each step, beside ``training/rollout_probs_diff_*``) that runs the bitmatch step check;
+- with ``VERL_PLATFORM=cpu`` in the environment, a CPU platform (``cpu.py``), registered first:
+  verl has none, and ``import verl`` asks for its platform while it loads this plugin.
 """
 from __future__ import annotations
 
 import logging
+
+from bitmatch.adapters.verl import cpu
 
 logger = logging.getLogger("bitmatch.verl")
 
@@ -35,6 +39,8 @@ def _load_replica():
 def register() -> None:
     """Register the rollout (both registries), the actor patch and the step check; idempotent."""
     global LOADED
+    if cpu.requested():   # before the imports below, which ask verl for its platform
+        cpu.register_platform()
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -43,6 +49,8 @@ def register() -> None:
     from bitmatch.adapters.verl import actor, check
     actor.install()
     check.install()
+    if cpu.requested():
+        cpu.register_engine()
     LOADED = True
 
 

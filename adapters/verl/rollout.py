@@ -16,6 +16,7 @@ verl rollout server. ``BitmatchReplica`` is the driver-side entry (``RolloutRepl
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -183,9 +184,9 @@ def _replica_base():
 class BitmatchReplica(_replica_base()):
     """Driver-side entry (``RolloutReplicaRegistry['bitmatch']``). The engine lives inside each
     hybrid worker (``BitmatchRollout``): there is no separate server process to launch, so only
-    the hybrid mode exists; its server handle is the worker itself, whose rollout ``generate``
-    is reached through Ray's ``__ray_call__``. Not run in this repository's tests (verl's Ray
-    trainer does not start on CPU); the in-process tests drive ``BitmatchRollout`` directly."""
+    the hybrid mode exists; its server handle forwards to the worker, whose rollout ``generate``
+    is reached through Ray's ``__ray_call__``. tests/test_verl_ray.py runs it under verl's own
+    ``RayPPOTrainer.fit`` (CPU, declared GPUs)."""
 
     async def launch_servers(self):
         require_plugin()
@@ -196,12 +197,18 @@ class BitmatchReplica(_replica_base()):
                              "runs inside the actor workers (hybrid engine: actor_rollout_ref.hybrid_engine=True)")
         if len(self.workers) != 1:
             raise ValueError("bitmatch verl: one worker per replica (rollout tensor_model_parallel_size=1)")
-        self.servers = list(self.workers)
         self._server_handle = _WorkerServer(self.workers[0])
+        self.servers = [self._server_handle]   # what RolloutReplica.sleep / wake_up / ... call
         self._server_address = None
 
     def rollout_worker_use_gpu(self) -> bool:
         return torch.cuda.is_available()
+
+
+# the control methods verl's RolloutReplica and agent loop call on a server (verl 0.9.1
+# workers/rollout/replica.py): nothing to do for an engine that stays allocated
+CONTROL_METHODS = ("wake_up", "sleep", "clear_kv_cache", "release_kv_cache", "resume_kv_cache",
+                   "abort_all_requests", "resume_generation", "start_profile", "stop_profile")
 
 
 class _WorkerServer:
@@ -211,8 +218,17 @@ class _WorkerServer:
     def __init__(self, worker):
         self.worker = worker
         self.generate = _Remote(worker, "generate")
-        for name in ("wake_up", "sleep", "clear_kv_cache", "abort_all_requests", "resume_generation"):
+        for name in CONTROL_METHODS:
             setattr(self, name, _Remote(worker, None))
+
+
+def _rollout_of(w):
+    """The ``BitmatchRollout`` in a Ray worker: the hybrid worker's own, or the one inside the
+    colocated ``WorkerDict`` that ``RayPPOTrainer`` builds (``worker_dict["actor_rollout_ref"]``)."""
+    for cand in (w, *getattr(w, "worker_dict", {}).values()):
+        if getattr(cand, "rollout", None) is not None:
+            return cand.rollout
+    raise RuntimeError(f"bitmatch verl: no rollout in the Ray worker {type(w).__name__}")
 
 
 class _Remote:
@@ -222,6 +238,8 @@ class _Remote:
     def remote(self, *args, **kwargs):
         method = self.method
 
-        async def call(w):
-            return None if method is None else await getattr(w.rollout, method)(*args, **kwargs)
+        def call(w):
+            # the trainer's WorkerDict is a synchronous Ray actor: its __ray_call__ returns what
+            # this returns, so the rollout's coroutine is run to completion here
+            return None if method is None else asyncio.run(getattr(_rollout_of(w), method)(*args, **kwargs))
         return self.worker.__ray_call__.remote(call)
