@@ -354,3 +354,32 @@ def hf_generate(hf, ids, n_new):
                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     sync()
     return time.perf_counter() - t0
+
+
+def rollout_row(graphs, eager, hf, ids, n_new, device, params, warm, extra=None) -> dict:
+    """One rollout batch (prompts ``ids`` [B, L], ``n_new`` tokens each, ``params(i)`` per request):
+    the engine with decode graphs (twice warmed: compiles, captures), the same engine eager (and
+    whether its outputs equal the graphs' bit for bit), ``extra(prompts)`` (more keys, e.g. a stock
+    variant of the engine), then HF ``generate``; wall times, decode step medians, tokens/s, ratios."""
+    B, L = ids.shape
+    prompts = ids.tolist()
+    r = {"B": B, "prompt_len": L, "new_tokens": n_new}
+    with torch.no_grad():
+        engine_run(graphs, prompts, warm)
+        engine_run(graphs, prompts, warm)
+        wall, steps, toks_g = engine_run(graphs, prompts, params)
+        r.update(graphs_wall_s=wall, graphs_decode_ms=decode_ms(steps, n_new), prefill_step_ms=steps[0],
+                 graphs=graph_use(graphs))
+        engine_run(eager, prompts, warm)
+        wall, steps, toks_e = engine_run(eager, prompts, params)
+        r.update(eager_wall_s=wall, eager_decode_ms=decode_ms(steps, n_new), graphs_vs_eager_bits_equal=toks_g == toks_e)
+        if extra is not None:
+            r.update(extra(prompts))
+        hf_generate(hf, ids[:, :16].to(device), 2)
+        r["hf_generate_wall_s"] = hf_generate(hf, ids.to(device), n_new)
+    toks = B * n_new
+    r.update(tokens_per_s=toks / r["graphs_wall_s"], eager_tokens_per_s=toks / r["eager_wall_s"],
+             hf_generate_tokens_per_s=toks / r["hf_generate_wall_s"],
+             vs_hf_generate=r["hf_generate_wall_s"] / r["graphs_wall_s"],
+             graphs_vs_eager=r["eager_wall_s"] / r["graphs_wall_s"])
+    return r

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 # the stock ops HF runs, one definition each: the op table's (kernels/stock.py)
 import bitmatch.kernels.stock as KS
-from _common import BF, DEV, Recorder, cuda_ms, empty_cache, host_profile, host_syncs, sync, top_kernels
+from _common import BF, DEV, Recorder, cuda_ms, empty_cache, host_syncs, sync, top_kernels
+from _common import host_profile as host_profile_of
 
 QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -193,7 +194,7 @@ def train(size, profile=True, iters=3):
     if profile:
         res["profile_ours"] = top_kernels(ours)
         res["host_syncs_ours"] = host_syncs(ours)
-        res["host_profile_ours"] = host_profile(ours, k=25)
+        res["host_profile_ours"] = host_profile_of(ours, k=25)
     res.update(stock_step_ms=t_s, ours_step_ms=t_o, stock_tokens_per_s=B * L / t_s * 1e3,
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
@@ -202,6 +203,43 @@ def train(size, profile=True, iters=3):
     empty_cache()
     res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters))
     print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
+    return res
+
+
+def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=False, seed=3) -> dict:
+    """One training step of each side on the same B x L random tokens: bitmatch.token_logprobs
+    fwd + bwd on ``model`` (patched) vs HF's own forward + backward on ``hf`` (the stock trainer):
+    peak memory above the weights, step time, tokens/s, top kernels (and host syncs, host profile)."""
+    import bitmatch
+    ids = torch.randint(0, vocab, (B, L), device=device, generator=torch.Generator(device).manual_seed(seed))
+    w = torch.randn(B, L - 1, device=device, generator=torch.Generator(device).manual_seed(seed + 1))
+
+    def stock():
+        hf.zero_grad(set_to_none=True)
+        (stock_token_logprobs(hf, ids, 1.0) * w).sum().backward()
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        (bitmatch.token_logprobs(model, ids, None, temperature=1.0) * w).sum().backward()
+    res = {"batch": [B, L]}
+    for name, m, step in (("stock", hf, stock), ("ours", model, ours)):
+        m.train()
+        try:
+            res[f"{name}_peak_gib"], res["weights_gib"] = _peak(m, step)
+            res[f"{name}_step_ms"] = cuda_ms(step, iters=3, warmup=1)
+            res[f"profile_{name}"] = top_kernels(step, k=10)
+            if syncs:
+                res[f"host_syncs_{name}"] = host_syncs(step)
+            if host_profile:
+                res[f"host_profile_{name}"] = host_profile_of(step)
+        finally:
+            m.zero_grad(set_to_none=True)
+            m.eval()
+    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
+               tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
+               peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
+    print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
+    empty_cache()
     return res
 
 

@@ -100,46 +100,29 @@ def rollout(model, hf, a, device, rec, deadline):
         if time.time() > deadline:
             out.setdefault("skipped_for_time", []).append(B)
             continue
-        g = torch.Generator().manual_seed(B)
-        ids = torch.randint(0, a.vocab, (B, L), generator=g)
-        prompts = ids.tolist()
-        r = {"B": B, "prompt_len": L, "new_tokens": n_new}
-        try:
-            with torch.no_grad():
-                _common.engine_run(graphs, prompts, warm)          # Triton compiles, graph capture of the bucket
-                _common.engine_run(graphs, prompts, warm)
-                wall, steps, toks_g = _common.engine_run(graphs, prompts, params)
-                r.update(graphs_wall_s=wall, graphs_decode_ms=_common.decode_ms(steps, n_new), prefill_step_ms=steps[0],
-                         graphs=_common.graph_use(graphs))
+        ids = torch.randint(0, a.vocab, (B, L), generator=torch.Generator().manual_seed(B))
+
+        def stock_block(prompts, B=B):  # the same eager engine with HF's MoE block in its sparse layers
+            with hf_moe_block():
                 _common.engine_run(eager, prompts, warm)
-                wall, steps, toks_e = _common.engine_run(eager, prompts, params)
-                r.update(eager_wall_s=wall, eager_decode_ms=_common.decode_ms(steps, n_new),
-                         graphs_vs_eager_bits_equal=toks_g == toks_e)
-                with hf_moe_block():
-                    _common.engine_run(eager, prompts, warm)
-                    wall, steps, _ = _common.engine_run(eager, prompts, params)
-                r.update(stock_moe_block_wall_s=wall, stock_moe_block_decode_ms=_common.decode_ms(steps, n_new))
-                if B == Bmax:
-                    r["host_syncs_per_decode_step"] = {"graphs": _common.step_syncs(graphs, prompts, params),
-                                                       "eager": _common.step_syncs(eager, prompts, params)}
-                _common.hf_generate(hf, ids[:, :16].to(device), 2)
-                r["hf_generate_wall_s"] = _common.hf_generate(hf, ids.to(device), n_new)
-            toks = B * n_new
-            r.update(tokens_per_s=toks / r["graphs_wall_s"], eager_tokens_per_s=toks / r["eager_wall_s"],
-                     stock_moe_block_tokens_per_s=toks / r["stock_moe_block_wall_s"],
-                     hf_generate_tokens_per_s=toks / r["hf_generate_wall_s"],
+                wall, steps, _ = _common.engine_run(eager, prompts, params)
+            x = {"stock_moe_block_wall_s": wall, "stock_moe_block_decode_ms": _common.decode_ms(steps, n_new)}
+            if B == Bmax:
+                x["host_syncs_per_decode_step"] = {"graphs": _common.step_syncs(graphs, prompts, params),
+                                                   "eager": _common.step_syncs(eager, prompts, params)}
+            return x
+        try:
+            r = _common.rollout_row(graphs, eager, hf, ids, n_new, device, params, warm, extra=stock_block)
+            r.update(stock_moe_block_tokens_per_s=B * n_new / r["stock_moe_block_wall_s"],
                      vs_stock_moe_block=r["stock_moe_block_wall_s"] / r["graphs_wall_s"],
-                     vs_hf_generate=r["hf_generate_wall_s"] / r["graphs_wall_s"],
-                     graphs_vs_eager=r["eager_wall_s"] / r["graphs_wall_s"],
                      eager_vs_stock_moe_block=r["stock_moe_block_wall_s"] / r["eager_wall_s"])
         except Exception:
-            r["error"] = traceback.format_exc()[-2000:]
+            r = {"B": B, "error": traceback.format_exc()[-2000:]}
             print(r["error"], flush=True)
         out[f"B{B}"] = r
         print("rollout", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "error"},
               flush=True)
         rec.flush()
-    del graphs, eager
 
 
 def stock_graphs(model, a, device, rec):
@@ -165,42 +148,9 @@ def stock_graphs(model, a, device, rec):
 
 # ------------------------------------------------------------------ train
 def train(model, hf, a, device):
-    import bitmatch
     B, L = (int(v) for v in a.train_shape.split("x"))
-    ids = torch.randint(0, a.vocab, (B, L), device=device, generator=torch.Generator(device).manual_seed(3))
-    w = torch.randn(B, L - 1, device=device, generator=torch.Generator(device).manual_seed(4))
-    hf.train()
-    model.train()
-
-    def stock():
-        hf.zero_grad(set_to_none=True)
-        (gpu_train.stock_token_logprobs(hf, ids, 1.0) * w).sum().backward()
-
-    def ours():
-        model.zero_grad(set_to_none=True)
-        (bitmatch.token_logprobs(model, ids, None, temperature=1.0) * w).sum().backward()
-    res = {"batch": [B, L], "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None)}
-    def measure(name, m, step):
-        """Peak memory, step time, top kernels (and host syncs) of one side's training step."""
-        try:
-            res[f"{name}_peak_gib"], weights = gpu_train._peak(m, step)
-            res[f"{name}_step_ms"] = _common.cuda_ms(step, iters=3, warmup=1)
-            res[f"profile_{name}"] = _common.top_kernels(step, k=10)
-            if a.train_syncs:
-                res[f"host_syncs_{name}"] = _common.host_syncs(step)
-            if a.host_profile:
-                res[f"host_profile_{name}"] = _common.host_profile(step)
-            return weights
-        finally:
-            m.zero_grad(set_to_none=True)
-            m.eval()
-    res["weights_gib"] = measure("stock", hf, stock)
-    measure("ours", model, ours)
-    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
-               tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
-               peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
-    print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
-    _common.empty_cache()
+    res = gpu_train.train_compare(model, hf, B, L, a.vocab, device, syncs=a.train_syncs, host_profile=a.host_profile)
+    res["hf_experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
     return res
 
 

@@ -129,63 +129,14 @@ def rollout(model, hf, a, device, rec, deadline):
             out.setdefault("skipped_for_time", []).append(B)
             continue
         ids = torch.randint(3, a.vocab, (B, L), generator=torch.Generator().manual_seed(B))
-        prompts = ids.tolist()
-        r = {"B": B, "prompt_len": L, "new_tokens": n_new}
         try:
-            with torch.no_grad():
-                _common.engine_run(graphs, prompts, warm)
-                _common.engine_run(graphs, prompts, warm)
-                wall, steps, toks_g = _common.engine_run(graphs, prompts, params)
-                r.update(graphs_wall_s=wall, graphs_decode_ms=_common.decode_ms(steps, n_new),
-                         prefill_step_ms=steps[0], graphs=_common.graph_use(graphs))
-                _common.engine_run(eager, prompts, warm)
-                wall, steps, toks_e = _common.engine_run(eager, prompts, params)
-                r.update(eager_wall_s=wall, eager_decode_ms=_common.decode_ms(steps, n_new),
-                         graphs_vs_eager_bits_equal=toks_g == toks_e)
-                _common.hf_generate(hf, ids[:, :16].to(device), 2)
-                r["hf_generate_wall_s"] = _common.hf_generate(hf, ids.to(device), n_new)
-            toks = B * n_new
-            r.update(tokens_per_s=toks / r["graphs_wall_s"], eager_tokens_per_s=toks / r["eager_wall_s"],
-                     hf_generate_tokens_per_s=toks / r["hf_generate_wall_s"],
-                     vs_hf_generate=r["hf_generate_wall_s"] / r["graphs_wall_s"],
-                     graphs_vs_eager=r["eager_wall_s"] / r["graphs_wall_s"])
+            r = _common.rollout_row(graphs, eager, hf, ids, n_new, device, params, warm)
         except Exception:
-            r["error"] = traceback.format_exc()[-2000:]
+            r = {"B": B, "error": traceback.format_exc()[-2000:]}
             print(r["error"], flush=True)
         out[f"B{B}"] = r
         print("rollout", {k: v for k, v in r.items() if k != "error"}, flush=True)
         rec.flush()
-
-
-def train(model, hf, a, device):
-    import bitmatch
-    B, L = (int(v) for v in a.train_shape.split("x"))
-    ids = torch.randint(3, a.vocab, (B, L), device=device, generator=torch.Generator(device).manual_seed(3))
-    w = torch.randn(B, L - 1, device=device, generator=torch.Generator(device).manual_seed(4))
-
-    def stock():
-        hf.zero_grad(set_to_none=True)
-        (gpu_train.stock_token_logprobs(hf, ids, 1.0) * w).sum().backward()
-
-    def ours():
-        model.zero_grad(set_to_none=True)
-        (bitmatch.token_logprobs(model, ids, None, temperature=1.0) * w).sum().backward()
-    res = {"batch": [B, L]}
-    for name, m, step in (("stock", hf, stock), ("ours", model, ours)):
-        m.train()
-        try:
-            res[f"{name}_peak_gib"], res["weights_gib"] = gpu_train._peak(m, step)
-            res[f"{name}_step_ms"] = _common.cuda_ms(step, iters=3, warmup=1)
-            res[f"profile_{name}"] = _common.top_kernels(step, k=12)
-        finally:
-            m.zero_grad(set_to_none=True)
-            m.eval()
-    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
-               tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
-               peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
-    print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
-    _common.empty_cache()
-    return res
 
 
 def main(argv=None):
@@ -254,7 +205,8 @@ def main(argv=None):
             elif name == "rollout":
                 rollout(model, hf, a, dev, rec, deadline)
             elif name == "train":
-                rec.put("train", train(model, hf, a, dev))
+                B, L = (int(v) for v in a.train_shape.split("x"))
+                rec.put("train", gpu_train.train_compare(model, hf, B, L, a.vocab, dev))
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:
