@@ -9,7 +9,7 @@ engine's sampled tokens and logprobs) and compares:
   gradients reach the parameters' ``.grad`` as DTensor shards and equal the unsharded model's bit
   for bit when both ranks score the same batch (FSDP2 averages (g + g) / 2 = g exactly), and the
   average of the two batches' gradients bit for bit when each rank scores its own; HF gradient
-  checkpointing on top gives the same bits;
+  checkpointing on top, and a no-grad pass, give the same bits;
 - verl's layout: fp32 masters, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, the
   embedding and the head units of their own: the engine's sampled tokens scored at its temperature
   give the engine's logprobs bit for bit, and the gradients are the bf16 model's exactly;
@@ -100,6 +100,8 @@ def _fp32_cases(rank, mesh):
     lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()
     out["dp/logprobs"], out["dp/grads"] = lp.detach(), _grads(lm)
+    with torch.no_grad():  # the old-logprobs pass: the same hooks, no backward to follow
+        out["no_grad/logprobs"] = bitmatch.token_logprobs(lm, *_batch(7))
 
     lm = _model()
     lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -186,6 +188,7 @@ def _assert_bits(name, got, want):
 def test_fsdp2_logprobs_and_gradients_equal_unsharded(ranks):
     want_lp, want_g = _unsharded(*_batch(7))
     for r, got in enumerate(ranks):
+        _assert_bits(f"no_grad rank {r} logprobs", got["no_grad/logprobs"], want_lp)
         for case in ("fp32", "ckpt"):
             _assert_bits(f"{case} rank {r} logprobs", got[f"{case}/logprobs"], want_lp)
             for n, g in want_g.items():
