@@ -15,7 +15,10 @@ What the plugin does (``plugin.py``; verl 0.9.1):
   ``bitmatch/*`` metrics in verl's metric dict, policy raise / warn / log
   (``BITMATCH_ON_MISMATCH``), the shared message and repro bundle (``bitmatch.stepcheck``).
 With the vLLM rollout (``rollout.name=vllm``) and the bitmatch vLLM plugin on (``BITMATCH=1`` in
-the workers' environment) the actor patch and the check apply as well.
+the workers' environment) the actor patch and the check apply as well. Without GPUs:
+``VERL_PLATFORM=cpu`` gives every verl process a CPU platform (``cpu.py``), and a local Ray's
+declared GPUs (``+ray_kwargs.ray_init.num_gpus=2``) place verl's workers; tests/test_verl_ray.py
+runs ``main_ppo`` that way.
 """
 from __future__ import annotations
 
