@@ -19,7 +19,7 @@ import bitmatch.kernels as K
 from bitmatch import controls
 from bitmatch import testing as T
 from bitmatch import verify
-from bitmatch.cli_common import (EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, load_error, one_line,  # noqa: F401
+from bitmatch.cli_common import (EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, front, load_error, one_line,  # noqa: F401
                                  usage_error, version_string, writable_file_problem, writable_folder_problem)
 from bitmatch.demo import main as demo_main
 from bitmatch.family_check import family_cases, tiny_model_for
@@ -308,36 +308,15 @@ def replay(argv=None) -> int:
     return EXIT_OK if res.bitmatched else EXIT_DIVERGED
 
 
-USAGE = """usage: bitmatch {check,locate,replay,demo} [options]   (bitmatch COMMAND --help for its options)
-
-  check      run the invariance self-test of every op and print a table
-             (--family NAME: every op that family uses, at its shapes, with controls)
-  locate     run the same tokens through two paths (--pair engine|hf|schedule|backend) and
-             name the first op whose output bits differ (docs/porting.md)
-  demo       rollouts with the embedded engine vs trainer logprobs: Diff = 0 with
-             bitmatch, the nonzero diff without (tiny model built in code)
-  --version  print the versions of bitmatch, torch and transformers
-
-exit codes: 0 ok; 1 a divergence / mismatch found; 2 a usage or load error (one line naming
-the problem and the fix); 3 an internal error (a bug: the traceback, please report it)"""
-
-
 def main(argv=None) -> int:
+    """The ``bitmatch`` command (the console script enters at cli_common.main, which answers help,
+    version and unknown commands without importing this module)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:  # a bare `bitmatch` did nothing useful: say how to use it, exit as argparse does
-        print(USAGE, file=sys.stderr)
-        return 2
-    if argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    if argv[0] in ("-V", "--version"):
-        print(version_string())
-        return 0
+    early = front(argv)
+    if early is not None:
+        return early
     cmd, rest = argv[0], argv[1:]
     commands = {"check": check, "locate": locate, "replay": replay, "demo": _demo}
-    if cmd not in commands:
-        print(f"bitmatch: unknown command {cmd!r} (use check, locate, replay or demo)\n\n{USAGE}", file=sys.stderr)
-        return EXIT_USAGE
     try:
         return commands[cmd](rest) or EXIT_OK
     except Exception:  # a bug, not a user error: the traceback, and a code that is not "divergence found"

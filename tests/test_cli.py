@@ -106,3 +106,15 @@ def test_engine_style_sdpa_same_values():
         qsl, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([t + 1], dtype=torch.int32)
         got = stock_sdpa_paged(q[t:t + 1], kc, vc, bt, qsl, lens, 0.2, engine_style=True)
         assert torch.allclose(got, ref[t:t + 1], atol=1e-5)
+
+
+def test_console_entry_answers_help_and_version_without_torch():
+    # the console script (pyproject: bitmatch.cli_common:main) answers these before torch loads
+    import subprocess
+    import sys
+    code = ("import sys; from bitmatch.cli_common import main; rc = main(['--help']); rc2 = main(['--version']); "
+            "rc3 = main(['nope']); print(rc, rc2, rc3, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 0 2 False", out.stdout
+    assert "replay" in out.stdout and "unknown command 'nope'" in out.stderr
