@@ -269,6 +269,28 @@ def r_moe_e2e(d):
     return out
 
 
+def r_nemotron_h_e2e(d):
+    """benchmarks/nemotron_h_e2e.py: Diff with graphs, rollout and training vs HF with the Mamba kernels."""
+    a, secs = d.get("args", {}), d.get("sections", {})
+    kern = d.get("hf_kernels") or {}
+    out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, blocks {fmt(a.get('blocks'))}, Mamba "
+                       f"{fmt(a.get('mamba_heads'))} heads x {fmt(a.get('mamba_head_dim'))}, chunk {fmt(a.get('chunk'))}. "
+                       "HF's Mamba functions ran: " + "; ".join(f"{k}: {v}" for k, v in kern.items()) + ".", ""]
+    if secs.get("diff"):
+        out += table(["Diff config", "CUDA graphs", "tokens", "mismatches", "stock HF mismatches"],
+                     [[c.get("config"), c.get("graphs_on"), c.get("tokens"), c.get("mismatches"),
+                       c.get("control_stock_hf_mismatches")] for c in secs["diff"]]) + [""]
+    if secs.get("rollout"):
+        out += table(["rollout B", "tokens/s vs HF generate", "graphs vs eager", "graphs == eager bits"],
+                     [[b.get("B"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"), b.get("graphs_vs_eager_bits_equal")]
+                      for b in secs["rollout"].values() if isinstance(b, dict)])
+    t = secs.get("train")
+    if isinstance(t, dict):
+        out += ["", f"Training fwd+bwd vs HF (batch {fmt(t.get('batch'))}): tokens/s ratio "
+                f"{fmt(t.get('tokens_per_s_ratio'))}, peak memory ratio {fmt(t.get('peak_memory_ratio'))}."]
+    return out
+
+
 def r_gpu_train(d):
     """benchmarks/gpu_train.py --sections train: bitmatch vs stock HF and vs HF + Liger."""
     rows = []
@@ -425,6 +447,8 @@ RENDERERS = {
     "moe_h200": ("MoE layer forward (`benchmarks/moe_layer.py`)", r_moe_layer),
     "moe_layer_bwd_h200": ("MoE layer forward and backward (`benchmarks/moe_layer.py --backward`)", r_moe_layer),
     "moe_e2e_h200": ("Qwen3-MoE end to end (`benchmarks/moe_e2e.py`)", r_moe_e2e),
+    "nemotron_h_e2e_h200": ("Nemotron-H end to end vs HF with the Mamba kernels (`benchmarks/nemotron_h_e2e.py`)",
+                            r_nemotron_h_e2e),
     "gpu_train_h200": ("Dense training vs stock HF and HF + Liger (`benchmarks/gpu_train.py --sections train`)",
                        r_gpu_train),
     "deepseek_v4_flash4_h200": ("DeepSeek-V4, 4-layer Flash truncation (`benchmarks/deepseek_v4_layer.py`)",
