@@ -9,9 +9,9 @@ the rest. With verl's Ray trainer on GPUs:
         actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.actor.strategy=fsdp2 \\
         actor_rollout_ref.ref.strategy=fsdp2 algorithm.adv_estimator=grpo ...
 
-verl's Ray trainer does not start on a CPU-only machine (its rollout servers, ``transfer_queue``,
-the CUDA platform), so by default this script runs verl's own worker and trainer code in one
-process: ``ActorRolloutRefWorker`` (FSDP2 actor and ref on gloo, the ``bitmatch`` rollout built
+verl's own Ray loop (``main_ppo`` -> ``RayPPOTrainer.fit``) runs on CPU with a local Ray and declared
+GPUs (tests/test_verl_ray.py; docs/scaling.md says what verl 0.9.1 still assumes). This script stays
+in one process and runs verl's own worker and trainer code directly: ``ActorRolloutRefWorker`` (FSDP2 actor and ref on gloo, the ``bitmatch`` rollout built
 through verl's ``_ROLLOUT_REGISTRY``), ``update_weights`` (naive mode) every step, and the
 trainer's own ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` / ``compute_advantage`` (GRPO)
 / ``_update_actor``, ``calculate_debug_metrics`` and ``compute_rollout_correction_and_add_to_batch``.
@@ -52,50 +52,17 @@ def _trl_example():
 # ----------------------------------------------------------------------------- verl on CPU
 
 def cpu_setup(port: int = 29533):
-    """Let verl's FSDP2 workers run in this process on CPU: a CPU platform (``VERL_PLATFORM=cpu``),
-    verl's FSDP engine registered for the CPU device, no pinned memory (it needs an accelerator),
-    a one-rank gloo process group on 127.0.0.1."""
-    import contextlib
-
+    """Let verl's FSDP2 workers run in this process on CPU: verl's ``cpu`` platform and FSDP engine
+    from ``bitmatch.adapters.verl.cpu`` (``VERL_PLATFORM=cpu``; no pinned memory), a one-rank gloo
+    process group on 127.0.0.1."""
     import torch
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import PlatformRegistry
 
     os.environ.setdefault("VERL_PLATFORM", "cpu")
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
         os.environ.setdefault(k, v)
-    if PlatformRegistry.get("cpu") is None:
-        noop = lambda *a, **k: None  # noqa: E731
-
-        class _CpuDevice:   # torch.cpu plus the memory queries verl makes of a device module (0 on CPU)
-            def __getattr__(self, name):
-                return getattr(torch.cpu, name, lambda *a, **k: 0)
-
-            def mem_get_info(self, *a):
-                return 0, 0
-
-            def get_device_name(self, *a):
-                return "CPU"
-
-        methods = dict(
-            device_name=property(lambda s: "cpu"), vendor_name=property(lambda s: "cpu"),
-            device_module=property(lambda s: _CpuDevice()), is_available=lambda s: True,
-            current_device=lambda s: "cpu", device_count=lambda s: 1, set_device=noop, synchronize=noop,
-            manual_seed=lambda s, x: torch.manual_seed(x), manual_seed_all=lambda s, x: torch.manual_seed(x),
-            set_allocator_settings=noop, empty_cache=noop, get_device_capability=lambda s, i=0: (None, None),
-            communication_backend_name=lambda s: "gloo", visible_devices_envvar=lambda s: "CUDA_VISIBLE_DEVICES",
-            nvtx_range=lambda s, msg: contextlib.nullcontext(), profiler_start=noop, profiler_stop=noop,
-            ray_resource_name=lambda s: "CPU", ray_noset_envvars=lambda s: [], is_ipc_supported=lambda s: False,
-            cudart=lambda s: None)
-        PlatformRegistry.register(platform="cpu")(type("PlatformCPU", (PlatformBase,), methods))
-    from verl.workers.engine.base import EngineRegistry
-    import verl.workers.engine.fsdp.transformer_impl as ti
-    for backend in ("fsdp", "fsdp2"):
-        EngineRegistry._engines["language_model"][backend].setdefault("cpu", ti.FSDPEngineWithLMHead)
-    if not getattr(ti.CPUOffloadPolicy, "_bitmatch_cpu", False):
-        policy = ti.CPUOffloadPolicy
-        ti.CPUOffloadPolicy = lambda pin_memory=True: policy(pin_memory=False)
-        ti.CPUOffloadPolicy._bitmatch_cpu = True
+    from bitmatch.adapters.verl import cpu
+    cpu.register_platform()
+    cpu.register_engine()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
 
