@@ -143,7 +143,7 @@ def test_categorical_sample_refuses_bad_inputs():
 
 
 def _old_call(logits, params, seeds, indices):
-    """The Sampler before the split (bitmatch 2026-12-03, f1a50cc), kept as the behaviour to match."""
+    """The Sampler before its host/device split, frozen here as the behaviour the split must match."""
     dev, n = logits.device, len(params)
     greedy = [sp.greedy for sp in params]
     masked_rows = [sp.masked for sp in params]
