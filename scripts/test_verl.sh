@@ -16,6 +16,10 @@ set +e
 # (python -m verl.trainer.main_ppo -> RayPPOTrainer.fit) on declared GPUs, about 3 minutes
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 tests/test_verl.py tests/test_verl_ray.py "$@"
 rc=$?
+# the README's verl blocks (skipped in the main environment, which has no verl)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_readme.py -m verl
+rc_readme=$?
+[ "$rc" -eq 0 ] && rc=$rc_readme
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no verl tests: that is a failure here" >&2

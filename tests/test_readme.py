@@ -1,6 +1,7 @@
 """Every ```python block of README.md runs (CPU, tiny models built in code, no network).
 
-A block whose first line is ``# needs: PKG`` is skipped, with that reason, where PKG does not import;
+A block whose first line is ``# needs: PKG`` is skipped, with that reason, where PKG does not import
+(``# needs: verl`` blocks carry the ``verl`` mark: scripts/test_verl.sh runs them in verl's environment);
 blocks that need vLLM run in a subprocess (vLLM keeps process-wide state and may start processes
 that re-import ``__main__``); the others run in this process, each in a fresh namespace named
 ``__main__``, so a block can use nothing another block defined.
@@ -25,7 +26,10 @@ def _blocks():
     out = []
     for m in BLOCK.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
-        out.append(pytest.param(m.group(1), id=f"README.md:{line}"))
+        code = m.group(1)
+        # a verl block runs in the verl job (scripts/test_verl.sh: -m verl), verl's own environment
+        marks = [pytest.mark.verl] if code.startswith("# needs: verl") else []
+        out.append(pytest.param(code, id=f"README.md:{line}", marks=marks))
     return out
 
 
