@@ -13,7 +13,7 @@ from .attention import attention_decode, attention_paged, attention_prefill, wri
 from .linear import linear
 from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
 from .logprobs import full_logprobs, token_logprobs
-from .moe import moe_experts, moe_route
+from .moe import moe_combine, moe_experts, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
 from .sampling import apply_top_k_top_p, categorical_sample, top_k_top_p_mask, uniform_noise
@@ -26,7 +26,7 @@ __all__ = [
     "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
     "uniform_noise", "use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
-    "moe_route", "moe_experts",
+    "moe_route", "moe_experts", "moe_combine",
     "sink_attention", "sink_attention_rows", "KeyRows", "compress_windows", "indexer_topk", "indexer_select",
     "hc_pre", "hc_post", "hc_head",
     "apply_rotary_interleaved",

@@ -1,5 +1,6 @@
-"""moe_route and moe_experts: a mixture-of-experts layer whose per-token bits never depend on
-the batch (dropless, no capacity factor, no atomics).
+"""moe_route, moe_experts and moe_combine: a mixture-of-experts layer whose per-token bits never
+depend on the batch (dropless, no capacity factor, no atomics). moe_combine is moe_experts' last
+step on its own (expert parallelism computes the rows on the experts' ranks and combines here).
 
 Canonical order (what fixes the bits):
 - moe_route: fp32 scores per row (softmax | sigmoid | sqrtsoftplus); experts ranked by
@@ -26,7 +27,7 @@ import torch
 
 from . import _exact, stock
 from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
-                       recompute_grads, triton_impl)
+                       needs_autograd, recompute_grads, triton_impl)
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 
@@ -302,3 +303,44 @@ def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_lim
     limit = None if swiglu_limit is None else float(swiglu_limit)
     return ExpertsFunction.apply(x.contiguous(), weights.float().contiguous(), w_in.contiguous(),
                                  w_out.contiguous(), ids.long().contiguous(), activation, limit)
+
+
+class CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights):
+        ctx.save_for_backward(y, weights)
+        return _combine_forward(y, weights)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, weights = ctx.saved_tensors
+        return tuple(recompute_grads(lambda a, b: (b.unsqueeze(-1) * a.float()).sum(1).to(a.dtype), (y, weights),
+                                     ctx.needs_input_grad, (g,)))
+
+
+def moe_combine(y, weights):
+    """y [T, k, H] (bf16|fp32: each (token, rank) row's expert output, as moe_experts computes it),
+    weights fp32 [T, k] -> [T, H] in y's dtype: moe_experts' combine on its own (for expert
+    parallelism: the (token, rank) rows come from the experts' ranks, the combine runs on the
+    token's rank). out_t = round(sum over r = 0..k-1 in rank order of fp32(w[t, r]) * fp32(y[t, r])),
+    each product rounded to fp32, then added, from 0.0.
+
+    Invariance: each token's bits depend only on its own rows of y and weights.
+    """
+    op = "moe_combine"
+    check_float("y", y, op)
+    if y.dim() != 3:
+        raise ValueError(f"{op}: y must be [T, k, H], got shape {tuple(y.shape)}")
+    if weights.shape != y.shape[:2]:
+        raise ValueError(f"{op}: weights must be [T, k] = {tuple(y.shape[:2])}, got {tuple(weights.shape)}")
+    check_same_device(op, y=y, weights=weights)
+    y, weights = y.contiguous(), weights.float().contiguous()
+    if needs_autograd(y, weights):
+        return CombineFunction.apply(y, weights)
+    return _combine_forward(y, weights)
+
+
+def _combine_forward(y, weights):
+    if backend_for(y) == "reference":
+        return combine_reference(y, weights)
+    return triton_impl("moe", "moe_combine")(y, weights)

@@ -288,6 +288,11 @@ def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_lim
     return out
 
 
+def moe_combine(y, weights):
+    """The weighted sum of each token's expert rows in torch's own reduction order (in y's dtype)."""
+    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
 # ---------------------------------------------------------------- DeepSeek-V4 (HF's fp32 formulas)
 def sink_attention(q, qpos, kv, entries, entry_mask, sinks, *, scale, window):
     """One fp32 softmax over the window's keys, the visible entries and the sink (a logit without a value)."""
@@ -477,6 +482,7 @@ __all__ = ["linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_c
            "apply_rotary_interleaved", "sdpa_prefill", "sdpa_paged", "attention_prefill", "attention_paged",
            "attention_decode", "write_kv_cache", "full_logprobs", "token_logprobs", "top_k_top_p_mask",
            "apply_top_k_top_p", "categorical_sample", "uniform_noise", "moe_scores", "moe_route", "moe_experts",
-           "sink_attention", "sink_attention_rows", "compress_windows", "indexer_topk", "indexer_select", "hc_pre",
+           "moe_combine", "sink_attention", "sink_attention_rows", "compress_windows", "indexer_topk",
+           "indexer_select", "hc_pre",
            "hc_post", "hc_head", "causal_conv1d", "row_keys", "sink_attention_rows_fp32",
            "mamba_chunk_scan", "gated_rms_norm"]

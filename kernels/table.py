@@ -95,6 +95,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("uniform_noise", "sampling", _ROWS, ("torch",), stock.uniform_noise),
     OpSpec("moe_route", "moe", _ROWS, _RT, stock.moe_route),
     OpSpec("moe_experts", "moe", _ROWS, _RT, stock.moe_experts),
+    OpSpec("moe_combine", "moe", _ROWS, _RT, stock.moe_combine),
     OpSpec("sink_attention", "compressed_attention", _SEQ, _RT, stock.sink_attention),
     # every row of a step (trainer's packed rows or the engine's paged caches) through one KeyRows
     OpSpec("sink_attention_rows", "compressed_attention", _STATE, _RT, stock.sink_attention_rows),

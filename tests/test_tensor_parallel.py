@@ -148,17 +148,20 @@ def _moe_inputs(E=8, k=2, H=64, I=32, T=11, dtype=BF):
     return x, ids, w, w_in, w_out
 
 
+EP_CASES = (("reference", BF), ("triton", torch.float32), ("triton", BF))
+
+
 def _experts(ep):
-    """The MoE experts at EP = world: rank r holds experts [r E/N, (r + 1) E/N); bf16 on the reference,
-    fp32 on the Triton grouped GEMM under the interpreter (whose fp32 -> bf16 cast truncates where
-    torch's and the GPU's round to nearest even: the torch-side combine would differ in bf16 there)."""
+    """The MoE experts at EP = world: rank r holds experts [r E/N, (r + 1) E/N); on the reference and on
+    the Triton grouped GEMM and combine (interpreter), fp32 and bf16 (the combine is kernels.moe_combine,
+    the kernel the one-rank moe_experts ends with, so even the interpreter's fp32 -> bf16 cast agrees)."""
     out = {}
-    for backend, dt in (("reference", BF), ("triton", torch.float32)):
+    for backend, dt in EP_CASES:
         x, ids, w, w_in, w_out = _moe_inputs(dtype=dt)
         n = w_in.shape[0] // ep.world
         mine = slice(ep.rank * n, (ep.rank + 1) * n)
         with K.use_backend(backend):
-            out[f"ep/{backend}"] = expert_parallel_experts(x, ids, w, w_in[mine], w_out[mine], w_in.shape[0], ep)
+            out[f"ep/{backend}/{dt}"] = expert_parallel_experts(x, ids, w, w_in[mine], w_out[mine], w_in.shape[0], ep)
             if backend == "reference":
                 out["ep/allreduce"] = allreduce_expert_parallel(x, ids, w, w_in[mine], w_out[mine], w_in.shape[0], ep)
     return out
@@ -302,12 +305,15 @@ def test_row_parallel_by_gather_equal_tp1_and_allreduce_control_differs(ranks):
 
 def test_expert_parallel_equals_ep1_and_allreduce_control_differs(ranks):
     world, res = ranks
-    for backend, dt in (("triton", torch.float32), ("reference", BF)):
+    for backend, dt in EP_CASES:
         x, ids, w, w_in, w_out = _moe_inputs(dtype=dt)
         with K.use_backend(backend):
             want = K.moe_experts(x, ids, w, w_in, w_out)
         for r, got in enumerate(res):
-            _assert_bits(f"EP {world} rank {r} experts, {backend}", got[f"ep/{backend}"], want)
+            _assert_bits(f"EP {world} rank {r} experts, {backend} {dt}", got[f"ep/{backend}/{dt}"], want)
+    x, ids, w, w_in, w_out = _moe_inputs(dtype=BF)
+    with K.use_backend("reference"):
+        want = K.moe_experts(x, ids, w, w_in, w_out)
     for r, got in enumerate(res):
         # the stock combine: each rank's partial rounded to bf16, the partials added by the all-reduce
         assert not torch.equal(got["ep/allreduce"], want), "control: the all-reduce combine should differ"

@@ -7,7 +7,8 @@ expert parallelism combines each rank's experts' share on that rank and adds the
 sums (an all-reduce or an all-to-all followed by a sum): another order. Here each rank computes
 y[t, r] for the slots its experts own, the rows travel as bytes (an all-gather in this
 simulation; the all-to-all of a real deployment moves bytes too), and the combine runs over the
-full [T, k, H] in slot order, exactly as the one-rank kernel does.
+full [T, k, H] in slot order through ``kernels.moe_combine``: the very combine the one-rank
+``moe_experts`` ends with, on either backend (the CPU reference, or the Triton kernel on CUDA).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 import bitmatch.kernels as K
-from bitmatch.kernels.moe import combine_reference
 
 from .collectives import TPGroup, all_gather_cat
 
@@ -28,9 +28,6 @@ def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:
     if w_in_local.shape[0] != local:
         raise ValueError(f"expert_parallel: w_in_local holds {w_in_local.shape[0]} experts, rank {ep.rank} of "
                          f"{ep.world} owns {local} (experts [{ep.rank * local}, {(ep.rank + 1) * local}))")
-    if ids.device.type != "cpu":
-        raise NotImplementedError("expert_parallel: the slot-order combine runs kernels.moe's CPU reference "
-                                  "(combine_reference); CUDA tensors need the Triton combine kernel exposed")
     return local
 
 
@@ -64,7 +61,7 @@ def expert_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_expert
     EP = 1's output on every rank, for any EP degree dividing the expert count."""
     y = expert_outputs(x, ids, w_in_local, w_out_local, num_experts, ep, activation=activation,
                        swiglu_limit=swiglu_limit)
-    return combine_reference(y, weights.float())
+    return K.moe_combine(y, weights.float())
 
 
 def allreduce_expert_parallel(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup) -> torch.Tensor:

@@ -243,7 +243,21 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
     _gemm_out_kernel[(grid_m, triton.cdiv(H, BN2))](
         a, w_out, order, y, tile_end, counts, row_start, H, I, E, kc2, SPLIT=split2, BM=BM, BN=BN2,
         BK=BK, BLOCK_E=block_e, EVEN_K=even2, INTERP=interp, PREC=prec, **kw)
+    _launch_combine(y, weights, out, T, k, H, interp)
+    return out
+
+
+def _launch_combine(y, weights, out, T, k, H, interp):
     block = min(1024, triton.next_power_of_2(H))
     ckw = {} if interp else dict(num_warps=4, enable_fp_fusion=False)  # w * y rounded, then added
     _combine_kernel[(T, triton.cdiv(H, block))](y, weights, out, H, TOPK=k, BLOCK=block, **ckw)
+
+
+def moe_combine(y, weights):
+    """y [T, k, H] (contiguous), weights fp32 [T, k] -> [T, H] in y's dtype: the combine
+    moe_experts ends with (rank order, each product rounded to fp32, then added, from 0.0)."""
+    T, k, H = y.shape
+    out = torch.empty((T, H), device=y.device, dtype=y.dtype)
+    if T:
+        _launch_combine(y, weights, out, T, k, H, interpreting(y))
     return out
