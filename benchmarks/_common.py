@@ -163,6 +163,23 @@ def host_syncs(fn, k=8):
 def geomean(xs):
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+def capture_graph(fns, calls):
+    """One CUDA graph of ``calls`` calls rotating over ``fns`` (each warmed once on a side stream
+    first, as torch asks)."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return g
+
+
 def bench(make_fn, bytes_per_call, rep=100, warmup=25, n=None, graph=True):
     """Median ms per call. Inputs rotate over n copies (enough to exceed 3x L2). graph=True:
     the calls (>= 8 back to back over the rotated copies, or 1 if a call moves > 3x L2) are
@@ -176,17 +193,7 @@ def bench(make_fn, bytes_per_call, rep=100, warmup=25, n=None, graph=True):
     if graph:
         try:
             calls = 1 if bytes_per_call >= 3 * L2 else max(n, 8)
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                for f in fns:
-                    f()
-            torch.cuda.current_stream().wait_stream(st)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(calls):
-                    fns[i % n]()
+            g = capture_graph(fns, calls)
             t = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
             del g
             return t / calls

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import machine_info
+from _common import capture_graph, machine_info
 
 BF = torch.bfloat16
 L2 = 50 * 2 ** 20
@@ -130,17 +130,7 @@ def precompile(ms, workers):
 
 def time_graph(fns):
     """Median ms per call of CALLS calls (rotating over fns) captured in one CUDA graph."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fns[i % len(fns)]()
+    g = capture_graph(fns, CALLS)
     g.replay()
     ts = []
     for _ in range(5):
