@@ -13,6 +13,7 @@ Usage (device): python3 benchmarks/attention_decode.py --out DIR --old OLD_atten
 OLD_attention.py: the previous kernels/triton/attention.py (git show REV:kernels/triton/attention.py).
 """
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -23,6 +24,8 @@ import sys
 import time
 
 import torch
+
+from _common import capture_graph  # the script's folder is on sys.path
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 NOMINAL_TBPS = 4.3
@@ -74,16 +77,7 @@ def time_graph(fn, nrot, n_launch, replays=8):
     """Median ms per launch of a CUDA graph holding n_launch calls fn(i % nrot)."""
     fn(0)
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(nrot):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_launch):
-            fn(i % nrot)
+    graph = capture_graph([functools.partial(fn, i) for i in range(nrot)], n_launch)
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()

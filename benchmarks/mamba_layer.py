@@ -111,19 +111,10 @@ class Bench:
     def graphed(self, fn, errors):
         """Median ms of one replay of a CUDA graph of fn (None off CUDA, or when capture fails:
         the reason goes to ``errors``)."""
-        torch = self.torch
         if self.dev != "cuda":
             return None
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            return self.timed(g.replay)
+            return self.timed(_common.capture_graph([fn], 1).replay)
         except Exception as exc:  # noqa: BLE001 - the eager timings still stand
             errors.append(repr(exc))
             return None
