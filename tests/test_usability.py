@@ -244,3 +244,16 @@ def test_readme_install_lines_work_from_a_clone():
         assert line in readme, line
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {"trl", "vllm", "plot", "dev"} <= set(extras)
+
+
+def test_every_package_folder_ships():
+    """pyproject's explicit package list names every folder with an __init__.py under bitmatch/,
+    kernels/ and adapters/ (a non-editable install, as on the GPU machine, ships only those)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = set()
+    for name, folder in cfg["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found <= listed, f"packages missing from pyproject's list: {sorted(found - listed)}"
