@@ -64,7 +64,7 @@ def main(argv=None):
             bitmatch.adapters.vllm.enable()   # BITMATCH=1 before GRPOTrainer builds the colocated vLLM
         for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                      ("VLLM_CPU_OMP_THREADS_BIND", "nobind")):
-            os.environ.setdefault(k, v)   # CPU build settings (docs/design.md section 4); harmless on GPU
+            os.environ.setdefault(k, v)   # CPU build settings (the README's vLLM block); harmless on GPU
         over.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
                     vllm_max_model_length=256)
     if a.model:

