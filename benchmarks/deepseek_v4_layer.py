@@ -74,7 +74,8 @@ FLASH4 = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, n
 # type): hidden 2048, 16 heads x 512, 64 experts top-6, layers sliding / CSA / HCA / CSA / HCA / CSA
 MID = dict(FLASH4, hidden_size=2048, moe_intermediate_size=1024, num_hidden_layers=6, num_attention_heads=16,
            q_lora_rank=512, n_routed_experts=64, o_groups=4, o_lora_rank=512, index_n_heads=32, index_topk=256,
-           mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4)
+           layer_types=["sliding_attention"] + ["compressed_sparse_attention", "heavily_compressed_attention"] * 2
+           + ["compressed_sparse_attention"], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4)
 CONFIGS = {"flash4": FLASH4, "mid": MID}
 
 
