@@ -22,7 +22,8 @@ import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import SamplingParams
 from bitmatch.engine.graphs import graph_safe
-from bitmatch.models import dense, family_of, unwrap_causal_lm
+from bitmatch.models import family_of, unwrap_causal_lm
+from bitmatch.models.state import create_state, drop_state
 from bitmatch.models.qwen3_moe import Qwen3MoeFamily
 from bitmatch.testing_models import random_prompts, tiny_model
 from host_reads import host_reads
@@ -87,11 +88,11 @@ def test_tensor_parallel_models_stay_eager():
     m = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, **TINY)
     lm = unwrap_causal_lm(m)
     assert graph_safe(m)
-    dense.TENSOR_PARALLEL[lm] = object()
+    create_state(lm).tp = object()
     try:
         assert not graph_safe(m)
     finally:
-        dense.TENSOR_PARALLEL.pop(lm, None)
+        drop_state(lm, "tp")
 
 
 # ---------------------------------------------------------------- the MoE block on Triton

@@ -29,7 +29,6 @@ Families that share this attention and differ in the MLP (``qwen3_moe``) subclas
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,15 +37,9 @@ import torch.nn.functional as F
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import lora
-from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
+from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param
-
-# lm -> one rank's tensor-parallel shard (bitmatch.parallel.enable_tensor_parallel): the family's
-# forward, LM head and KV caches then run the shard's gather-only layout (TP = 1's bits). Duck-typed
-# (forward_hidden, compute_logits, kv_heads), so this module never imports bitmatch.parallel.
-TENSOR_PARALLEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 def _kernels():
     """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
@@ -481,7 +474,7 @@ class DenseFamily(Family):
             scale=float(getattr(a0, "scaling", head_dim ** -0.5)),
             vocab_size=lm.lm_head.weight.shape[0],
         )
-        tp = TENSOR_PARALLEL.get(lm)
+        tp = tp_shard(lm)  # duck-typed: this module never imports bitmatch.parallel
         return spec if tp is None else replace(spec, num_kv_heads=tp.kv_heads)  # a TP rank caches its KV heads
 
     def cache_groups(self, spec: DenseSpec, dtype) -> list[CacheGroup]:
@@ -496,7 +489,7 @@ class DenseFamily(Family):
         overrides the forward or the MLP must opt in by overriding this."""
         cls = type(self)
         return (cls.forward_hidden is DenseFamily.forward_hidden and cls.mlp is DenseFamily.mlp
-                and lora.graph_capturable(lm) and lm not in TENSOR_PARALLEL)
+                and lora.graph_capturable(lm) and tp_shard(lm) is None)
 
     def refresh_derived_weights(self, lm, force: bool = False) -> None:
         """The fused q/k/v, gate/up copies and LoRA layers' kept merged weights brought up to date
@@ -505,7 +498,7 @@ class DenseFamily(Family):
         lora.refresh_rollout_weights(lm, force)
 
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
-        tp = TENSOR_PARALLEL.get(lm)
+        tp = tp_shard(lm)
         if tp is not None:
             return tp.forward_hidden(input_ids, ctx, recorder)
         # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
@@ -531,7 +524,7 @@ class DenseFamily(Family):
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        tp = TENSOR_PARALLEL.get(lm)
+        tp = tp_shard(lm)
         return lm_head_logits(lm, hidden, dtype) if tp is None else tp.compute_logits(hidden)
 
     def patch_modules(self, lm):

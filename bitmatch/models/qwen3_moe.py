@@ -32,7 +32,7 @@ import torch
 
 import bitmatch.kernels as K
 from bitmatch.models import dense, lora
-from bitmatch.models.registry import register
+from bitmatch.models.registry import register, tp_shard
 from bitmatch.precision import cast_param
 
 
@@ -109,7 +109,7 @@ class Qwen3MoeFamily(dense.DenseFamily):
         a subclass that overrides the forward or the MLP must opt in again."""
         cls = type(self)
         return (cls.forward_hidden is dense.DenseFamily.forward_hidden and cls.mlp is Qwen3MoeFamily.mlp
-                and lora.graph_capturable(lm) and lm not in dense.TENSOR_PARALLEL)  # TP steps: eager
+                and lora.graph_capturable(lm) and tp_shard(lm) is None)  # TP steps: eager
 
     def build_spec(self, lm) -> MoeSpec:
         base = super().build_spec(lm)

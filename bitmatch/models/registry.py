@@ -305,6 +305,14 @@ def forget_spec(lm) -> None:
     drop_state(lm, "spec")
 
 
+def tp_shard(lm):
+    """This rank's tensor-parallel shard of ``lm`` (``bitmatch.parallel.enable_tensor_parallel``), or
+    None when it runs as one process. A family's ``forward_hidden`` / ``compute_logits`` /
+    ``cache_groups`` hand over to the shard's methods of the same names while one is set."""
+    st = get_state(lm)
+    return None if st is None else st.tp
+
+
 # ----------------------------------------------------------------------------- patch state
 
 @dataclass(eq=False)

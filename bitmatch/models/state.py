@@ -12,7 +12,9 @@ Every piece of per-model state lives in one slot of it, read and written through
   gate/up, a LoRA layer's kept merged weight): name -> copy. Kept by ``unpatch``: an engine's
   captured CUDA graphs read them, and a graph holds addresses, not references; they go with the
   module;
-- ``weights`` (on a model a ``bitmatch.sync`` receiver manages): its ``WeightState``.
+- ``weights`` (on a model a ``bitmatch.sync`` receiver manages): its ``WeightState``;
+- ``tp`` (on a causal LM): this rank's tensor-parallel shard ``bitmatch.parallel.enable_tensor_parallel``
+  set (the family's forward, logits and caches run through it); ``disable_tensor_parallel`` drops it.
 
 In ``__dict__``, so ``nn.Module.__setattr__`` / ``__getattr__`` never see it. A copy
 (``copy.deepcopy``, pickle) keeps ``patch`` and ``lm`` (a copy of a patched model is patched; its
@@ -27,7 +29,7 @@ _ATTR = "_bitmatch"
 
 class ModelState:
     """bitmatch's state on one object (see the module docstring for who sets each slot)."""
-    __slots__ = ("patch", "lm", "spec", "derived", "weights")
+    __slots__ = ("patch", "lm", "spec", "derived", "weights", "tp")
     _COPIED = ("patch", "lm")
 
     def __init__(self):
@@ -36,6 +38,7 @@ class ModelState:
         self.spec = None
         self.derived: dict = {}
         self.weights = None
+        self.tp = None
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self._COPIED}
@@ -46,7 +49,7 @@ class ModelState:
             setattr(self, k, v)
 
     def empty(self) -> bool:
-        return all(getattr(self, k) is None for k in ("patch", "lm", "spec", "weights")) and not self.derived
+        return all(getattr(self, k) is None for k in ("patch", "lm", "spec", "weights", "tp")) and not self.derived
 
 
 def get_state(obj) -> ModelState | None:

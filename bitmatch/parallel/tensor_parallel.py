@@ -24,6 +24,7 @@ replicated tensor enters the column shards and under row-parallel inputs, Megatr
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,8 @@ from bitmatch.kernels.linear import LinearFunction
 from bitmatch.logprobs import check_temperature, pack_rows
 from bitmatch.models import CacheGroup, compute_dtype_of, family_of, unwrap_causal_lm
 from bitmatch.models import dense, lora, qwen3_moe
-from bitmatch.models.registry import forget_spec
+from bitmatch.models.registry import forget_spec, tp_shard
+from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
@@ -203,7 +205,7 @@ class DenseShard:
     lm_head: ColumnShard
     kv_heads: int  # this rank's KV heads (sharded, or one replicated head when N > num_kv_heads)
 
-    # the duck-typed interface bitmatch.models.dense.TENSOR_PARALLEL calls (enable_tensor_parallel)
+    # the duck-typed interface a family calls through bitmatch.models.registry.tp_shard
     def forward_hidden(self, input_ids, ctx, recorder=None):
         if recorder is not None:
             raise ValueError("tensor parallel forward: no per-op recorder (bitmatch.verify.locate runs at TP = 1); "
@@ -250,7 +252,7 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     give every rank TP = 1's bits.
     """
     lm = unwrap_causal_lm(model)
-    if lm in dense.TENSOR_PARALLEL:
+    if tp_shard(lm) is not None:
         raise ValueError("shard_dense_model: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
     fam = family_of(lm)
@@ -342,10 +344,11 @@ def compute_logits(shard: DenseShard, hidden: torch.Tensor) -> torch.Tensor:
     return all_gather_cat(shard.lm_head(copy_to_ranks(hidden, shard.tp)), shard.tp, dim=-1)
 
 
-def token_logprobs(shard: DenseShard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
     """fp32 [B, L-1]: ``bitmatch.token_logprobs``'s result (full vocabulary; no top-k / top-p)
-    through the sharded forward, on every rank. Invariance: bit for bit TP = 1's."""
+    through a rank's shard of any family (its ``forward_hidden`` / ``compute_logits``), on every rank.
+    Invariance: bit for bit TP = 1's."""
     temperature = check_temperature("tensor_parallel.token_logprobs", temperature)
     if attention_mask is not None:
         attention_mask = attention_mask.detach().to("cpu")
@@ -356,31 +359,50 @@ def token_logprobs(shard: DenseShard, input_ids: torch.Tensor, attention_mask: t
         return out
     ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
                          max_seq_len=longest)
-    hidden = forward_hidden(shard, p.input_ids, ctx)
+    hidden = shard.forward_hidden(p.input_ids, ctx)
     src = torch.nonzero(~p.seq_end)[:, 0]
     if src.numel() == 0:
         return out
     tgt = src + 1
-    lp = K.token_logprobs(compute_logits(shard, hidden[src]), p.input_ids[tgt], temperature)
+    lp = K.token_logprobs(shard.compute_logits(hidden[src]), p.input_ids[tgt], temperature)
     return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
 
 
-def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DenseShard:
+# family name -> "module:function" of this package building one rank's shard of that family's causal
+# LM: (lm, tp, compute_dtype) -> a shard with forward_hidden(input_ids, ctx, recorder),
+# compute_logits(hidden) and whatever the family's spec / cache_groups read from it. Named, not
+# imported: a family's layout module imports this one.
+SHARD_BUILDERS: dict[str, str] = {
+    "dense": "tensor_parallel:shard_dense_model",
+    "qwen3_moe": "tensor_parallel:shard_dense_model",
+}
+
+
+def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None):
     """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
     (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
     ``bitmatch.Engine``, one process per rank, each sampling the same token from the same gathered
     logits). No CUDA graphs. Invariance: every rank gets TP = 1's bits."""
     lm = unwrap_causal_lm(model)
-    shard = shard_dense_model(lm, tp, compute_dtype)
-    dense.TENSOR_PARALLEL[lm] = shard
-    forget_spec(lm)  # the rank's spec names its own KV heads (its caches)
+    if tp_shard(lm) is not None:
+        raise ValueError("enable_tensor_parallel: the model runs tensor parallel already; "
+                         "disable_tensor_parallel(model) before sharding it again")
+    fam = family_of(lm)
+    build = SHARD_BUILDERS.get(fam.name)
+    if build is None:
+        raise ValueError(f"enable_tensor_parallel: family {fam.name!r} has no tensor-parallel layout; "
+                         f"supported: {', '.join(sorted(SHARD_BUILDERS))}")
+    mod, fn = build.split(":")
+    shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype)
+    create_state(lm).tp = shard
+    forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard
 
 
 def disable_tensor_parallel(model) -> None:
     """Back to the one-process forward."""
     lm = unwrap_causal_lm(model)
-    dense.TENSOR_PARALLEL.pop(lm, None)
+    drop_state(lm, "tp")
     forget_spec(lm)
 
 
