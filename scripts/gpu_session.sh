@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU rows the open speed issues (21, 22, 27) still lack, in two device-tool calls of < 600 s each.
+# Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
+# mamba_ssm sdist; see benchmarks/README or docs/results.md):
+#   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
+#   run(command="cd .clean && bash scripts/gpu_session.sh 1", carry=[".clean", ".whl"])
+# Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
+# a benchmark that runs out of time loses only its own rows.
+set -u
+STAGE=${1:?usage: gpu_session.sh 1|2}
+R=$(pwd)
+W=${WHEELS:-$R/../.whl}
+OUT=${OUT:?the device tool sets OUT}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index . || exit 1
+pip install -q --no-index --no-deps --no-compile --target /tmp/site "$W"/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+MAMBA="$W/mamba_ssm-2.3.2.post1"
+cd /tmp  # the checkout's folders would shadow the installed package
+
+bench() {  # name seconds script args...
+  local name=$1 lim=$2 script=$3
+  shift 3
+  local t0=$SECONDS
+  timeout "$lim" python3 "$R/benchmarks/$script" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - t0)) s"
+  tail -4 "$OUT/$name.log"
+}
+
+case $STAGE in
+1)  # V4 training and decode at flash4 (issue 21), MoE training host profile (22), dense vs HF + Liger
+    # (22), Nemotron-H against HF with mamba_ssm's Triton kernels (27)
+    bench v4_train 120 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2 --profile
+    bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
+    bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
+    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
+    bench nemotron_h 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --budget-s 120
+    ;;
+2)  # V4 at the mid config and flash4 rollout (21), the golden bits, the Mamba layer against mamba_ssm (27)
+    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
+    bench v4_rollout 100 deepseek_v4_layer.py --device cuda --config flash4 --sections rollout --batch 16 --seq 256 --new 32
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
+    bench mamba 120 mamba_layer.py --mamba-src "$MAMBA"
+    ;;
+*)  echo "unknown stage $STAGE (1 or 2)"; exit 2 ;;
+esac
