@@ -16,6 +16,10 @@ Final norm_f, lm_head. Engine state: the attention layers' K/V in ``paged_kv`` g
 Mamba layer's (conv_state, ssm_state, x_buf, B_buf, dt_buf) in the ``per_seq`` group "mamba", so a
 token's bits do not depend on how its prefix was scheduled (prefix caching is refused by the engine).
 
+Tensor parallel: while ``bitmatch.parallel.enable_tensor_parallel`` has set a shard
+(``bitmatch.parallel.nemotron_h``), the forward, the logits and the spec (hence the caches: the
+rank's KV heads, Mamba heads and groups) come from the shard; it reuses this module's pieces.
+
 Not reproduced (refused by ``problems``): grouped routing (n_group > 1), other activations, a
 non-fp32 SSM cache, sliding-window attention, router logits output.
 """
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import dense, lora
-from bitmatch.models.registry import CacheGroup, Family, call_layer, register
+from bitmatch.models.registry import CacheGroup, Family, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -67,9 +71,24 @@ class NemotronHSpec:
         return self.mamba_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state
 
 
-def _norm(mod, h, dtype):
+def rms_norm(mod, h, dtype):
     """NemotronHRMSNorm: normalize and multiply by the weight in fp32, round once to ``dtype``."""
     return K.rms_norm(h.float(), cast_param(mod.weight, torch.float32), dense.norm_eps(mod)).to(dtype)
+
+
+def embed(lm, input_ids, dtype):
+    """Token embeddings [T, hidden] in ``dtype``: an exact gather, cast after it."""
+    emb = lm.model.embeddings  # padding_idx: no gradient into the pad row, as nn.Embedding
+    return cast_param(F.embedding(input_ids, emb.weight, padding_idx=getattr(emb, "padding_idx", None)), dtype)
+
+
+def check_packed_starts(spec: NemotronHSpec, ctx: ForwardContext) -> None:
+    """Refuse a packed (unpaged) context whose sequences do not start at position 0."""
+    if (not ctx.paged and spec.mamba_layers and ctx.cu_seqlens is not None and ctx.positions.numel()
+            and bool((ctx.positions[ctx.cu_seqlens[:-1].long()] != 0).any())):
+        raise ValueError("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at "
+                         "position 0 (chunks are aligned to absolute positions; a continuation needs "
+                         "the engine's per-sequence state)")
 
 
 def _rec(rec, name, v):
@@ -77,27 +96,49 @@ def _rec(rec, name, v):
         rec(name, v)
 
 
+def relu2(u):
+    return torch.square(torch.relu(u))  # HF relu2: elementwise in the compute dtype
+
+
 def mlp(mod, x, dtype, rec=None, prefix="mixer"):
     u = dense.linear(mod.up_proj, x, dtype)
-    a = torch.square(torch.relu(u))  # HF relu2: elementwise in the compute dtype
-    y = dense.linear(mod.down_proj, a, dtype)
+    y = dense.linear(mod.down_proj, relu2(u), dtype)
     _rec(rec, f"{prefix}.down_proj", y)
     return y
 
 
-def moe(mod, x, dtype, rec=None, prefix="mixer"):
+def route(mod, x):
+    """(weights [T, k] fp32, expert ids [T, k]): fp32 router logits, sigmoid top-k."""
     r = mod.gate
     logits = K.linear(x.float(), cast_param(r.weight, torch.float32))
-    w, ids = K.moe_route(logits, int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
-                         correction_bias=r.e_score_correction_bias, scaling=float(r.routed_scaling_factor))
+    return K.moe_route(logits, int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
+                       correction_bias=r.e_score_correction_bias, scaling=float(r.routed_scaling_factor))
+
+
+def latent(proj, x, dtype):
+    """The MoE's optional latent projection (fc1 / fc2), or x when the config has none."""
+    return x if isinstance(proj, torch.nn.Identity) else dense.linear(proj, x, dtype)
+
+
+def moe(mod, x, dtype, rec=None, prefix="mixer"):
+    w, ids = route(mod, x)
     _rec(rec, f"{prefix}.gate", (ids, w))
-    xl = x if isinstance(mod.fc1_latent_proj, torch.nn.Identity) else dense.linear(mod.fc1_latent_proj, x, dtype)
     ex = mod.experts
-    y = K.moe_experts(xl, ids, w, cast_param(ex.up_proj, dtype), cast_param(ex.down_proj, dtype), activation="relu2")
-    if not isinstance(mod.fc2_latent_proj, torch.nn.Identity):
-        y = dense.linear(mod.fc2_latent_proj, y, dtype)
+    y = K.moe_experts(latent(mod.fc1_latent_proj, x, dtype), ids, w, cast_param(ex.up_proj, dtype),
+                      cast_param(ex.down_proj, dtype), activation="relu2")
+    y = latent(mod.fc2_latent_proj, y, dtype)
     _rec(rec, f"{prefix}.experts", y)
     return y + mlp(mod.shared_experts, x, dtype, rec, f"{prefix}.shared_experts")
+
+
+def attend(q, k, v, ctx: ForwardContext, spec: NemotronHSpec, i):
+    """Causal attention of q [T, Hq, D] over k, v [T, Hkv, D] (no rotary): packed prefill, or the
+    paged step (K/V written to layer ``i``'s cache first)."""
+    if ctx.paged:
+        kc, vc = ctx.cache("kv", i)
+        K.write_kv_cache(k, v, kc, vc, ctx.slot_mapping)
+        return dense.paged_attention(K, q, k, v, kc, vc, ctx, spec.scale)
+    return K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True)
 
 
 def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
@@ -105,44 +146,57 @@ def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=No
     q = dense.linear(mod.q_proj, x, dtype).view(T, -1, D)
     k = dense.linear(mod.k_proj, x, dtype).view(T, -1, D)
     v = dense.linear(mod.v_proj, x, dtype).view(T, -1, D)
-    if ctx.paged:
-        kc, vc = ctx.cache("kv", i)
-        K.write_kv_cache(k, v, kc, vc, ctx.slot_mapping)
-        o = dense.paged_attention(K, q, k, v, kc, vc, ctx, spec.scale)
-    else:
-        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True)
+    o = attend(q, k, v, ctx, spec, i)
     _rec(rec, f"{prefix}.attn", o)
     return dense.linear(mod.o_proj, o.reshape(T, -1), dtype)
 
 
-def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
-    T = x.shape[0]
+def mamba_weights(mod, dtype, channels=None, heads=slice(None), inner=slice(None)) -> dict:
+    """The Mamba2 mixer's per-channel and per-head parameters, cast as the forward reads them: all of
+    them, or (tensor parallel) the conv channels ``channels`` (an index), the heads ``heads`` and the
+    gated norm's channels ``inner``."""
+    conv = mod.conv1d
+    w, b = conv.weight.squeeze(1), conv.bias
+    if channels is not None:
+        w, b = w[channels], None if b is None else b[channels]
+    return dict(conv_weight=cast_param(w, dtype), conv_bias=cast_param(b, dtype),
+                A=-torch.exp(mod.A_log[heads].float()), D=cast_param(mod.D[heads], torch.float32),
+                dt_bias=cast_param(mod.dt_bias[heads], dtype),
+                norm_weight=cast_param(mod.norm.weight[inner], torch.float32),
+                group_size=int(mod.norm.group_size), eps=float(mod.norm.variance_epsilon))
+
+
+def mamba_mixer(z, xbc, dt, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, *, conv_weight, conv_bias, A, D,
+                dt_bias, norm_weight, group_size, eps, rec=None, prefix="mixer"):
+    """The Mamba2 mixer between in_proj and out_proj on the heads and groups ``spec`` names (every
+    op per channel, per head or per norm group): conv, scan, gated norm -> [T, heads * head_dim]."""
+    T = z.shape[0]
     Hm, Pm, G, N = spec.mamba_heads, spec.mamba_head_dim, spec.n_groups, spec.ssm_state
     inter = Hm * Pm
-    proj = dense.linear(mod.in_proj, x, dtype)
-    _rec(rec, f"{prefix}.in_proj", proj)
-    z, xbc, dt = proj.split([inter, spec.conv_dim, Hm], dim=-1)
     if ctx.paged:
         cu, state = ctx.query_start_loc, ctx.cache("mamba", i)
         slots, start = ctx.state_slots, ctx.positions[ctx.query_start_loc[:-1].long()]
     else:
         cu, state, slots, start = ctx.cu_seqlens, None, None, None
-    conv = mod.conv1d
-    xbc = K.causal_conv1d(xbc.contiguous(), cast_param(conv.weight, dtype).squeeze(1),
-                          None if conv.bias is None else cast_param(conv.bias, dtype), cu,
+    xbc = K.causal_conv1d(xbc.contiguous(), conv_weight, conv_bias, cu,
                           conv_state=None if state is None else state[0], state_slots=slots)
     _rec(rec, f"{prefix}.conv1d", xbc)
     xs, B, C = xbc.split([inter, G * N, G * N], dim=-1)
-    A = -torch.exp(mod.A_log.float())
     y = K.mamba_chunk_scan(xs.reshape(T, Hm, Pm), dt.contiguous(), A, B.reshape(T, G, N), C.reshape(T, G, N),
-                           spec.chunk_size, cu, D=cast_param(mod.D, torch.float32),
-                           dt_bias=cast_param(mod.dt_bias, dtype), dt_min=spec.dt_min, seq_start=start,
+                           spec.chunk_size, cu, D=D, dt_bias=dt_bias, dt_min=spec.dt_min, seq_start=start,
                            cache=None if state is None else state[1:], state_slots=slots)
     _rec(rec, f"{prefix}.scan", y)
-    y = K.gated_rms_norm(y.reshape(T, inter), z.contiguous(), cast_param(mod.norm.weight, torch.float32),
-                         int(mod.norm.group_size), float(mod.norm.variance_epsilon))
+    y = K.gated_rms_norm(y.reshape(T, inter), z.contiguous(), norm_weight, group_size, eps)
     _rec(rec, f"{prefix}.norm", y)
-    return dense.linear(mod.out_proj, y.to(dtype), dtype)
+    return y.to(dtype)
+
+
+def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
+    proj = dense.linear(mod.in_proj, x, dtype)
+    _rec(rec, f"{prefix}.in_proj", proj)
+    z, xbc, dt = proj.split([spec.mamba_heads * spec.mamba_head_dim, spec.conv_dim, spec.mamba_heads], dim=-1)
+    y = mamba_mixer(z, xbc, dt, ctx, spec, i, dtype, **mamba_weights(mod, dtype), rec=rec, prefix=prefix)
+    return dense.linear(mod.out_proj, y, dtype)
 
 
 @dataclass
@@ -158,7 +212,7 @@ def block(layer, h, *, bm: BlockCall):
     """One block: h + mixer(norm(h)), rounded to the compute dtype (HF's residual add)."""
     i, dt, rec, kind = bm.layer_idx, bm.dtype, bm.recorder, bm.spec.block_types[bm.layer_idx]
     p = f"layers.{i}.mixer"
-    x = _norm(layer.norm, h, dt)
+    x = rms_norm(layer.norm, h, dt)
     _rec(rec, f"layers.{i}.norm", x)
     if kind == MAMBA:
         m = mamba(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p)
@@ -185,14 +239,14 @@ def _mixer_forward(self, *args, state=None, **kwargs):
 
 
 def _norm_forward(self, x, *, state):
-    return _norm(self, x, state.compute_dtype or self.weight.dtype)
+    return rms_norm(self, x, state.compute_dtype or self.weight.dtype)
 
 
 class NemotronHFamily(Family):
     name = "nemotron_h"
     model_types = {"nemotron_h": "NemotronHForCausalLM"}
     packed_modules = ()
-    # read in float32 whatever the compute dtype: every NemotronHRMSNorm weight (``_norm``; the
+    # read in float32 whatever the compute dtype: every NemotronHRMSNorm weight (``rms_norm``; the
     # Mamba gated norm), the SSM decay A_log (``.float()``) and skip D, the MoE router (fp32
     # logits); dt_bias and the conv are cast to the compute dtype
     FP32_SUFFIXES = (".norm.weight", ".norm_f.weight", ".A_log", ".D", ".mixer.gate.weight")
@@ -272,13 +326,15 @@ class NemotronHFamily(Family):
         types = tuple(cfg.layers_block_type)
         attn = next((layer.mixer for layer in lm.model.layers if layer.block_type == ATTN), None)
         hd = attn.head_dim if attn is not None else getattr(cfg, "head_dim", 0)
-        return NemotronHSpec(
+        spec = NemotronHSpec(
             num_layers=len(types), block_types=types, hidden_size=cfg.hidden_size, eps=float(cfg.layer_norm_epsilon),
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
             scale=float(attn.scaling) if attn is not None else 1.0, mamba_heads=cfg.mamba_num_heads,
             mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups, ssm_state=cfg.ssm_state_size,
             conv_kernel=cfg.conv_kernel, chunk_size=int(cfg.chunk_size), dt_min=float(cfg.time_step_min),
             vocab_size=lm.lm_head.weight.shape[0])
+        tp = tp_shard(lm)  # duck-typed: this module never imports bitmatch.parallel
+        return spec if tp is None else tp.spec  # a TP rank's spec names its own heads and groups (its caches)
 
     def cache_groups(self, spec: NemotronHSpec, dtype) -> list[CacheGroup]:
         groups = []
@@ -294,22 +350,21 @@ class NemotronHFamily(Family):
         return groups
 
     def forward_hidden(self, lm, spec: NemotronHSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
-        if not ctx.paged and spec.mamba_layers and ctx.cu_seqlens is not None and ctx.positions.numel():
-            if bool((ctx.positions[ctx.cu_seqlens[:-1].long()] != 0).any()):
-                raise ValueError("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at "
-                                 "position 0 (chunks are aligned to absolute positions; a continuation needs "
-                                 "the engine's per-sequence state)")
-        emb = lm.model.embeddings  # padding_idx: no gradient into the pad row, as nn.Embedding
-        h = cast_param(F.embedding(input_ids, emb.weight, padding_idx=getattr(emb, "padding_idx", None)), dtype)
+        tp = tp_shard(lm)
+        if tp is not None:
+            return tp.forward_hidden(input_ids, ctx, recorder)
+        check_packed_starts(spec, ctx)
+        h = embed(lm, input_ids, dtype)
         _rec(recorder, "embeddings", h)
         for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
             h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
-        out = _norm(lm.model.norm_f, h, dtype)
+        out = rms_norm(lm.model.norm_f, h, dtype)
         _rec(recorder, "norm_f", out)
         return out
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        return dense.lm_head_logits(lm, hidden, dtype)
+        tp = tp_shard(lm)
+        return dense.lm_head_logits(lm, hidden, dtype) if tp is None else tp.compute_logits(hidden)
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: on the Triton backend a
@@ -320,7 +375,7 @@ class NemotronHFamily(Family):
         runner's scratch block and scratch state slot. A subclass overriding the forward must opt
         in again; LoRA layers keep the model eager (their forward here is not declared sync-free)."""
         cls = type(self)
-        return (cls.forward_hidden is NemotronHFamily.forward_hidden
+        return (cls.forward_hidden is NemotronHFamily.forward_hidden and tp_shard(lm) is None
                 and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def patch_modules(self, lm):

@@ -375,6 +375,7 @@ def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 SHARD_BUILDERS: dict[str, str] = {
     "dense": "tensor_parallel:shard_dense_model",
     "qwen3_moe": "tensor_parallel:shard_dense_model",
+    "nemotron_h": "nemotron_h:shard_nemotron_h",
 }
 
 

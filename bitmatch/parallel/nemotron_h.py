@@ -1,0 +1,250 @@
+"""Gather-only tensor (and expert) parallelism for Nemotron-H: TP = N gives TP = 1's bits.
+
+The rule of ``tensor_parallel`` (the dense family's layout): no rank ever adds a number another rank
+computed, so no kernel's canonical order changes. Column-parallel pieces compute each output
+element on one rank with the full-K kernel (``ColumnShard``); row-parallel layers run by gather
+(``GatherRowShard``); embeddings, every RMSNorm and the residual stream run replicated on full
+rows; the LM head is vocab-parallel, gathered. Per block kind (``bitmatch.models.nemotron_h``):
+
+- Mamba2: in_proj's output is [z | x | B | C | dt] (HF's NemotronHMamba2Mixer). Rank r computes
+  its heads' z, x and dt rows and its groups' B and C rows (five row slices of in_proj, each with
+  the full K). The conv is depthwise (per channel), the scan per head (head h reads group
+  h // (heads / n_groups), so whole groups per rank keep every head's B and C local), A_log, D and
+  dt_bias per head, and the gated RMSNorm normalizes per group of intermediate / n_groups channels:
+  a rank must hold whole groups, so ``n_groups % N == 0`` is required (B and C are not replicated
+  for an indivisible n_groups: the norm's groups would then straddle ranks, a sum across them).
+  out_proj by gather. The engine's per-sequence state (conv state, SSM state, open-chunk x / B /
+  dt) holds the rank's channels, heads and groups: the rank's spec names them.
+- attention (no rotary): q/k/v by heads, KV heads sharded when num_key_value_heads % N == 0, else
+  replicated (each rank keeps its query group's KV head); o_proj by gather.
+- MLP: up_proj by intermediate columns, relu2 (elementwise), down_proj by gather.
+- MoE: the fp32 router and the optional latent projections (fc1 / fc2) replicated; the routed
+  experts spread over the ranks (EP = TP, ``expert_parallel_experts``: the one-rank slot-order
+  combine); the shared expert as the MLP.
+
+An indivisible size is refused at shard time, every one at once, by its config field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from bitmatch.models import compute_dtype_of, family_of, lora, unwrap_causal_lm
+from bitmatch.models import nemotron_h as NH
+from bitmatch.models.registry import tp_shard
+from bitmatch.precision import cast_param
+
+from .collectives import TPGroup, copy_to_ranks
+from .expert_parallel import expert_parallel_experts
+from .tensor_parallel import ColumnShard, GatherRowShard
+from .tensor_parallel import compute_logits as vocab_parallel_logits
+
+
+@dataclass
+class MambaShard:
+    """A Mamba2 mixer on rank r's heads and groups: five in_proj row slices, the per-channel and
+    per-head parameters at ``channels`` / ``heads`` / ``inner``, out_proj by gather."""
+    module: torch.nn.Module
+    z: ColumnShard
+    x: ColumnShard
+    B: ColumnShard
+    C: ColumnShard
+    dt: ColumnShard
+    out: GatherRowShard
+    channels: torch.Tensor  # the rank's conv channels: its heads' x, its groups' B and C
+    heads: slice
+    inner: slice  # the rank's heads' channels of z / y (whole norm groups)
+    spec: NH.NemotronHSpec  # the rank's
+    dtype: torch.dtype
+
+    def __call__(self, h, ctx, i):
+        h = copy_to_ranks(h, self.out.tp)
+        xbc = torch.cat([self.x(h), self.B(h), self.C(h)], dim=-1)
+        w = NH.mamba_weights(self.module, self.dtype, self.channels, self.heads, self.inner)
+        return self.out(NH.mamba_mixer(self.z(h), xbc, self.dt(h), ctx, self.spec, i, self.dtype, **w))
+
+
+@dataclass
+class AttentionShard:
+    """Attention on rank r's query heads (and its KV heads), o_proj by gather."""
+    q: ColumnShard
+    k: ColumnShard
+    v: ColumnShard
+    o: GatherRowShard
+    spec: NH.NemotronHSpec
+
+    def __call__(self, x, ctx, i):
+        x = copy_to_ranks(x, self.o.tp)
+        T, D = x.shape[0], self.spec.head_dim
+        q, k, v = self.q(x).view(T, -1, D), self.k(x).view(T, -1, D), self.v(x).view(T, -1, D)
+        return self.o(NH.attend(q, k, v, ctx, self.spec, i).reshape(T, -1))
+
+
+@dataclass
+class MlpShard:
+    """down(relu2(up(x))): up_proj by intermediate columns, down_proj by gather."""
+    up: ColumnShard
+    down: GatherRowShard
+
+    def __call__(self, x, ctx=None, i=None):
+        return self.down(NH.relu2(self.up(copy_to_ranks(x, self.down.tp))))
+
+
+@dataclass
+class MoeShard:
+    """A Nemotron-H MoE block with experts [lo, hi) on this rank: routing and latent projections
+    replicated (every rank picks the same experts), the experts through ``expert_parallel_experts``."""
+    module: torch.nn.Module
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    tp: TPGroup
+    shared: MlpShard
+
+    def __call__(self, x, ctx=None, i=None):
+        m, ex, dt = self.module, self.module.experts, self.dtype
+        w, ids = NH.route(m, x)
+        y = expert_parallel_experts(copy_to_ranks(NH.latent(m.fc1_latent_proj, x, dt), self.tp), ids, w,
+                                    cast_param(ex.up_proj[self.lo:self.hi], dt),
+                                    cast_param(ex.down_proj[self.lo:self.hi], dt), ex.up_proj.shape[0], self.tp,
+                                    activation="relu2")
+        return NH.latent(m.fc2_latent_proj, y, dt) + self.shared(x)
+
+
+@dataclass
+class NemotronHShard:
+    """One rank's share of a Nemotron-H model (``shard_nemotron_h``), read from the model's own
+    modules at use (the simulation keeps the whole model on every rank)."""
+    tp: TPGroup
+    spec: NH.NemotronHSpec  # the rank's heads and groups: the family's spec (and caches) while set
+    dtype: torch.dtype
+    model: torch.nn.Module  # the unwrapped causal LM
+    layers: list  # (pre-norm module, mixer shard)
+    lm_head: ColumnShard
+
+    def forward_hidden(self, input_ids, ctx, recorder=None):
+        """Packed tokens -> final-norm hidden states, the same on every rank. Invariance: bit for
+        bit the unsharded model's ``bitmatch.models.forward_hidden``."""
+        if recorder is not None:
+            raise ValueError("tensor parallel forward: no per-op recorder (bitmatch.verify.locate runs at TP = 1); "
+                             "disable_tensor_parallel(model) first")
+        NH.check_packed_starts(self.spec, ctx)
+        dt = self.dtype
+        h = NH.embed(self.model, input_ids, dt)
+        for i, (norm, mixer) in enumerate(self.layers):
+            h = h + mixer(NH.rms_norm(norm, h, dt), ctx, i)
+        return NH.rms_norm(self.model.model.norm_f, h, dt)
+
+    def compute_logits(self, hidden):
+        """Full logits on every rank (vocab slices gathered). Invariance: TP = 1's bits."""
+        return vocab_parallel_logits(self, hidden)
+
+
+def _column(mod, lo: int, hi: int, dt, what: str, cls=ColumnShard, **kw):
+    if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
+        raise ValueError(f"shard_nemotron_h: {what} is a PEFT adapter layer; merge the adapters "
+                         "(peft merge_and_unload) before sharding")
+    return cls(mod, lo, hi, dt, **kw)
+
+
+def divisibility_problems(config, n: int) -> list[str]:
+    """Every config field a TP degree ``n`` does not divide, with why it must (empty: shardable)."""
+    g = lambda k: getattr(config, k)  # noqa: E731
+    types = set(config.layers_block_type)
+    need = [("hidden_size", "row-parallel outputs by gather"), ("vocab_size", "vocab-parallel head")]
+    if NH.MAMBA in types:
+        need += [("mamba_num_heads", "Mamba heads"),
+                 ("n_groups", "the gated RMSNorm normalizes per group: a rank holds whole groups")]
+    if NH.ATTN in types:
+        need += [("num_attention_heads", "attention heads")]
+    if NH.MLP in types:
+        need += [("intermediate_size", "MLP columns")]
+    if NH.MOE in types:
+        need += [("n_routed_experts", "experts spread over the ranks"),
+                 ("moe_shared_expert_intermediate_size", "shared expert columns")]
+    out = [f"{k} = {g(k)} is not divisible by the TP degree {n} ({why})" for k, why in need if g(k) % n]
+    if NH.ATTN in types and g("num_key_value_heads") % n and n % g("num_key_value_heads"):
+        out.append(f"num_key_value_heads = {g('num_key_value_heads')} and the TP degree {n} must divide one another")
+    return out
+
+
+def _kv_heads(spec: NH.NemotronHSpec, n: int, r: int) -> tuple[int, int]:
+    """(this rank's KV heads, its first one): sharded, or its query group's head replicated."""
+    if spec.num_kv_heads % n == 0:
+        return spec.num_kv_heads // n, r * (spec.num_kv_heads // n)
+    return 1, (r * (spec.num_heads // n)) // (spec.num_heads // spec.num_kv_heads)
+
+
+def _mamba(mod, spec: NH.NemotronHSpec, rank_spec: NH.NemotronHSpec, tp: TPGroup, dt, hidden: int, p: str):
+    r, Pm, Ns = tp.rank, spec.mamba_head_dim, spec.ssm_state
+    inter, gn_all = spec.mamba_heads * Pm, spec.n_groups * Ns
+    hl = rank_spec.mamba_heads
+    il, gn = hl * Pm, rank_spec.n_groups * Ns
+    # in_proj rows: [z: inter | x: inter | B: G N | C: G N | dt: heads]; conv channels: [x | B | C]
+    rows = {"z": (r * il, il), "x": (inter + r * il, il), "B": (2 * inter + r * gn, gn),
+            "C": (2 * inter + gn_all + r * gn, gn), "dt": (2 * inter + 2 * gn_all + r * hl, hl)}
+    rows = {k: _column(mod.in_proj, s, s + w, dt, f"{p}.in_proj") for k, (s, w) in rows.items()}
+    dev = mod.conv1d.weight.device
+    channels = torch.cat([torch.arange(r * il, (r + 1) * il, device=dev),
+                          torch.arange(inter + r * gn, inter + (r + 1) * gn, device=dev),
+                          torch.arange(inter + gn_all + r * gn, inter + gn_all + (r + 1) * gn, device=dev)])
+    out = _column(mod.out_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.out_proj", GatherRowShard, tp=tp)
+    return MambaShard(mod, **rows, out=out, channels=channels, heads=slice(r * hl, (r + 1) * hl),
+                      inner=slice(r * il, (r + 1) * il), spec=rank_spec, dtype=dt)
+
+
+def _mlp(mod, tp: TPGroup, dt, hidden: int, p: str) -> MlpShard:
+    inter = mod.up_proj.weight.shape[0] // tp.world
+    r = tp.rank
+    return MlpShard(up=_column(mod.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
+                    down=_column(mod.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj",
+                                 GatherRowShard, tp=tp))
+
+
+def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> NemotronHShard:
+    """This rank's ``NemotronHShard`` of a Nemotron-H causal LM (layout: module docstring). Refuses,
+    naming every config field at once, a TP degree that does not divide hidden_size, vocab_size,
+    mamba_num_heads, n_groups, num_attention_heads, intermediate_size, n_routed_experts or
+    moe_shared_expert_intermediate_size, or that num_key_value_heads and it do not divide one another.
+    Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` and the engine on the
+    shard give every rank TP = 1's bits."""
+    lm = unwrap_causal_lm(model)
+    if tp_shard(lm) is not None:
+        raise ValueError("shard_nemotron_h: the model runs tensor parallel already; "
+                         "disable_tensor_parallel(model) before sharding it again")
+    fam = family_of(lm)
+    if fam.name != "nemotron_h":
+        raise ValueError(f"shard_nemotron_h: family {fam.name!r} is not nemotron_h")
+    n, r = tp.world, tp.rank
+    bad = divisibility_problems(lm.config, n)
+    if bad:
+        raise ValueError(f"shard_nemotron_h: cannot shard at TP = {n}: " + "; ".join(bad)
+                         + ". Use a TP degree that divides them")
+    spec = fam.build_spec(lm)
+    dt = compute_dtype if compute_dtype is not None else compute_dtype_of(lm)
+    hq = spec.num_heads // n
+    hkv, kv_lo = _kv_heads(spec, n, r)
+    rank_spec = replace(spec, num_heads=hq, num_kv_heads=hkv, mamba_heads=spec.mamba_heads // n,
+                        n_groups=spec.n_groups // n)
+    hidden, vocab, d = spec.hidden_size // n, spec.vocab_size // n, spec.head_dim
+    layers = []
+    for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
+        m, kind, p = layer.mixer, spec.block_types[i], f"layers.{i}.mixer"
+        if kind == NH.MAMBA:
+            mixer = _mamba(m, spec, rank_spec, tp, dt, hidden, p)
+        elif kind == NH.ATTN:
+            mixer = AttentionShard(
+                q=_column(m.q_proj, r * hq * d, (r + 1) * hq * d, dt, f"{p}.q_proj"),
+                k=_column(m.k_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.k_proj"),
+                v=_column(m.v_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.v_proj"),
+                o=_column(m.o_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.o_proj", GatherRowShard, tp=tp),
+                spec=rank_spec)
+        elif kind == NH.MOE:
+            e = m.experts.up_proj.shape[0] // n
+            mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, _mlp(m.shared_experts, tp, dt, hidden, f"{p}.shared_experts"))
+        else:
+            mixer = _mlp(m, tp, dt, hidden, p)
+        layers.append((layer.norm, mixer))
+    return NemotronHShard(tp=tp, spec=rank_spec, dtype=dt, model=lm, layers=layers,
+                          lm_head=_column(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"))
