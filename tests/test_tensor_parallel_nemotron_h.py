@@ -1,0 +1,254 @@
+"""Gather-only tensor (and expert) parallelism for Nemotron-H on CPU: TP = 2 and 4 equal TP = 1 bit for bit.
+
+Each world size runs once in ``WORLD`` gloo processes (fork, a file rendezvous), on a tiny model with
+every block kind (Mamba2, MoE, attention, MLP, Mamba2) whose Mamba heads (8), groups (4), attention
+heads (4), experts (8) and widths divide 4; its 2 KV heads are sharded at TP = 2 and replicated at
+TP = 4. Every rank computes the trainer's logprobs of a left- and a right-padded batch (prompts
+across the chunk boundaries), the hidden states, the same with the stock all-reduce out_proj in the
+Mamba layers (the control), the rank's cache sizes and the embedded engine's tokens and logprobs
+(chunked prefill); at TP = 2 also the trainer's logprobs on Triton (interpreter). The ranks save
+their results; this process computes TP = 1 and compares every rank's bits.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import bitmatch
+import bitmatch.kernels as K
+from bitmatch import Engine, SamplingParams
+from bitmatch.context import ForwardContext
+from bitmatch.models import cache_groups as model_cache_groups, family_of
+from bitmatch.models import forward_hidden as tp1_forward_hidden
+from bitmatch.models.registry import tp_shard
+from bitmatch.parallel import (
+    TPGroup, allreduce_row_parallel_linear, disable_tensor_parallel, enable_tensor_parallel, shard_nemotron_h,
+    token_logprobs,
+)
+from bitmatch.parallel.nemotron_h import MambaShard
+from bitmatch.precision import cast_param
+from bitmatch.testing import bits_equal
+from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+
+# head_dim 16 and chunk 16: the Triton scan's smallest tile; 8 Mamba heads in 4 groups
+DIVISIBLE = dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=4)
+MODELS = {
+    "chunk8": dict(DIVISIBLE, chunk_size=8),
+    # the MoE's latent projections (fc1 / fc2, replicated) and chunk 16 (Triton's)
+    "latent": dict(DIVISIBLE, chunk_size=16, moe_latent_size=32),
+}
+ENGINE_PROMPTS = [[1, 5, 9, 33, 40, 41, 42, 43, 44], [1, 7, 7], [1] + list(range(60, 77))]
+
+
+def _model(name):
+    return tiny_model("nemotron_h", **MODELS[name])
+
+
+def _batches():
+    """A left- and a right-padded batch, lengths around the chunk boundaries (8, 16)."""
+    prompts = random_prompts(4, 7, 18, seed=3) + [list(range(3, 20))]
+    return {side: pad_batch(prompts, side) for side in ("left", "right")}
+
+
+def _packed_ctx(ids):
+    t = ids.shape[0]
+    return ForwardContext(positions=torch.arange(t), cu_seqlens=torch.tensor([0, t], dtype=torch.int32),
+                          max_query_len=t, max_seq_len=t)
+
+
+def _engine_run(lm):
+    """The embedded engine's sampled tokens and logprobs: 3 prompts x 6 seeded tokens, 5-token steps
+    (chunked prefill splitting the chunks)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=21 + i) for i in range(3)]
+    eng = Engine(lm, block_size=4, num_gpu_blocks=64, max_num_seqs=3, max_num_batched_tokens=5)
+    outs = eng.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+    return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
+
+
+@dataclass
+class AllReduceOut:
+    """The stock row-parallel out_proj (Megatron, vLLM): this rank's K columns of the weight, the
+    bf16 partials summed by an all-reduce. Swapped in for the gather: the control."""
+    row: object  # the layer's GatherRowShard
+
+    @property
+    def tp(self):
+        return self.row.tp
+
+    def __call__(self, y_shard):
+        m, tp, k = self.row.module, self.row.tp, y_shard.shape[-1]
+        w = cast_param(m.weight[:, tp.rank * k:(tp.rank + 1) * k], self.row.dtype)
+        return allreduce_row_parallel_linear(y_shard, w, cast_param(m.bias, self.row.dtype), tp)
+
+
+def _worker(rank, world, store, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        tp = TPGroup.current()
+        res = {}
+        ids0 = _batches()["right"][0][4]
+        with torch.no_grad():
+            for name in MODELS:
+                shard = shard_nemotron_h(_model(name), tp)
+                for side, (ids, mask) in _batches().items():
+                    res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
+                res[f"{name}/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+                for _, mixer in shard.layers:
+                    if isinstance(mixer, MambaShard):
+                        mixer.out = AllReduceOut(mixer.out)
+                res[f"{name}/control/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+                res[f"{name}/control/logprobs"] = token_logprobs(shard, *_batches()["right"])
+            lm = _model("chunk8")
+            enable_tensor_parallel(lm, tp)
+            res["caches"] = [(g.name, g.num_kv_heads, [shape for shape, _ in g.tensors or ()])
+                             for g in model_cache_groups(lm)]
+            res["graph_safe"] = family_of(lm).cuda_graph_safe(lm)
+            res["engine"] = _engine_run(lm)
+            if world == 2:
+                res.update(_triton_case(tp))
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _triton_case(tp):
+    """The trainer's logprobs on the Triton backend (interpreter), right padding, chunk 16."""
+    ids, mask = _batches()["right"]
+    with K.use_backend("triton"):
+        return {"triton/logprobs": token_logprobs(shard_nemotron_h(_model("latent"), tp), ids[:2], mask[:2])}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+def ranks(request, tmp_path_factory):
+    """(world, [each rank's results])."""
+    world = request.param
+    d = tmp_path_factory.mktemp(f"nh_tp{world}")
+    # fork: the ranks inherit this process's imports (spawn re-imports torch and transformers per rank)
+    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
+    return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
+
+
+def _assert_bits(name, got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
+    if not bits_equal(got, want):
+        bad = (got != want).nonzero()
+        pytest.fail(f"{name}: {bad.shape[0]} of {want.numel()} differ, first at {bad[:5].tolist()}")
+
+
+def test_trainer_logprobs_equal_tp1(ranks):
+    world, res = ranks
+    for name in MODELS:
+        lm = _model(name)
+        for side, (ids, mask) in _batches().items():
+            want = bitmatch.token_logprobs(lm, ids, mask)
+            for r, got in enumerate(res):
+                _assert_bits(f"{name} {side} rank {r}/{world} logprobs", got[f"{name}/{side}/logprobs"], want)
+
+
+def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
+    """The final hidden states are TP = 1's; the control, the stock all-reduce out_proj in the Mamba
+    layers (bf16 partials rounded, then summed), changes them, so the comparison can fail."""
+    world, res = ranks
+    ids = _batches()["right"][0][4]
+    for name in MODELS:
+        lm = _model(name)
+        with torch.no_grad():
+            want = tp1_forward_hidden(lm, ids, _packed_ctx(ids))
+            want_lp = bitmatch.token_logprobs(lm, *_batches()["right"])
+        for r, got in enumerate(res):
+            _assert_bits(f"{name} rank {r}/{world} hidden", got[f"{name}/hidden"], want)
+            assert not torch.equal(got[f"{name}/control/hidden"], want), \
+                f"control: the all-reduce out_proj should change {name}'s hidden states at TP = {world}"
+        assert any(not torch.equal(got[f"{name}/control/logprobs"], want_lp) for got in res), \
+            f"control: the all-reduce out_proj should change some logprob of {name} at TP = {world}"
+
+
+def test_rank_caches_hold_the_ranks_heads_and_groups(ranks):
+    """While a shard is set the family's caches are the rank's: KV heads (2 sharded at TP = 2, one
+    replicated at TP = 4), the Mamba conv channels, heads and groups; no CUDA graphs."""
+    world, res = ranks
+    lm = _model("chunk8")
+    full = {g.name: g for g in model_cache_groups(lm)}
+    c = lm.config
+    hl, gl = c.mamba_num_heads // world, c.n_groups // world
+    conv = hl * c.mamba_head_dim + 2 * gl * c.ssm_state_size
+    Q, P, N = c.chunk_size, c.mamba_head_dim, c.ssm_state_size
+    want = [("kv", max(c.num_key_value_heads // world, 1), []),
+            ("mamba", full["mamba"].num_kv_heads, [(c.conv_kernel - 1, conv), (hl, P, N), (Q, hl, P), (Q, gl, N), (Q, hl)])]
+    for r, got in enumerate(res):
+        assert [(n, h, [tuple(s) for s in shapes]) for n, h, shapes in got["caches"]] == want, f"rank {r}"
+        assert got["graph_safe"] is False
+
+
+def test_engine_equals_engine_tp1_and_trainer(ranks):
+    """The embedded engine, one process per rank (enable_tensor_parallel), chunked prefill in 5-token
+    steps, each rank sampling from the same gathered logits with the same seeds: the TP = 1 engine's
+    tokens and logprobs, which are the TP = 1 trainer's logprobs of those tokens."""
+    world, res = ranks
+    lm = _model("chunk8")
+    want = _engine_run(lm)
+    for r, got in enumerate(res):
+        for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["engine"], want)):
+            _assert_bits(f"rank {r}/{world} prompt {i} tokens", tok, wtok)
+            _assert_bits(f"rank {r}/{world} prompt {i} logprobs", lp, wlp)
+    for i, (tok, lp) in enumerate(res[0]["engine"]):
+        seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
+        trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
+        _assert_bits(f"prompt {i}: engine TP = {world} vs trainer TP = 1", lp, trainer)
+
+
+@pytest.mark.interpreter
+def test_triton_interpreter_trainer_logprobs_equal_tp1(ranks):
+    world, res = ranks
+    if world != 2:
+        pytest.skip("the Triton case runs at TP = 2")
+    ids, mask = _batches()["right"]
+    with K.use_backend("triton"):
+        want = bitmatch.token_logprobs(_model("latent"), ids[:2], mask[:2])
+    for r, got in enumerate(res):
+        _assert_bits(f"triton rank {r} logprobs", got["triton/logprobs"], want)
+
+
+# ----------------------------------------------------------------------------- single process
+
+class _FakeTP:
+    """A TP group's place without a process group (sharding reads only rank and world)."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world, self.group = rank, world, None
+
+
+def test_refuses_indivisible_sizes_by_config_field():
+    lm = tiny_model("nemotron_h")  # 4 Mamba heads in 2 groups, 4 heads, 2 KV heads, 8 experts, hidden 64
+    with pytest.raises(ValueError) as e:
+        shard_nemotron_h(lm, _FakeTP(0, 3))
+    for field in ("hidden_size = 64", "vocab_size = 128", "mamba_num_heads = 4", "n_groups = 2",
+                  "num_attention_heads = 4", "n_routed_experts = 8", "num_key_value_heads = 2"):
+        assert field in str(e.value), field
+    assert "intermediate_size = 96" not in str(e.value)  # 96 = 3 x 32: not named
+    # heads divide 4, groups do not: the gated norm's groups would straddle ranks
+    with pytest.raises(ValueError, match=r"n_groups = 2 is not divisible by the TP degree 4 \(the gated RMSNorm"):
+        enable_tensor_parallel(lm, _FakeTP(1, 4))
+    assert tp_shard(lm) is None, "a refused enable sets no shard"
+
+
+def test_tp1_shard_is_the_model_and_disable_restores_graphs():
+    """TP = 1 runs the same layout with no collective: the model's bits; enable/disable hand the
+    family's forward, spec and CUDA-graph permission over and back."""
+    lm = _model("chunk8")
+    ids, mask = _batches()["left"]
+    want = bitmatch.token_logprobs(lm, ids, mask)
+    assert family_of(lm).cuda_graph_safe(lm)
+    enable_tensor_parallel(lm, TPGroup(0, 1))
+    try:
+        assert not family_of(lm).cuda_graph_safe(lm)
+        _assert_bits("TP = 1 through the shard", bitmatch.token_logprobs(lm, ids, mask), want)
+    finally:
+        disable_tensor_parallel(lm)
+    assert family_of(lm).cuda_graph_safe(lm)
