@@ -36,10 +36,9 @@ from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
 from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A
-from bitmatch.models import deepseek_v4_tiny
-from bitmatch.models import lora
+from bitmatch.models import deepseek_v4_tiny, lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
-from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register
+from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
 
 F32 = torch.float32
@@ -119,6 +118,10 @@ class LayerCall:
     rope_at: object
     seqs: list
     recorder: Recorder | None = None
+    # a tensor-parallel rank's share of the layer (bitmatch.parallel.deepseek_v4): its query heads
+    # (deepseek_v4_attention.QueryHeads) and its MoE parts (MoeParts); None: the whole layer
+    heads: object = None
+    moe: object = None
 
 
 def _hc(streams, hc, spec):
@@ -129,12 +132,19 @@ def _hc(streams, hc, spec):
                     norm_eps=float(hc.input_norm.eps))
 
 
-def shared_expert(mod, x, dtype, limit):
+def clamped_swiglu(gate, up, down, x, limit):
+    """HF DeepseekV4MLP with its projections as callables: down(silu_and_mul(clamped gate(x), up(x))).
+    Elementwise between the projections, so a rank's intermediate columns need only its own."""
     K = _kernels()
-    g, u = linear(mod.gate_proj, x, dtype), linear(mod.up_proj, x, dtype)
-    if limit is not None:  # HF DeepseekV4MLP: the same clamps as the routed experts
+    g, u = gate(x), up(x)
+    if limit is not None:  # the same clamps as the routed experts
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return linear(mod.down_proj, K.silu_and_mul(torch.cat([g, u], -1)), dtype)
+    return down(K.silu_and_mul(torch.cat([g, u], -1)))
+
+
+def shared_expert(mod, x, dtype, limit):
+    return clamped_swiglu(lambda t: linear(mod.gate_proj, t, dtype), lambda t: linear(mod.up_proj, t, dtype),
+                          lambda t: linear(mod.down_proj, t, dtype), x, limit)
 
 
 class _ElementwiseScores(torch.autograd.Function):
@@ -163,10 +173,29 @@ def _all_scores(logits, spec):
     return _ElementwiseScores.apply(logits, spec.scoring)
 
 
-def moe_block(mlp, x, input_ids, spec, layer_idx, dtype, rec=None, prefix="mlp"):
-    """Routed experts + the shared expert on rows x [T, hidden] -> [T, hidden]."""
+@dataclass
+class MoeParts:
+    """How a MoE block runs its experts: ``experts(x, ids, w)`` -> [T, hidden] (the routed experts'
+    slot-order combine) and ``shared(x)`` -> [T, hidden]. The one-process block runs all of them;
+    a tensor-parallel rank its experts and shared-expert columns (bitmatch.parallel.deepseek_v4)."""
+    experts: object
+    shared: object
+
+
+def all_experts(mlp, spec, dtype) -> MoeParts:
+    ex = mlp.experts
+    return MoeParts(
+        experts=lambda x, ids, w: _kernels().moe_experts(
+            x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype), activation="swiglu",
+            swiglu_limit=spec.swiglu_limit),
+        shared=lambda x: shared_expert(mlp.shared_experts, x, dtype, spec.swiglu_limit))
+
+
+def route(router, x, input_ids, spec, layer_idx):
+    """(weights fp32 [T, k], expert ids [T, k]) of one MoE layer: learned (``moe_route``) or hashed
+    (``tid2eid``). Row-invariant, and run replicated under tensor parallelism (every rank picks the
+    same experts)."""
     K = _kernels()
-    router = mlp.gate
     logits = K.linear(x.float(), cast_param(router.weight, F32))
     if spec.mlp_layer_types[layer_idx] == "hash_moe":
         scores = _all_scores(logits, spec)
@@ -179,12 +208,16 @@ def moe_block(mlp, x, input_ids, spec, layer_idx, dtype, rec=None, prefix="mlp")
     else:
         w, ids = K.moe_route(logits, spec.top_k, scoring=spec.scoring, renormalize=True,
                              correction_bias=router.e_score_correction_bias, scaling=spec.routed_scaling)
+    return w, ids
+
+
+def moe_block(mlp, x, input_ids, spec, layer_idx, dtype, rec=None, prefix="mlp", parts: MoeParts | None = None):
+    """Routed experts + the shared expert on rows x [T, hidden] -> [T, hidden] (``parts``: default all)."""
+    w, ids = route(mlp.gate, x, input_ids, spec, layer_idx)
     if rec is not None:
         rec(f"{prefix}.router", (ids, w))
-    ex = mlp.experts
-    y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
-                      activation="swiglu", swiglu_limit=spec.swiglu_limit)
-    sh = shared_expert(mlp.shared_experts, x, dtype, spec.swiglu_limit)
+    parts = all_experts(mlp, spec, dtype) if parts is None else parts
+    y, sh = parts.experts(x, ids, w), parts.shared(x)
     return (y.float() + sh.float()).to(dtype)  # HF: routed + shared in the model dtype
 
 
@@ -195,15 +228,39 @@ def decoder_layer(layer, streams, *, bm: LayerCall):
     post, comb, x = _hc(streams, layer.attn_hc, spec)
     x = rms_norm(layer.input_layernorm, x, dt)
     a = A.attention(layer.self_attn, x, None, bm.rope, bm.rope_at, bm.ctx, spec, i, dt, bm.seqs, rec,
-                    f"{p}.self_attn")
+                    f"{p}.self_attn", heads=bm.heads)
     streams = K.hc_post(streams, a, post, comb)
     post, comb, x = _hc(streams, layer.ffn_hc, spec)
     x = rms_norm(layer.post_attention_layernorm, x, dt)
-    m = moe_block(layer.mlp, x, bm.input_ids, spec, i, dt, rec, f"{p}.mlp")
+    m = moe_block(layer.mlp, x, bm.input_ids, spec, i, dt, rec, f"{p}.mlp", parts=bm.moe)
     streams = K.hc_post(streams, m, post, comb)
     if rec is not None:
         rec(f"{p}", streams)
     return streams
+
+
+def forward_hidden(lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
+    """Packed tokens [T] -> final-norm hidden states [T, hidden]. ``shares``: per layer, a
+    tensor-parallel rank's (QueryHeads, MoeParts) (bitmatch.parallel.deepseek_v4); None: the whole model."""
+    K = _kernels()
+    seqs = A.sequences(ctx, ctx.positions)
+    rope_at = A.rope_lookup(spec, ctx, seqs)  # table rows: no host read (CUDA graphs)
+    rope = {k: rope_at(ctx.positions, k) for k in ("main", "compress")}
+    h = embed(lm, input_ids, dtype)
+    if recorder is not None:
+        recorder("embed_tokens", h)
+    streams = h.unsqueeze(1).expand(-1, spec.hc_mult, -1).contiguous()
+    for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
+        heads, moe = (None, None) if shares is None else shares[i]
+        bm = LayerCall(ctx, spec, i, dtype, input_ids, rope, rope_at, seqs, recorder, heads, moe)
+        streams = call_layer(layer, decoder_layer, (streams,), bm)
+    head = lm.model.hc_head
+    x = K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=float(head.eps),
+                  norm_eps=float(head.input_norm.eps))
+    out = rms_norm(lm.model.norm, x, dtype)
+    if recorder is not None:
+        recorder("norm", out)
+    return out
 
 
 class DeepseekV4Family(Family):
@@ -300,28 +357,14 @@ class DeepseekV4Family(Family):
         return out
 
     def forward_hidden(self, lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=None):
-        K = _kernels()
-
-        seqs = A.sequences(ctx, ctx.positions)
-        rope_at = A.rope_lookup(spec, ctx, seqs)  # table rows: no host read (CUDA graphs)
-        rope = {k: rope_at(ctx.positions, k) for k in ("main", "compress")}
-        h = embed(lm, input_ids, dtype)
-        if recorder is not None:
-            recorder("embed_tokens", h)
-        streams = h.unsqueeze(1).expand(-1, spec.hc_mult, -1).contiguous()
-        for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-            bm = LayerCall(ctx, spec, i, dtype, input_ids, rope, rope_at, seqs, recorder)
-            streams = call_layer(layer, decoder_layer, (streams,), bm)
-        head = lm.model.hc_head
-        x = K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=float(head.eps),
-                      norm_eps=float(head.input_norm.eps))
-        out = rms_norm(lm.model.norm, x, dtype)
-        if recorder is not None:
-            recorder("norm", out)
-        return out
+        tp = tp_shard(lm)
+        if tp is not None:
+            return tp.forward_hidden(input_ids, ctx, recorder)
+        return forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
 
     def compute_logits(self, lm, spec, hidden, dtype):
-        return lm_head_logits(lm, hidden, dtype)
+        tp = tp_shard(lm)
+        return lm_head_logits(lm, hidden, dtype) if tp is None else tp.compute_logits(hidden)
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: after the warm-up run
@@ -330,7 +373,7 @@ class DeepseekV4Family(Family):
         (tests/test_engine_graphs_dsv4.py probes it). A subclass overriding the forward must opt in
         again; LoRA layers keep the model eager (their forward is not declared sync-free)."""
         cls = type(self)
-        return (cls.forward_hidden is DeepseekV4Family.forward_hidden
+        return (cls.forward_hidden is DeepseekV4Family.forward_hidden and tp_shard(lm) is None
                 and not any(lora.is_lora_layer(m) for m in lm.modules()))
 
     def patch_modules(self, lm):

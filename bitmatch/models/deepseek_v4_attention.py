@@ -29,6 +29,9 @@ window's closing position, so what a non-closing row writes there is never used.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 import bitmatch.kernels as K
@@ -104,6 +107,32 @@ def rope_lookup(spec, ctx, rows: KeyRows):
     return rope_at
 
 
+@dataclass
+class QueryHeads:
+    """The query heads one attention block computes, and their output projection: all of them
+    (``all_heads``, one process) or a tensor-parallel rank's whole output groups
+    (``bitmatch.parallel.deepseek_v4``). Everything else in the block (the K = V head, the
+    compressors, the indexer) is the same for any heads: a head's bits depend only on its own
+    q_b rows, its sink and the shared keys, and an output group only on its own heads.
+
+    ``enter``: applied to every replicated tensor the heads read (q_res, the K = V store, the entries):
+    the identity, or the tensor-parallel copy whose backward sums the ranks' gradients."""
+    q_b: Callable          # q_res [T, q_lora_rank] -> [T, heads * head_dim]
+    sinks: torch.Tensor    # fp32 [heads]
+    o_a: torch.Tensor      # [groups, o_lora_rank, heads_per_group * head_dim] in the compute dtype
+    o_b: Callable          # [T, groups * o_lora_rank] -> [T, hidden]
+    enter: Callable = lambda t: t
+
+
+def all_heads(attn, spec, dtype) -> QueryHeads:
+    """Every head of ``attn`` (the one-process block)."""
+    g = spec.o_groups
+    return QueryHeads(q_b=lambda q_res: linear(attn.q_b_proj, q_res, dtype),
+                      sinks=cast_param(attn.sinks, torch.float32),
+                      o_a=cast_param(attn.o_a_proj.weight, dtype).view(g, -1, spec.num_heads * spec.head_dim // g),
+                      o_b=lambda y: linear(attn.o_b_proj, y, dtype))
+
+
 def _flat(t):
     return t.view(-1, *t.shape[2:])
 
@@ -168,15 +197,18 @@ def _entry_store(mod, names, store, cache, rows, ctx, rate, overlap, dtype, rope
     return _flat(cache[entry_name])
 
 
-def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, seqs, rec=None, prefix="self_attn"):
-    """One DeepSeek-V4 attention block on rows x [T, hidden] -> [T, hidden]."""
+def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, seqs, rec=None, prefix="self_attn",
+              heads: QueryHeads | None = None):
+    """One DeepSeek-V4 attention block on rows x [T, hidden] -> [T, hidden], over ``heads`` (default:
+    all of them). Invariance: a head's output rows are the same bits whichever heads run beside it."""
     K = _kernels()
     lt = spec.layer_types[layer_idx]
     cos, sin = rope["main" if lt == SLIDING else "compress"]
     T = x.shape[0]
-    H, D = spec.num_heads, spec.head_dim
+    D = spec.head_dim
+    heads = all_heads(attn, spec, dtype) if heads is None else heads
     q_res = rms_norm(attn.q_a_norm, linear(attn.q_a_proj, x, dtype), dtype)
-    q = linear(attn.q_b_proj, q_res, dtype).view(T, H, D)
+    q = heads.q_b(heads.enter(q_res)).view(T, -1, D)
     q = K.rms_norm(q, torch.ones(D, dtype=dtype, device=x.device), spec.rms_eps)  # HF's unweighted q_b_norm
     q = K.apply_rotary_interleaved(q, cos, sin)
     kv = K.apply_rotary_interleaved(rms_norm(attn.kv_norm, linear(attn.kv_proj, x, dtype), dtype), cos, sin)
@@ -216,18 +248,18 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
                                         softmax_scale=spec.index_head_dim ** -0.5)
         if rec is not None:  # per query token: the selected entry indices ascending, -1 padded
             rec(f"{prefix}.indexer", selected.long())
-    o = K.sink_attention_rows(q, ctx.positions, store["kv"], cast_param(attn.sinks, torch.float32), rows,
-                              scale=spec.scale, window=spec.sliding_window, entries=entries, rate=m,
-                              selected=selected)
+    o = K.sink_attention_rows(q, ctx.positions, heads.enter(store["kv"]), heads.sinks, rows,
+                              scale=spec.scale, window=spec.sliding_window,
+                              entries=None if entries is None else heads.enter(entries), rate=m, selected=selected)
     o = K.apply_rotary_interleaved(o, cos, sin, inverse=True)
     if rec is not None:
         rec(f"{prefix}.attn", o)
-    g = spec.o_groups
-    w_a = cast_param(attn.o_a_proj.weight, dtype).view(g, -1, H * D // g)
-    og = o.reshape(T, g, H * D // g)
+    w_a = heads.o_a
+    g = w_a.shape[0]
+    og = o.reshape(T, g, w_a.shape[2])
     # g launches of the invariant linear (no host read): a grouped invariant GEMM is future work
     grouped = torch.cat([K.linear(og[:, i], w_a[i]) for i in range(g)], dim=-1)
-    out = linear(attn.o_b_proj, grouped, dtype)
+    out = heads.o_b(grouped)
     if rec is not None:
         rec(f"{prefix}.o_proj", out)
     return out

@@ -376,6 +376,7 @@ SHARD_BUILDERS: dict[str, str] = {
     "dense": "tensor_parallel:shard_dense_model",
     "qwen3_moe": "tensor_parallel:shard_dense_model",
     "nemotron_h": "nemotron_h:shard_nemotron_h",
+    "deepseek_v4": "deepseek_v4:shard_deepseek_v4",
 }
 
 

@@ -1,0 +1,222 @@
+"""Gather-only tensor + expert parallelism for DeepSeek-V4 on CPU (gloo): TP = 2 and 4 equal TP = 1 bit for bit.
+
+The tiny V4 (sliding, CSA with the Lightning Indexer, HCA, CSA; hash routing on layer 0, learned
+routing after; mHC; YaRN) with 8 heads in 4 output groups and 8 routed experts, so heads, whole
+groups and experts divide by 2 and 4. Each world size runs once in ``world`` forked gloo processes
+(the harness of tests/test_tensor_parallel.py): every rank computes the trainer's logprobs on a
+left- and right-padded batch, the final hidden states, the same logprobs with the stock all-reduce
+o_b_proj (the control), a fp32 trainer step's gradients and the embedded engine (with the same
+control); this process computes TP = 1 with the unsharded model and compares every rank's bits.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import bitmatch
+from bitmatch import Engine, SamplingParams
+from bitmatch.context import ForwardContext
+from bitmatch.models import cache_groups as model_cache_groups
+from bitmatch.models import family_of
+from bitmatch.models import forward_hidden as tp1_forward_hidden
+from bitmatch.parallel import (
+    TPGroup, allreduce_row_parallel_linear, enable_tensor_parallel, shard_deepseek_v4, token_logprobs,
+)
+from bitmatch.testing import assert_bitwise_equal, bits_equal
+from bitmatch.testing_models import tiny_model
+
+# heads 8 x 16 in 4 output groups (2 heads each), 8 experts top-2: TP 2 holds 2 groups and 4 experts
+# a rank, TP 4 one group and 2 experts
+CONFIG = dict(num_attention_heads=8, head_dim=16, o_groups=4, n_routed_experts=8)
+ENGINE_PROMPTS = [[1, 5, 9, 33, 40], [1, 7, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+MAX_TOKENS = 6  # 5 + 6 tokens: CSA (rate 2) and HCA (rate 4) windows close during decode
+
+
+def _model(**kw):
+    return tiny_model("deepseek_v4", seed=1, **{**CONFIG, **kw})
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 99, (3, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    return ids, mask
+
+
+def _packed_ctx(ids):
+    t = ids.shape[0]
+    return ForwardContext(positions=torch.arange(t), cu_seqlens=torch.tensor([0, t], dtype=torch.int32),
+                          max_query_len=t, max_seq_len=t)
+
+
+def _engine_run(lm):
+    """The embedded engine's sampled tokens and logprobs (3 prompts x 6 seeded tokens, blocks of 4)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=11 + i) for i in range(3)]
+    outs = Engine(lm, block_size=4, num_gpu_blocks=64).generate(ENGINE_PROMPTS, params, use_tqdm=False)
+    return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
+
+
+class _StockRow:
+    """o_b_proj as stock TP runs it: this rank's K columns (its groups' outputs) times the weight's K
+    slice, the bf16 partials summed by an all-reduce."""
+
+    def __init__(self, mod, tp):
+        self.mod, self.tp = mod, tp
+
+    def __call__(self, y):
+        k = y.shape[-1]
+        w = self.mod.weight[:, self.tp.rank * k:(self.tp.rank + 1) * k].to(y.dtype)
+        return allreduce_row_parallel_linear(y, w, None, self.tp)
+
+
+def _trainer_grads(tp, ids, mask):
+    """A TP trainer step (fp32, autograd on): the logprobs and the gradients of their sum."""
+    lm = _model().float()
+    lp = token_logprobs(shard_deepseek_v4(lm, tp), ids, mask)
+    lp.sum().backward()
+    return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
+
+
+def _worker(rank, world, store, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        tp = TPGroup.current()
+        res = {}
+        ids, mask = _batch()
+        with torch.no_grad():
+            shard = shard_deepseek_v4(_model(), tp)
+            res["logprobs"] = token_logprobs(shard, ids, mask)
+            res["hidden"] = shard.forward_hidden(ids[0], _packed_ctx(ids[0]))
+            for a, _ in shard.layers:  # the control: stock row-parallel o_b_proj
+                a.o_b = _StockRow(a.module.o_b_proj, tp)
+            res["control/logprobs"] = token_logprobs(shard, ids, mask)
+            res["heads"] = [tuple(a.heads().sinks.shape) for a, _ in shard.layers]
+        res.update(_trainer_grads(tp, ids, mask))
+        lm = _model()
+        shard = enable_tensor_parallel(lm, tp)
+        res["engine/graph_safe"] = family_of(lm).cuda_graph_safe(lm)
+        res["engine/cache_shapes"] = [(g.name, g.layers, g.tensors) for g in model_cache_groups(lm)]
+        res["engine/out"] = _engine_run(lm)
+        for a, _ in shard.layers:  # the control through the engine: the stock o_b_proj
+            a.o_b = _StockRow(a.module.o_b_proj, tp)
+        res["engine/control"] = _engine_run(lm)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+def ranks(request, tmp_path_factory):
+    """(world, [each rank's results])."""
+    world = request.param
+    d = tmp_path_factory.mktemp(f"dsv4_tp{world}")
+    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
+    return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """TP = 1: the unsharded model's trainer logprobs, hidden states and engine run."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the float64 reference is faster on one thread of this shared box; same bits
+    lm = _model()
+    ids, mask = _batch()
+    with torch.no_grad():
+        out = dict(logprobs=bitmatch.token_logprobs(lm, ids, mask),
+                   hidden=tp1_forward_hidden(lm, ids[0], _packed_ctx(ids[0])),
+                   cache_shapes=[(g.name, g.layers, g.tensors) for g in model_cache_groups(lm)],
+                   engine=_engine_run(lm), lm=lm)
+    yield out
+    torch.set_num_threads(n)
+
+
+def test_trainer_logprobs_equal_tp1(ranks, tp1):
+    world, res = ranks
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["logprobs"], tp1["logprobs"], f"rank {r}/{world} logprobs")
+
+
+def test_hidden_states_equal_tp1(ranks, tp1):
+    world, res = ranks
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["hidden"], tp1["hidden"], f"rank {r}/{world} hidden")
+
+
+def test_control_allreduce_o_b_proj_differs(ranks, tp1):
+    """The stock row-parallel o_b_proj (bf16 partials all-reduced) in place of the gather: other bits."""
+    world, res = ranks
+    for r, got in enumerate(res):
+        assert not bits_equal(got["control/logprobs"], tp1["logprobs"]), f"control rank {r}/{world} should differ"
+
+
+def test_engine_equals_engine_tp1_and_trainer(ranks, tp1):
+    """The embedded engine, one process per rank (enable_tensor_parallel), replicated caches of TP = 1's
+    shapes, each rank sampling from the same gathered logits: the TP = 1 engine's tokens and logprobs,
+    which are the TP = 1 trainer's logprobs of those tokens. Control: the stock o_b_proj in the same
+    engine gives other logprobs."""
+    world, res = ranks
+    for r, got in enumerate(res):
+        assert got["heads"] == [(8 // world,)] * 4, "each rank attends with its own heads"
+        assert got["engine/graph_safe"] is False, "no CUDA graphs while a shard is set"
+        assert got["engine/cache_shapes"] == tp1["cache_shapes"], "the caches are replicated"
+        assert any(not bits_equal(lp, wlp) for (_, lp), (_, wlp) in zip(got["engine/control"], tp1["engine"])), \
+            f"engine control rank {r}/{world}: the stock o_b_proj should differ"
+        for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["engine/out"], tp1["engine"])):
+            assert_bitwise_equal(tok, wtok, f"rank {r} prompt {i} tokens")
+            assert_bitwise_equal(lp, wlp, f"rank {r} prompt {i} logprobs")
+    for i, (tok, lp) in enumerate(res[0]["engine/out"]):
+        seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
+        with torch.no_grad():
+            trainer = bitmatch.token_logprobs(tp1["lm"], seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
+        assert_bitwise_equal(lp, trainer, f"prompt {i}: engine TP = {world} vs trainer TP = 1")
+
+
+def test_tp_trainer_gradients_match_tp1(ranks):
+    """Autograd through the sharded forward (fp32): bitwise logprobs, and gradients equal to TP = 1's
+    within fp32 rounding (backward needs correct gradients, not invariant ones). A sharded weight's
+    gradient covers the rank's rows only (the ranks' sum is the full one); replicated parameters get
+    the full gradient on every rank."""
+    world, res = ranks
+    ids, mask = _batch()
+    lm = _model().float()
+    lp = bitmatch.token_logprobs(lm, ids, mask)
+    lp.sum().backward()
+    sharded = (".q_b_proj.", ".sinks", ".o_a_proj.", ".o_b_proj.", ".experts.", ".shared_experts.", "lm_head.")
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["grad/logprobs"], lp.detach(), f"rank {r}/{world} fp32 trainer logprobs")
+    for n, p in lm.named_parameters():
+        if p.grad is None:  # the indexer: a top-k selection, no gradient (HF's neither)
+            assert all(got["grad/params"][n] is None for got in res), n
+            continue
+        if any(s in n for s in sharded):
+            g = sum(got["grad/params"][n] for got in res)
+        else:
+            g = res[0]["grad/params"][n]
+            for got in res[1:]:
+                torch.testing.assert_close(got["grad/params"][n], g, rtol=0, atol=0, msg=f"{n}: ranks differ")
+        atol = 1e-4 * p.grad.abs().max().item()
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+class _FakeTP:
+    """A TP group's place without a process group (sharding reads only rank and world)."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world, self.group = rank, world, None
+
+
+@pytest.mark.parametrize("kw, world, field", [
+    ({}, 3, "num_attention_heads = 8 is not divisible by the TP degree 3"),
+    (dict(o_groups=2), 4, "o_groups = 2 is not divisible by the TP degree 4"),
+    (dict(n_routed_experts=6), 4, "n_routed_experts = 6 is not divisible by the TP degree 4"),
+], ids=["heads", "o_groups", "experts"])
+def test_shard_refuses_indivisible(kw, world, field):
+    with pytest.raises(ValueError, match=field):
+        shard_deepseek_v4(_model(**kw), _FakeTP(0, world))
