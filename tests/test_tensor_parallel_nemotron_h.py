@@ -5,13 +5,15 @@ every block kind (Mamba2, MoE, attention, MLP, Mamba2) whose Mamba heads (8), gr
 heads (4), experts (8) and widths divide 4; its 2 KV heads are sharded at TP = 2 and replicated at
 TP = 4. Every rank computes the trainer's logprobs of a left- and a right-padded batch (prompts
 across the chunk boundaries), the hidden states, the same with the stock all-reduce out_proj in the
-Mamba layers (the control), the rank's cache sizes and the embedded engine's tokens and logprobs
-(chunked prefill); at TP = 2 also the trainer's logprobs on Triton (interpreter). The ranks save
+Mamba layers (the control), the rank's cache sizes, the embedded engine's tokens and logprobs
+(chunked prefill) and a trainer step's gradients; at TP = 2 also the trainer's logprobs on Triton
+(interpreter). The ranks save
 their results; this process computes TP = 1 and compares every rank's bits.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -112,9 +114,18 @@ def _worker(rank, world, store, out_dir):
             res["engine"] = _engine_run(lm)
             if world == 2:
                 res.update(_triton_case(tp))
+        res.update(_trainer_grads(tp))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _trainer_grads(tp):
+    """A TP trainer step on the fp32 model: the logprobs (autograd on) and the gradients of their sum."""
+    lm = _model("latent").float()
+    lp = token_logprobs(shard_nemotron_h(lm, tp), *_batches()["right"])
+    lp.sum().backward()
+    return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
 def _triton_case(tp):
@@ -167,6 +178,40 @@ def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
                 f"control: the all-reduce out_proj should change {name}'s hidden states at TP = {world}"
         assert any(not torch.equal(got[f"{name}/control/logprobs"], want_lp) for got in res), \
             f"control: the all-reduce out_proj should change some logprob of {name} at TP = {world}"
+
+
+def _replicated(name: str) -> bool:
+    """Parameters every rank uses whole (embeddings, block and final norms, router, latent projections):
+    every rank holds the full gradient. A rank uses a part of the others (its rows, heads, channels,
+    experts, or the KV heads it replicates): the ranks' gradients add up to the full one."""
+    return (any(s in name for s in ("embeddings.", "norm_f.", ".gate.", "latent_proj."))
+            or re.fullmatch(r"model\.layers\.\d+\.norm\.weight", name) is not None)
+
+
+def test_tp_trainer_gradients_match_tp1(ranks):
+    """Autograd through the sharded forward: bitwise logprobs, gradients equal to TP = 1's within fp32
+    rounding (backward passes need correct gradients, not invariant ones)."""
+    world, res = ranks
+    lm = _model("latent").float()
+    lp = bitmatch.token_logprobs(lm, *_batches()["right"])
+    lp.sum().backward()
+    for r, got in enumerate(res):
+        _assert_bits(f"rank {r}/{world} fp32 trainer logprobs", got["grad/logprobs"], lp.detach())
+    checked = 0
+    for n, p in lm.named_parameters():
+        if p.grad is None:
+            continue
+        grads = [got["grad/params"][n] for got in res]
+        if _replicated(n):
+            g = grads[0]
+            for other in grads[1:]:
+                torch.testing.assert_close(other, g, rtol=0, atol=0, msg=f"{n}: ranks differ")
+        else:
+            g = sum(grads)
+        atol = 1e-4 * p.grad.abs().max().item()  # fp32 sums in another order: relative to the scale
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+        checked += 1
+    assert checked > 20
 
 
 def test_rank_caches_hold_the_ranks_heads_and_groups(ranks):
