@@ -130,6 +130,23 @@ class GatherRowShard(ColumnShard):
 
 
 @dataclass
+class AllreduceRowShard:
+    """The stock row-parallel layer (``allreduce_row_parallel_linear``): this rank's K columns
+    [lo, hi) of the weight, the partials all-reduced. Not TP-invariant: the whole-model control and
+    the speed baseline (``shard_dense_model(..., row_parallel="allreduce")``)."""
+    module: torch.nn.Module
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    tp: TPGroup = None
+
+    def __call__(self, x_shard):
+        b = getattr(self.module, "bias", None)
+        return allreduce_row_parallel_linear(x_shard, cast_param(self.module.weight[:, self.lo:self.hi], self.dtype),
+                                             None if b is None else cast_param(b, self.dtype), self.tp)
+
+
+@dataclass
 class Norm:
     """An RMSNorm run replicated (full rows on every rank): the model's own module, cast at use."""
     module: torch.nn.Module
@@ -152,7 +169,7 @@ class LayerShard:
     v: ColumnShard
     q_norm: Norm | None
     k_norm: Norm | None
-    o: GatherRowShard
+    o: "GatherRowShard | AllreduceRowShard"
     mlp: "GatedMlpShard | MoeShard"
 
 
@@ -162,7 +179,7 @@ class GatedMlpShard:
     (silu_and_mul is elementwise, so the rank's intermediate columns suffice)."""
     gate: ColumnShard
     up: ColumnShard
-    down: GatherRowShard
+    down: "GatherRowShard | AllreduceRowShard"
 
     def __call__(self, x):
         x = copy_to_ranks(x, self.down.tp)
@@ -230,7 +247,16 @@ def _even(n: int, world: int, what: str) -> int:
     return n // world
 
 
-def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str):
+def _row_shard(mod, tp: TPGroup, rows: int, kcols: int, dt, what: str, row_parallel: str):
+    """o_proj / down_proj on this rank: by gather (its ``rows`` output rows, full K) or, for the
+    control, the stock all-reduce layer (its ``kcols`` input columns)."""
+    r = tp.rank
+    if row_parallel == "gather":
+        return _rows(mod, r * rows, (r + 1) * rows, dt, what, GatherRowShard, tp=tp)
+    return _rows(mod, r * kcols, (r + 1) * kcols, dt, what, AllreduceRowShard, tp=tp)
+
+
+def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gather"):
     n, r = tp.world, tp.rank
     if hasattr(m, "experts"):
         e = _even(m.experts.gate_up_proj.shape[0], n, "num_experts")
@@ -238,19 +264,23 @@ def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str):
     inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
     return GatedMlpShard(gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
                          up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
-                         down=_rows(m.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj",
-                                    GatherRowShard, tp=tp))
+                         down=_row_shard(m.down_proj, tp, hidden, inter, dt, f"{p}.down_proj", row_parallel))
 
 
-def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DenseShard:
+def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
+                      row_parallel: str = "gather") -> DenseShard:
     """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral) or a
     Qwen3-MoE one (num_experts % N == 0: rank r holds experts [r E/N, (r + 1) E/N)).
 
     Heads are split evenly (num_heads % N == 0); KV heads are sharded when num_kv_heads % N == 0,
     else replicated (N % num_kv_heads == 0, as vLLM does), so a rank's queries find their KV head
     locally. Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` on the shard
-    give every rank TP = 1's bits.
+    give every rank TP = 1's bits. ``row_parallel="allreduce"`` builds the stock layout instead
+    (o_proj / down_proj split over K, partials all-reduced): not invariant, the control and the
+    speed baseline of benchmarks/tp_layout.py.
     """
+    if row_parallel not in ("gather", "allreduce"):
+        raise ValueError(f"shard_dense_model: row_parallel must be 'gather' or 'allreduce', got {row_parallel!r}")
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("shard_dense_model: the model runs tensor parallel already; "
@@ -284,8 +314,8 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
             v=_rows(a.v_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.v_proj"),
             q_norm=Norm(a.q_norm, dt) if spec.qk_norm else None,
             k_norm=Norm(a.k_norm, dt) if spec.qk_norm else None,
-            o=_rows(a.o_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.o_proj", GatherRowShard, tp=tp),
-            mlp=_mlp_shard(m, tp, hidden, dt, p),
+            o=_row_shard(a.o_proj, tp, hidden, hq * d, dt, f"{p}.o_proj", row_parallel),
+            mlp=_mlp_shard(m, tp, hidden, dt, p, row_parallel),
         ))
     return DenseShard(tp=tp, spec=spec, dtype=dt, model=lm,
                       layers=layers, norm=Norm(lm.model.norm, dt),
@@ -380,11 +410,13 @@ SHARD_BUILDERS: dict[str, str] = {
 }
 
 
-def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None):
+def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None, **layout):
     """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
     (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
     ``bitmatch.Engine``, one process per rank, each sampling the same token from the same gathered
-    logits). No CUDA graphs. Invariance: every rank gets TP = 1's bits."""
+    logits). No CUDA graphs. ``layout``: the family builder's options (the dense family's
+    ``row_parallel="allreduce"``: the stock layout, a control). Invariance: every rank gets TP = 1's
+    bits."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("enable_tensor_parallel: the model runs tensor parallel already; "
@@ -395,7 +427,7 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
         raise ValueError(f"enable_tensor_parallel: family {fam.name!r} has no tensor-parallel layout; "
                          f"supported: {', '.join(sorted(SHARD_BUILDERS))}")
     mod, fn = build.split(":")
-    shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype)
+    shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype, **layout)
     create_state(lm).tp = shard
     forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard

@@ -1,0 +1,176 @@
+"""Tensor parallelism on several GPUs: the gather-only layout's bits and cost beside the stock one.
+
+  python benchmarks/tp_layout.py --out DIR --world 2                  # 2 GPUs of one host, NCCL
+  python benchmarks/tp_layout.py --out DIR --world 2 --device cpu --smoke   # gloo: the logic only
+
+Spawns ``--world`` processes (one GPU each, NCCL; gloo on CPU). Every rank builds the same seeded
+random Qwen3 (default: Qwen3-1.7B widths, fewer layers) and, on its own device:
+- TP = 1: ``bitmatch.token_logprobs`` of a left/right-padded batch (the trainer's bits);
+- the gather-only layout (``parallel.enable_tensor_parallel``): the same call through the shard;
+  mismatches against TP = 1 (the claim: 0);
+- the stock layout (``row_parallel="allreduce"``: o_proj / down_proj split over K, partials summed
+  by NCCL's all-reduce, Megatron's and vLLM's layer): mismatches (the control: > 0);
+- the forward's time (packed prefill of the batch, no grad) for the three, and the embedded
+  engine's rollout (the same prompts and seeds) at TP = 1 with CUDA graphs, TP = 1 eager and
+  TP = world eager in both layouts (tokens and logprobs compared with TP = 1's).
+The cost of the fixed-order layout is the ratio gather / allreduce at the same TP degree; the
+single-GPU kernels are unchanged (no canonical order moved), so TP = 1 speed is today's. Rank 0
+writes ``tp_layout.json``.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+# Qwen3-1.7B's widths (28 layers there)
+FULL = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            vocab_size=151936, tie_word_embeddings=True)
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=256, tie_word_embeddings=True)
+
+
+def build(a, device):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(num_hidden_layers=a.layers, max_position_embeddings=8192, rope_theta=1e6,
+                      **(SMOKE if a.smoke else FULL))
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        m = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    return m.eval()
+
+
+def batch(a, vocab, device):
+    g = torch.Generator().manual_seed(a.seed + 1)
+    ids = torch.randint(3, vocab, (a.batch, a.seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1 % a.batch, : a.seq // 4] = 0  # left padding
+    mask[2 % a.batch, a.seq - a.seq // 3:] = 0  # right padding
+    return ids.to(device), mask.to(device)
+
+
+def mismatches(x, y):
+    return int((x.view(torch.int32) != y.view(torch.int32)).sum())
+
+
+def rollout(model, prompts, a, **kw):
+    import bitmatch
+
+    def params(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=a.new, ignore_eos=True, seed=1000 + i)
+
+    eng = _common.engine(model, model.device, max_num_seqs=len(prompts), **kw)
+    _common.engine_run(eng, prompts[:2], params)  # warm: compile, capture
+    wall, steps, out = _common.engine_run(eng, prompts, params)
+    return {"tokens_per_s": len(prompts) * a.new / wall, "decode_step_ms": _common.decode_ms(steps, a.new)}, out
+
+
+def compare_rollouts(ref, got):
+    toks = sum(x != y for (ta, _), (tb, _) in zip(ref, got) for x, y in zip(ta, tb))
+    lps = sum(torch.tensor(la, dtype=torch.float32).view(torch.int32).ne(
+        torch.tensor(lb, dtype=torch.float32).view(torch.int32)).sum().item()
+        for (ta, la), (tb, lb) in zip(ref, got) if ta == tb)
+    return {"token_mismatches": int(toks), "logprob_mismatches_on_equal_tokens": int(lps)}
+
+
+def worker(rank, a, store):
+    device = torch.device("cuda", rank) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=a.world)
+    import bitmatch
+    from bitmatch.context import ForwardContext
+    from bitmatch.models import forward_hidden
+    from bitmatch.parallel import TPGroup, disable_tensor_parallel, enable_tensor_parallel
+    from bitmatch.parallel import token_logprobs as tp_logprobs
+
+    tp = TPGroup.current()
+    rec = _common.Recorder(os.path.join(a.out, "tp_layout.json"), a) if rank == 0 else None
+    res = {"world": a.world, "backend": dist.get_backend()}
+    model = build(a, device)
+    ids, mask = batch(a, model.config.vocab_size, device)
+    t = int(ids.numel())
+    flat = ids.reshape(-1)
+    ctx = ForwardContext(positions=torch.arange(a.seq, device=device).repeat(a.batch),
+                         cu_seqlens=torch.arange(0, t + 1, a.seq, device=device, dtype=torch.int32),
+                         max_query_len=a.seq, max_seq_len=a.seq)
+    g = torch.Generator().manual_seed(a.seed + 2)
+    prompts = [torch.randint(3, model.config.vocab_size, (a.prompt_len,), generator=g).tolist()
+               for _ in range(a.rollout_batch)]
+
+    with torch.no_grad():
+        ref = bitmatch.token_logprobs(model, ids, mask)
+        res["tp1_forward_ms"] = _common.cuda_ms(lambda: forward_hidden(model, flat, ctx), iters=a.iters)
+    res["tp1_rollout_graphs"], ref_out = rollout(model, prompts, a)
+    res["tp1_rollout_eager"], out = rollout(model, prompts, a, enforce_eager=True)
+    res["tp1_rollout_eager"].update(compare_rollouts(ref_out, out))
+    for layout in ("gather", "allreduce"):
+        shard = enable_tensor_parallel(model, tp, row_parallel=layout)
+        try:
+            with torch.no_grad():
+                got = tp_logprobs(shard, ids, mask)
+                dist.barrier()
+                ms = _common.cuda_ms(lambda: forward_hidden(model, flat, ctx), iters=a.iters)
+            row = {"trainer_logprob_mismatches": mismatches(got, ref), "of": int(mask[:, 1:].sum()),
+                   "forward_ms": ms}
+            dist.barrier()
+            row["rollout"], out = rollout(model, prompts, a, enforce_eager=True)
+            row["rollout"].update(compare_rollouts(ref_out, out))
+        finally:
+            disable_tensor_parallel(model)
+        res[f"tp{a.world}_{layout}"] = row
+        # every rank must agree on the gathered bits (the layout's claim is per rank)
+        flags = [None] * a.world
+        dist.all_gather_object(flags, row["trainer_logprob_mismatches"])
+        row["mismatches_per_rank"] = flags
+    g_ms, s_ms = res[f"tp{a.world}_gather"]["forward_ms"], res[f"tp{a.world}_allreduce"]["forward_ms"]
+    res["forward_gather_over_allreduce_time"] = g_ms / s_ms
+    res["rollout_gather_over_allreduce_tokens_per_s"] = (res[f"tp{a.world}_gather"]["rollout"]["tokens_per_s"]
+                                                         / res[f"tp{a.world}_allreduce"]["rollout"]["tokens_per_s"])
+    res["tokens"] = t
+    if rec is not None:
+        rec.put("tp_layout", res)
+        print(res, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true", help="tiny widths (with --device cpu: the script's logic only)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; smoke 2)")
+    ap.add_argument("--batch", type=int, default=None, help="trainer batch rows (default 4; smoke 3)")
+    ap.add_argument("--seq", type=int, default=None, help="trainer row length (default 1024; smoke 12)")
+    ap.add_argument("--rollout-batch", type=int, default=None, help="prompts (default 64; smoke 3)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; smoke 5)")
+    ap.add_argument("--new", type=int, default=None, help="sampled tokens per prompt (default 32; smoke 3)")
+    ap.add_argument("--iters", type=int, default=None, help="timed forwards (default 10; smoke 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    defaults = dict(layers=(8, 2), batch=(4, 3), seq=(1024, 12), rollout_batch=(64, 3), prompt_len=(128, 5),
+                    new=(32, 3), iters=(10, 1))
+    for k, (full, smoke) in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, smoke if a.smoke else full)
+    if a.device == "cuda" and torch.cuda.device_count() < a.world:
+        raise SystemExit(f"tp_layout: --world {a.world} needs {a.world} GPUs, found {torch.cuda.device_count()}")
+    os.makedirs(a.out, exist_ok=True)
+    store = os.path.join(a.out, f".rendezvous-{os.getpid()}-{time.time_ns()}")
+    mp.spawn(worker, args=(a, store), nprocs=a.world, join=True)
+    if os.path.exists(store):
+        os.remove(store)
+
+
+if __name__ == "__main__":
+    main()

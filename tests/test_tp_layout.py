@@ -1,0 +1,26 @@
+"""benchmarks/tp_layout.py's logic on CPU (gloo, 2 ranks, tiny widths): the whole model at TP = 2 in the
+gather-only layout gives TP = 1's trainer logprobs and rollout bit for bit, and the stock layout
+(o_proj / down_proj partials all-reduced, ``row_parallel="allreduce"``) is the control that differs.
+The same script measures both layouts' cost on GPUs (NCCL)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# spawned ranks unpickle tp_layout.worker by module name: the script's folder goes on sys.path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import tp_layout  # noqa: E402
+
+
+def test_tp2_gather_layout_equals_tp1_and_stock_layout_differs(tmp_path):
+    tp_layout.main(["--out", str(tmp_path), "--device", "cpu", "--smoke", "--world", "2"])
+    res = json.load(open(tmp_path / "tp_layout.json"))["sections"]["tp_layout"]
+    g, s = res["tp2_gather"], res["tp2_allreduce"]
+    assert g["of"] > 20
+    assert g["mismatches_per_rank"] == [0, 0]
+    assert g["rollout"]["token_mismatches"] == 0 and g["rollout"]["logprob_mismatches_on_equal_tokens"] == 0
+    assert res["tp1_rollout_eager"]["token_mismatches"] == 0
+    assert res["tp1_rollout_eager"]["logprob_mismatches_on_equal_tokens"] == 0
+    # the control: the stock row-parallel layer's all-reduce changes the trainer's bits on every rank
+    assert all(m > 0 for m in s["mismatches_per_rank"])
