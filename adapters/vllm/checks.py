@@ -53,7 +53,9 @@ def _engine_problems(vllm_config) -> list[str]:
     if mc.dtype not in SUPPORTED_DTYPES:
         out.append(f"dtype={mc.dtype} (supported: bfloat16, float32)")
     if pc.tensor_parallel_size != 1:
-        out.append(f"tensor_parallel_size={pc.tensor_parallel_size} (the ordered TP reduction is not built yet)")
+        out.append(f"tensor_parallel_size={pc.tensor_parallel_size} (vLLM loads o_proj / down_proj split over K for "
+                   "an all-reduce, which changes the bits; bitmatch's TP layout needs their output rows with "
+                   "the full K: run tensor parallel on the embedded engine, bitmatch.parallel.enable_tensor_parallel)")
     if pc.pipeline_parallel_size != 1:
         out.append(f"pipeline_parallel_size={pc.pipeline_parallel_size}")
     if vllm_config.lora_config is not None:
