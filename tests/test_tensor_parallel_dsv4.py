@@ -6,10 +6,12 @@ groups and experts divide by 2 and 4. Each world size runs once in ``world`` for
 (the harness of tests/test_tensor_parallel.py): every rank computes the trainer's logprobs on a
 left- and right-padded batch, the final hidden states, the same logprobs with the stock all-reduce
 o_b_proj (the control), a fp32 trainer step's gradients and the embedded engine (with the same
-control); this process computes TP = 1 with the unsharded model and compares every rank's bits.
+control), and under Triton's interpreter the logits of a short sequence on the Triton kernels; this
+process computes TP = 1 with the unsharded model and compares every rank's bits.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,9 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bitmatch
+import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
 from bitmatch.context import ForwardContext
 from bitmatch.models import cache_groups as model_cache_groups
+from bitmatch.models import compute_logits as tp1_compute_logits
 from bitmatch.models import family_of
 from bitmatch.models import forward_hidden as tp1_forward_hidden
 from bitmatch.parallel import (
@@ -83,6 +87,25 @@ def _trainer_grads(tp, ids, mask):
     return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
+TRITON_IDS = torch.tensor([1, 5, 9, 33, 40, 41])
+
+
+def _triton_logits(model_or_shard):
+    """Logits of a 6-token sequence on the Triton backend (the interpreter on CPU): TP = 1 through
+    ``bitmatch.models``, a rank through its shard."""
+    with K.use_backend("triton"), torch.no_grad():
+        if isinstance(model_or_shard, torch.nn.Module):
+            return tp1_compute_logits(model_or_shard, tp1_forward_hidden(model_or_shard, TRITON_IDS,
+                                                                         _packed_ctx(TRITON_IDS)))
+        return model_or_shard.compute_logits(model_or_shard.forward_hidden(TRITON_IDS, _packed_ctx(TRITON_IDS)))
+
+
+def _triton_case(tp):
+    """The sharded forward on Triton: sink attention on the rank's heads, the grouped o_a on its groups,
+    shard_linear for the column slices, the experts' grouped GEMM on the rank's experts."""
+    return {"triton/logits": _triton_logits(shard_deepseek_v4(_model(), tp))}
+
+
 def _worker(rank, world, store, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -107,6 +130,8 @@ def _worker(rank, world, store, out_dir):
         for a, _ in shard.layers:  # the control through the engine: the stock o_b_proj
             a.o_b = _StockRow(a.module.o_b_proj, tp)
         res["engine/control"] = _engine_run(lm)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            res.update(_triton_case(tp))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -188,7 +213,7 @@ def test_tp_trainer_gradients_match_tp1(ranks):
     lm = _model().float()
     lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()
-    sharded = (".q_b_proj.", ".sinks", ".o_a_proj.", ".o_b_proj.", ".experts.", ".shared_experts.", "lm_head.")
+    sharded = ("self_attn.q_b_proj.", ".sinks", ".o_a_proj.", ".o_b_proj.", ".experts.", ".shared_experts.", "lm_head.")
     for r, got in enumerate(res):
         assert_bitwise_equal(got["grad/logprobs"], lp.detach(), f"rank {r}/{world} fp32 trainer logprobs")
     for n, p in lm.named_parameters():
@@ -203,6 +228,21 @@ def test_tp_trainer_gradients_match_tp1(ranks):
                 torch.testing.assert_close(got["grad/params"][n], g, rtol=0, atol=0, msg=f"{n}: ranks differ")
         atol = 1e-4 * p.grad.abs().max().item()
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@functools.cache
+def _tp1_triton_logits():
+    return _triton_logits(_model())
+
+
+@pytest.mark.interpreter
+def test_triton_interpreter_forward_equals_tp1(ranks):
+    """On the Triton kernels (interpreter) too: Triton's sink attention gives a head the same bits with
+    8, 4 or 2 heads beside it."""
+    world, res = ranks
+    want = _tp1_triton_logits()
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["triton/logits"], want, f"triton logits rank {r}/{world}")
 
 
 class _FakeTP:
