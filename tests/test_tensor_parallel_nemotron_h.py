@@ -63,12 +63,13 @@ def _packed_ctx(ids):
                           max_query_len=t, max_seq_len=t)
 
 
-def _engine_run(lm):
-    """The embedded engine's sampled tokens and logprobs: 3 prompts x 6 seeded tokens, 5-token steps
-    (chunked prefill splitting the chunks)."""
-    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=21 + i) for i in range(3)]
-    eng = Engine(lm, block_size=4, num_gpu_blocks=64, max_num_seqs=3, max_num_batched_tokens=5)
-    outs = eng.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+def _engine_run(lm, prompts=ENGINE_PROMPTS, max_tokens=6, budget=5):
+    """The embedded engine's sampled tokens and logprobs: each prompt x ``max_tokens`` seeded tokens,
+    steps of ``budget`` tokens (chunked prefill splitting the chunks)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=21 + i)
+              for i in range(len(prompts))]
+    eng = Engine(lm, block_size=4, num_gpu_blocks=64, max_num_seqs=3, max_num_batched_tokens=budget)
+    outs = eng.generate(prompts, params, use_tqdm=False)
     return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
 
 
@@ -128,11 +129,22 @@ def _trainer_grads(tp):
     return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
+# the Triton engine case (8-token steps): 2 prompts, the second's prefill split inside chunk 0 and
+# its decode across the chunk boundary (16)
+TRITON_PROMPTS = [[1, 5, 9, 33, 40], [1] + list(range(60, 74))]
+TRITON_ENGINE = dict(prompts=TRITON_PROMPTS, max_tokens=3, budget=8)
+
+
 def _triton_case(tp):
-    """The trainer's logprobs on the Triton backend (interpreter), right padding, chunk 16."""
+    """On the Triton backend (interpreter), chunk 16: the trainer's logprobs (right padding), and the
+    engine's tokens and logprobs (the conv / scan state in the rank's cache slots)."""
     ids, mask = _batches()["right"]
+    lm = _model("latent")
     with K.use_backend("triton"):
-        return {"triton/logprobs": token_logprobs(shard_nemotron_h(_model("latent"), tp), ids[:2], mask[:2])}
+        out = {"triton/logprobs": token_logprobs(shard_nemotron_h(lm, tp), ids[:2], mask[:2])}
+        enable_tensor_parallel(lm, tp)
+        out["triton/engine"] = _engine_run(lm, **TRITON_ENGINE)
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
@@ -249,15 +261,20 @@ def test_engine_equals_engine_tp1_and_trainer(ranks):
 
 
 @pytest.mark.interpreter
-def test_triton_interpreter_trainer_logprobs_equal_tp1(ranks):
+def test_triton_interpreter_trainer_and_engine_equal_tp1(ranks):
     world, res = ranks
     if world != 2:
         pytest.skip("the Triton case runs at TP = 2")
     ids, mask = _batches()["right"]
+    lm = _model("latent")
     with K.use_backend("triton"):
-        want = bitmatch.token_logprobs(_model("latent"), ids[:2], mask[:2])
+        want = bitmatch.token_logprobs(lm, ids[:2], mask[:2])
+        want_engine = _engine_run(lm, **TRITON_ENGINE)
     for r, got in enumerate(res):
         _assert_bits(f"triton rank {r} logprobs", got["triton/logprobs"], want)
+        for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["triton/engine"], want_engine)):
+            _assert_bits(f"triton rank {r} prompt {i} tokens", tok, wtok)
+            _assert_bits(f"triton rank {r} prompt {i} logprobs", lp, wlp)
 
 
 # ----------------------------------------------------------------------------- single process
