@@ -29,8 +29,9 @@ from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logit
 from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.parallel import (
     TPGroup, allreduce_expert_parallel, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer,
-    compute_logits, enable_tensor_parallel, expert_parallel_experts, forward_hidden, fsdp_unsharded,
-    gathered_row_parallel_linear, shard_dense_model, shard_linear, token_logprobs,
+    compute_logits, disable_tensor_parallel, enable_tensor_parallel, expert_parallel_experts, forward_hidden,
+    fsdp_unsharded, gathered_row_parallel_linear, reduce_tp_gradients, shard_dense_model, shard_linear,
+    token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
 
@@ -117,6 +118,7 @@ def _worker(rank, world, store, out_dir):
                 res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
             res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
         res.update(_trainer_grads(tp, ids, mask))
+        res.update(_tp_train(tp, ids, mask))
         with torch.no_grad():
             x, w, b = _row_inputs()
             kk, nn = x.shape[1] // world, w.shape[0] // world
@@ -173,6 +175,29 @@ def _trainer_grads(tp, ids, mask):
     lp = token_logprobs(shard_dense_model(lm, tp), ids, mask)
     lp.sum().backward()
     return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
+
+
+TRAIN_MODELS = ("qwen3-kv4", "qwen3moe")
+
+
+def _tp_train(tp, ids, mask, steps=2):
+    """A TP trainer loop: fp32, ``steps`` SGD steps on the rank's copy with ``reduce_tp_gradients``
+    after each backward; the rank's final weights and its logprobs on them (through the shard)."""
+    out = {}
+    for name in TRAIN_MODELS:
+        lm = _model(name).float()
+        enable_tensor_parallel(lm, tp)
+        opt = torch.optim.SGD(lm.parameters(), lr=0.5)
+        for _ in range(steps):
+            lp = bitmatch.token_logprobs(lm, ids, mask)
+            (-(lp * mask[:, 1:]).sum()).backward()
+            reduce_tp_gradients(lm)
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out[f"train/{name}/logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
+        out[f"train/{name}/weights"] = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    return out
 
 
 def _fsdp2_logprobs(world, ids, mask):
@@ -281,6 +306,50 @@ def test_tp_trainer_gradients_match_tp1(ranks):
         # fp32 sums in another order: tolerances relative to the gradient's scale (cancellation)
         atol = 1e-4 * p.grad.abs().max().item()
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_tp_trainer_loop_keeps_ranks_equal_and_tp1_bits(ranks):
+    """Two SGD steps at TP = N with ``reduce_tp_gradients``: every rank ends with the same weights (bit
+    for bit), those weights are TP = 1's training result within fp32 rounding, and the trainer's
+    logprobs on them (through the shard) equal the one-process ``bitmatch.token_logprobs`` of a model
+    holding rank 0's weights bit for bit: a TP trainer and a TP = 1 rollout stay on-policy."""
+    world, res = ranks
+    ids, mask = _batch()
+    for name in TRAIN_MODELS:
+        w0 = res[0][f"train/{name}/weights"]
+        for r, got in enumerate(res[1:], 1):
+            for n, p in got[f"train/{name}/weights"].items():
+                assert torch.equal(p, w0[n]), f"{name} rank {r}: {n} differs from rank 0 after the steps"
+        ref = _model(name).float()  # TP = 1 training, same steps
+        opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for _ in range(2):
+            (-(bitmatch.token_logprobs(ref, ids, mask) * mask[:, 1:]).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        moved = 0
+        for n, p in ref.named_parameters():
+            init = dict(_model(name).float().named_parameters())[n]
+            moved += int(not torch.equal(p, init))
+            torch.testing.assert_close(w0[n], p.detach(), rtol=1e-4, atol=1e-4 * p.abs().max().item(),
+                                       msg=lambda m, n=n: f"{name} {n}: {m}")
+        assert moved > 10, f"{name}: the steps moved {moved} parameters"
+        with torch.no_grad():
+            ref.load_state_dict(w0, strict=False)  # rank 0's weights in the one-process model
+            want = bitmatch.token_logprobs(ref, ids, mask)
+        for r, got in enumerate(res):
+            _assert_bits(f"{name} rank {r}/{world} logprobs after TP training", got[f"train/{name}/logprobs"], want)
+
+
+def test_reduce_tp_gradients_refuses_tied_and_unsharded():
+    lm = tiny_model("qwen3-hd64-gqa4-tied")
+    with pytest.raises(ValueError, match="does not run tensor parallel"):
+        reduce_tp_gradients(lm)
+    enable_tensor_parallel(lm, TPGroup(0, 1))
+    try:
+        with pytest.raises(ValueError, match="tie_word_embeddings"):
+            reduce_tp_gradients(lm)
+    finally:
+        disable_tensor_parallel(lm)
 
 
 def test_hidden_states_equal_tp1(ranks):

@@ -22,7 +22,7 @@ _EXPORTS = {
     "shard_deepseek_v4": "deepseek_v4",
     **{name: "tensor_parallel" for name in (
         "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "disable_tensor_parallel",
-        "enable_tensor_parallel", "forward_hidden", "gathered_row_parallel_linear", "shard_dense_model",
+        "enable_tensor_parallel", "forward_hidden", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
         "shard_linear", "token_logprobs")},
 }
 

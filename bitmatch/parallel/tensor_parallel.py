@@ -232,6 +232,34 @@ class DenseShard:
     def compute_logits(self, hidden):
         return compute_logits(self, hidden)
 
+    def partial_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
+        sums them): every sliced linear (its rows; KV heads replicated over ranks: each rank's
+        queries' share), the q/k norms (replicated weights applied to this rank's heads only), this
+        rank's experts and the LM head's vocab rows. The rest (embedding, the other norms, the
+        router) run replicated on full rows and get the whole gradient on every rank."""
+        out, seen = [], set()
+
+        def add(*mods):
+            for mod in mods:
+                for p in (mod.weight, getattr(mod, "bias", None)):
+                    if p is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+
+        for L in self.layers:
+            add(L.q.module, L.k.module, L.v.module, L.o.module)
+            if L.q_norm is not None:
+                add(L.q_norm.module, L.k_norm.module)
+            if isinstance(L.mlp, MoeShard):
+                for p in (L.mlp.module.experts.gate_up_proj, L.mlp.module.experts.down_proj):
+                    seen.add(id(p))
+                    out.append(p)
+            else:
+                add(L.mlp.gate.module, L.mlp.up.module, L.mlp.down.module)
+        add(self.lm_head.module)
+        return out
+
 
 def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
     if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
@@ -431,6 +459,38 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     create_state(lm).tp = shard
     forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard
+
+
+def reduce_tp_gradients(model) -> None:
+    """After a backward on a tensor-parallel rank: every partial gradient (the shard's
+    ``partial_parameters``) replaced by the sum of the ranks' parts, gathered as bytes and added in
+    rank order on every rank, so each rank holds the whole-model gradient (TP = 1's within fp32
+    rounding: backward needs correct, not invariant, gradients) with the same bits on every rank;
+    an optimizer stepping each rank's copy then keeps the copies equal, and the next forward gives
+    TP = 1's bits for the updated weights. Tied embeddings are refused: the embedding's gradient is
+    whole on every rank and the head's is a part, in one tensor."""
+    lm = unwrap_causal_lm(model)
+    shard = tp_shard(lm)
+    if shard is None:
+        raise ValueError("reduce_tp_gradients: the model does not run tensor parallel; "
+                         "enable_tensor_parallel(model, tp) first")
+    parts = getattr(shard, "partial_parameters", None)
+    if parts is None:
+        raise ValueError(f"reduce_tp_gradients: the {family_of(lm).name} layout does not list its partial "
+                         "gradients (supported: the dense family and qwen3_moe)")
+    emb = lm.get_input_embeddings()
+    if emb is not None and emb.weight is lm.lm_head.weight:
+        raise ValueError("reduce_tp_gradients: tie_word_embeddings=True (the shared tensor's gradient is whole "
+                         "from the embedding and partial from the vocab-parallel head); train an untied model")
+    tp = shard.tp
+    for p in parts():
+        if p.grad is None or tp.world == 1:
+            continue
+        whole = all_gather_cat(p.grad.detach().unsqueeze(0), tp, dim=0)
+        acc = whole[0].clone()
+        for r in range(1, tp.world):
+            acc += whole[r]
+        p.grad.copy_(acc)
 
 
 def disable_tensor_parallel(model) -> None:
