@@ -7,7 +7,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2}
+STAGE=${1:?usage: gpu_session.sh 1|2|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -41,5 +41,9 @@ case $STAGE in
     bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench mamba 120 mamba_layer.py --mamba-src "$MAMBA"
     ;;
-*)  echo "unknown stage $STAGE (1 or 2)"; exit 2 ;;
+tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
+    # bits and its cost beside the stock all-reduce layout
+    bench tp_layout 500 tp_layout.py --world 2
+    ;;
+*)  echo "unknown stage $STAGE (1, 2 or tp)"; exit 2 ;;
 esac
