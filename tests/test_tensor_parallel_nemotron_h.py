@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,11 +28,10 @@ from bitmatch.models import cache_groups as model_cache_groups, family_of
 from bitmatch.models import forward_hidden as tp1_forward_hidden
 from bitmatch.models.registry import tp_shard
 from bitmatch.parallel import (
-    TPGroup, allreduce_row_parallel_linear, disable_tensor_parallel, enable_tensor_parallel, shard_nemotron_h,
-    token_logprobs,
+    TPGroup, disable_tensor_parallel, enable_tensor_parallel, shard_nemotron_h, token_logprobs,
 )
 from bitmatch.parallel.nemotron_h import MambaShard
-from bitmatch.precision import cast_param
+from bitmatch.parallel.tensor_parallel import AllreduceRowShard
 from bitmatch.testing import bits_equal
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 
@@ -73,22 +71,6 @@ def _engine_run(lm, prompts=ENGINE_PROMPTS, max_tokens=6, budget=5):
     return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
 
 
-@dataclass
-class AllReduceOut:
-    """The stock row-parallel out_proj (Megatron, vLLM): this rank's K columns of the weight, the
-    bf16 partials summed by an all-reduce. Swapped in for the gather: the control."""
-    row: object  # the layer's GatherRowShard
-
-    @property
-    def tp(self):
-        return self.row.tp
-
-    def __call__(self, y_shard):
-        m, tp, k = self.row.module, self.row.tp, y_shard.shape[-1]
-        w = cast_param(m.weight[:, tp.rank * k:(tp.rank + 1) * k], self.row.dtype)
-        return allreduce_row_parallel_linear(y_shard, w, cast_param(m.bias, self.row.dtype), tp)
-
-
 def _worker(rank, world, store, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -102,11 +84,7 @@ def _worker(rank, world, store, out_dir):
                 for side, (ids, mask) in _batches().items():
                     res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
                 res[f"{name}/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
-                for _, mixer in shard.layers:
-                    if isinstance(mixer, MambaShard):
-                        mixer.out = AllReduceOut(mixer.out)
-                res[f"{name}/control/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
-                res[f"{name}/control/logprobs"] = token_logprobs(shard, *_batches()["right"])
+                res.update(_controls(name, tp, ids0))
             lm = _model("chunk8")
             enable_tensor_parallel(lm, tp)
             res["caches"] = [(g.name, g.num_kv_heads, [shape for shape, _ in g.tensors or ()])
@@ -119,6 +97,22 @@ def _worker(rank, world, store, out_dir):
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _controls(name, tp, ids0):
+    """The stock all-reduce row-parallel layer (bf16 partials summed by ``dist.all_reduce``): in the
+    Mamba layers' out_proj only, and as the whole stock layout (``row_parallel="allreduce"``)."""
+    out = {}
+    shard = shard_nemotron_h(_model(name), tp)
+    for _, mixer in shard.layers:
+        if isinstance(mixer, MambaShard):
+            k = mixer.inner.stop - mixer.inner.start  # the rank's K columns of out_proj
+            mixer.out = AllreduceRowShard(mixer.out.module, tp.rank * k, (tp.rank + 1) * k, shard.dtype, tp)
+    out[f"{name}/control/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+    out[f"{name}/control/logprobs"] = token_logprobs(shard, *_batches()["right"])
+    stock = shard_nemotron_h(_model(name), tp, row_parallel="allreduce")
+    out[f"{name}/control/stock_hidden"] = stock.forward_hidden(ids0, _packed_ctx(ids0))
+    return out
 
 
 def _trainer_grads(tp):
@@ -175,8 +169,9 @@ def test_trainer_logprobs_equal_tp1(ranks):
 
 
 def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
-    """The final hidden states are TP = 1's; the control, the stock all-reduce out_proj in the Mamba
-    layers (bf16 partials rounded, then summed), changes them, so the comparison can fail."""
+    """The final hidden states are TP = 1's; the controls, the stock all-reduce out_proj in the Mamba
+    layers (bf16 partials rounded, then summed) and the whole stock layout, change them, so the
+    comparison can fail."""
     world, res = ranks
     ids = _batches()["right"][0][4]
     for name in MODELS:
@@ -188,6 +183,8 @@ def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
             _assert_bits(f"{name} rank {r}/{world} hidden", got[f"{name}/hidden"], want)
             assert not torch.equal(got[f"{name}/control/hidden"], want), \
                 f"control: the all-reduce out_proj should change {name}'s hidden states at TP = {world}"
+            assert not torch.equal(got[f"{name}/control/stock_hidden"], want), \
+                f"control: the stock layout should change {name}'s hidden states at TP = {world}"
         assert any(not torch.equal(got[f"{name}/control/logprobs"], want_lp) for got in res), \
             f"control: the all-reduce out_proj should change some logprob of {name} at TP = {world}"
 
@@ -295,6 +292,8 @@ def test_refuses_indivisible_sizes_by_config_field():
         assert field in str(e.value), field
     assert "intermediate_size = 96" not in str(e.value)  # 96 = 3 x 32: not named
     # heads divide 4, groups do not: the gated norm's groups would straddle ranks
+    with pytest.raises(ValueError, match="row_parallel must be 'gather' or 'allreduce'"):
+        shard_nemotron_h(lm, _FakeTP(0, 2), row_parallel="reduce")
     with pytest.raises(ValueError, match=r"n_groups = 2 is not divisible by the TP degree 4 \(the gated RMSNorm"):
         enable_tensor_parallel(lm, _FakeTP(1, 4))
     assert tp_shard(lm) is None, "a refused enable sets no shard"

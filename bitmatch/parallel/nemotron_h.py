@@ -23,6 +23,8 @@ rows; the LM head is vocab-parallel, gathered. Per block kind (``bitmatch.models
   combine); the shared expert as the MLP.
 
 An indivisible size is refused at shard time, every one at once, by its config field.
+``row_parallel="allreduce"`` builds the stock layout instead (out_proj / o_proj / down_proj split
+over K, partials all-reduced): not TP-invariant, the control and the speed baseline.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
 from .expert_parallel import expert_parallel_experts
-from .tensor_parallel import ColumnShard, GatherRowShard
+from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
 
@@ -51,7 +53,7 @@ class MambaShard:
     B: ColumnShard
     C: ColumnShard
     dt: ColumnShard
-    out: GatherRowShard
+    out: GatherRowShard | AllreduceRowShard
     channels: torch.Tensor  # the rank's conv channels: its heads' x, its groups' B and C
     heads: slice
     inner: slice  # the rank's heads' channels of z / y (whole norm groups)
@@ -71,7 +73,7 @@ class AttentionShard:
     q: ColumnShard
     k: ColumnShard
     v: ColumnShard
-    o: GatherRowShard
+    o: GatherRowShard | AllreduceRowShard
     spec: NH.NemotronHSpec
 
     def __call__(self, x, ctx, i):
@@ -85,7 +87,7 @@ class AttentionShard:
 class MlpShard:
     """down(relu2(up(x))): up_proj by intermediate columns, down_proj by gather."""
     up: ColumnShard
-    down: GatherRowShard
+    down: GatherRowShard | AllreduceRowShard
 
     def __call__(self, x, ctx=None, i=None):
         return self.down(NH.relu2(self.up(copy_to_ranks(x, self.down.tp))))
@@ -148,6 +150,15 @@ def _column(mod, lo: int, hi: int, dt, what: str, cls=ColumnShard, **kw):
     return cls(mod, lo, hi, dt, **kw)
 
 
+def _row(mod, tp: TPGroup, rows: int, kcols: int, dt, what: str, row_parallel: str):
+    """A row-parallel layer on this rank: by gather (its ``rows`` output rows, full K) or the stock
+    all-reduce layer (its ``kcols`` input columns)."""
+    r = tp.rank
+    if row_parallel == "gather":
+        return _column(mod, r * rows, (r + 1) * rows, dt, what, GatherRowShard, tp=tp)
+    return _column(mod, r * kcols, (r + 1) * kcols, dt, what, AllreduceRowShard, tp=tp)
+
+
 def divisibility_problems(config, n: int) -> list[str]:
     """Every config field a TP degree ``n`` does not divide, with why it must (empty: shardable)."""
     g = lambda k: getattr(config, k)  # noqa: E731
@@ -176,7 +187,8 @@ def _kv_heads(spec: NH.NemotronHSpec, n: int, r: int) -> tuple[int, int]:
     return 1, (r * (spec.num_heads // n)) // (spec.num_heads // spec.num_kv_heads)
 
 
-def _mamba(mod, spec: NH.NemotronHSpec, rank_spec: NH.NemotronHSpec, tp: TPGroup, dt, hidden: int, p: str):
+def _mamba(mod, spec: NH.NemotronHSpec, rank_spec: NH.NemotronHSpec, tp: TPGroup, dt, hidden: int, p: str,
+           row_parallel: str):
     r, Pm, Ns = tp.rank, spec.mamba_head_dim, spec.ssm_state
     inter, gn_all = spec.mamba_heads * Pm, spec.n_groups * Ns
     hl = rank_spec.mamba_heads
@@ -189,30 +201,32 @@ def _mamba(mod, spec: NH.NemotronHSpec, rank_spec: NH.NemotronHSpec, tp: TPGroup
     channels = torch.cat([torch.arange(r * il, (r + 1) * il, device=dev),
                           torch.arange(inter + r * gn, inter + (r + 1) * gn, device=dev),
                           torch.arange(inter + gn_all + r * gn, inter + gn_all + (r + 1) * gn, device=dev)])
-    out = _column(mod.out_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.out_proj", GatherRowShard, tp=tp)
+    out = _row(mod.out_proj, tp, hidden, il, dt, f"{p}.out_proj", row_parallel)
     return MambaShard(mod, **rows, out=out, channels=channels, heads=slice(r * hl, (r + 1) * hl),
                       inner=slice(r * il, (r + 1) * il), spec=rank_spec, dtype=dt)
 
 
-def _mlp(mod, tp: TPGroup, dt, hidden: int, p: str) -> MlpShard:
+def _mlp(mod, tp: TPGroup, dt, hidden: int, p: str, row_parallel: str) -> MlpShard:
     inter = mod.up_proj.weight.shape[0] // tp.world
     r = tp.rank
     return MlpShard(up=_column(mod.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
-                    down=_column(mod.down_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.down_proj",
-                                 GatherRowShard, tp=tp))
+                    down=_row(mod.down_proj, tp, hidden, inter, dt, f"{p}.down_proj", row_parallel))
 
 
-def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> NemotronHShard:
+def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
+                     row_parallel: str = "gather") -> NemotronHShard:
     """This rank's ``NemotronHShard`` of a Nemotron-H causal LM (layout: module docstring). Refuses,
     naming every config field at once, a TP degree that does not divide hidden_size, vocab_size,
     mamba_num_heads, n_groups, num_attention_heads, intermediate_size, n_routed_experts or
     moe_shared_expert_intermediate_size, or that num_key_value_heads and it do not divide one another.
     Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` and the engine on the
-    shard give every rank TP = 1's bits."""
+    shard give every rank TP = 1's bits (``row_parallel="allreduce"``: the stock layout, which does not)."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("shard_nemotron_h: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
+    if row_parallel not in ("gather", "allreduce"):
+        raise ValueError(f"shard_nemotron_h: row_parallel must be 'gather' or 'allreduce', got {row_parallel!r}")
     fam = family_of(lm)
     if fam.name != "nemotron_h":
         raise ValueError(f"shard_nemotron_h: family {fam.name!r} is not nemotron_h")
@@ -232,19 +246,20 @@ def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = Non
     for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
         m, kind, p = layer.mixer, spec.block_types[i], f"layers.{i}.mixer"
         if kind == NH.MAMBA:
-            mixer = _mamba(m, spec, rank_spec, tp, dt, hidden, p)
+            mixer = _mamba(m, spec, rank_spec, tp, dt, hidden, p, row_parallel)
         elif kind == NH.ATTN:
             mixer = AttentionShard(
                 q=_column(m.q_proj, r * hq * d, (r + 1) * hq * d, dt, f"{p}.q_proj"),
                 k=_column(m.k_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.k_proj"),
                 v=_column(m.v_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.v_proj"),
-                o=_column(m.o_proj, r * hidden, (r + 1) * hidden, dt, f"{p}.o_proj", GatherRowShard, tp=tp),
+                o=_row(m.o_proj, tp, hidden, hq * d, dt, f"{p}.o_proj", row_parallel),
                 spec=rank_spec)
         elif kind == NH.MOE:
             e = m.experts.up_proj.shape[0] // n
-            mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, _mlp(m.shared_experts, tp, dt, hidden, f"{p}.shared_experts"))
+            shared = _mlp(m.shared_experts, tp, dt, hidden, f"{p}.shared_experts", row_parallel)
+            mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, shared)
         else:
-            mixer = _mlp(m, tp, dt, hidden, p)
+            mixer = _mlp(m, tp, dt, hidden, p, row_parallel)
         layers.append((layer.norm, mixer))
     return NemotronHShard(tp=tp, spec=rank_spec, dtype=dt, model=lm, layers=layers,
                           lm_head=_column(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"))
