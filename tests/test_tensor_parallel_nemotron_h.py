@@ -13,7 +13,6 @@ their results; this process computes TP = 1 and compares every rank's bits.
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -28,7 +27,8 @@ from bitmatch.models import cache_groups as model_cache_groups, family_of
 from bitmatch.models import forward_hidden as tp1_forward_hidden
 from bitmatch.models.registry import tp_shard
 from bitmatch.parallel import (
-    TPGroup, disable_tensor_parallel, enable_tensor_parallel, shard_nemotron_h, token_logprobs,
+    TPGroup, disable_tensor_parallel, enable_tensor_parallel, reduce_tp_gradients, shard_nemotron_h,
+    token_logprobs,
 )
 from bitmatch.parallel.nemotron_h import MambaShard
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
@@ -116,10 +116,13 @@ def _controls(name, tp, ids0):
 
 
 def _trainer_grads(tp):
-    """A TP trainer step on the fp32 model: the logprobs (autograd on) and the gradients of their sum."""
+    """A TP trainer step on the fp32 model: the logprobs (autograd on) and the gradients of their sum,
+    the ranks' parts summed by ``reduce_tp_gradients``."""
     lm = _model("latent").float()
-    lp = token_logprobs(shard_nemotron_h(lm, tp), *_batches()["right"])
+    enable_tensor_parallel(lm, tp)
+    lp = bitmatch.token_logprobs(lm, *_batches()["right"])
     lp.sum().backward()
+    reduce_tp_gradients(lm)
     return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
@@ -189,17 +192,11 @@ def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
             f"control: the all-reduce out_proj should change some logprob of {name} at TP = {world}"
 
 
-def _replicated(name: str) -> bool:
-    """Parameters every rank uses whole (embeddings, block and final norms, router, latent projections):
-    every rank holds the full gradient. A rank uses a part of the others (its rows, heads, channels,
-    experts, or the KV heads it replicates): the ranks' gradients add up to the full one."""
-    return (any(s in name for s in ("embeddings.", "norm_f.", ".gate.", "latent_proj."))
-            or re.fullmatch(r"model\.layers\.\d+\.norm\.weight", name) is not None)
-
-
 def test_tp_trainer_gradients_match_tp1(ranks):
-    """Autograd through the sharded forward: bitwise logprobs, gradients equal to TP = 1's within fp32
-    rounding (backward passes need correct gradients, not invariant ones)."""
+    """Autograd through the sharded forward: bitwise logprobs; after ``reduce_tp_gradients`` every rank
+    holds the same whole-model gradient, TP = 1's within fp32 rounding (backward passes need correct
+    gradients, not invariant ones). A parameter missing from the shard's ``partial_parameters`` would
+    keep a part; a replicated one listed there would be counted ``world`` times."""
     world, res = ranks
     lm = _model("latent").float()
     lp = bitmatch.token_logprobs(lm, *_batches()["right"])
@@ -210,17 +207,13 @@ def test_tp_trainer_gradients_match_tp1(ranks):
     for n, p in lm.named_parameters():
         if p.grad is None:
             continue
-        grads = [got["grad/params"][n] for got in res]
-        if _replicated(n):
-            g = grads[0]
-            for other in grads[1:]:
-                torch.testing.assert_close(other, g, rtol=0, atol=0, msg=f"{n}: ranks differ")
-        else:
-            g = sum(grads)
+        g = res[0]["grad/params"][n]
+        for r, got in enumerate(res[1:], 1):
+            assert torch.equal(got["grad/params"][n], g), f"{n}: rank {r} differs from rank 0"
         atol = 1e-4 * p.grad.abs().max().item()  # fp32 sums in another order: relative to the scale
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
         checked += 1
-    assert checked > 20
+    assert checked > 30
 
 
 def test_rank_caches_hold_the_ranks_heads_and_groups(ranks):

@@ -142,6 +142,28 @@ class NemotronHShard:
         """Full logits on every rank (vocab slices gathered). Invariance: TP = 1's bits."""
         return vocab_parallel_logits(self, hidden)
 
+    def partial_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
+        sums them): every sliced linear (KV heads replicated over ranks: each rank's queries' share),
+        the Mamba conv, A_log, D, dt_bias and gated-norm weight (per channel / head), this rank's
+        experts and the LM head. The rest (embeddings, block norms, norm_f, router, latent
+        projections) run replicated on full rows and get the whole gradient on every rank."""
+        mods = [self.lm_head.module]
+        out = []
+        for _, m in self.layers:
+            if isinstance(m, MambaShard):
+                mods += [m.z.module, m.out.module, m.module.conv1d]
+                out += [m.module.A_log, m.module.D, m.module.dt_bias, m.module.norm.weight]
+            elif isinstance(m, AttentionShard):
+                mods += [m.q.module, m.k.module, m.v.module, m.o.module]
+            else:
+                mlp = m.shared if isinstance(m, MoeShard) else m
+                mods += [mlp.up.module, mlp.down.module]
+                if isinstance(m, MoeShard):
+                    out += [m.module.experts.up_proj, m.module.experts.down_proj]
+        out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
+        return list({id(p): p for p in out}.values())
+
 
 def _column(mod, lo: int, hi: int, dt, what: str, cls=ColumnShard, **kw):
     if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
