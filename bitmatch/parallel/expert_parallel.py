@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import bitmatch.kernels as K
 
@@ -34,24 +35,34 @@ def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:
 def expert_outputs(x, ids, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *, activation="swiglu",
                    swiglu_limit=None) -> torch.Tensor:
     """y [T, k, H]: every (token, slot) row's expert output, each computed on its expert's rank.
-    Invariance: bit for bit the y[t, r] of ``kernels.moe_experts`` at EP = 1."""
+    Invariance: bit for bit the y[t, r] of ``kernels.moe_experts`` at EP = 1.
+
+    Each rank runs its own (token, slot) rows in one launch (weight 1.0, one slot each:
+    round(fp32(1) * fp32(y)) is y itself, and a row's bits do not depend on which rows share the
+    launch) and sends only those rows: every rank knows every row's owner from the replicated
+    routing, so the rows travel compact (padded to the largest rank's count, (EP - 1) / EP x T x k
+    x H values received per rank, as a stock all-to-all moves) and land by a selection, no
+    arithmetic. The counts are read on the host (one sync per call, as the rows' ``nonzero`` was).
+    """
     local = _check(ids, num_experts, ep, w_in_local)
     lo = ep.rank * local
     T, k = ids.shape
-    y = x.new_zeros(T, k, x.shape[1])
-    ones = torch.ones(T, 1, dtype=torch.float32, device=x.device)
-    for r in range(k):
-        rows = ((ids[:, r] >= lo) & (ids[:, r] < lo + local)).nonzero()[:, 0]
-        if rows.numel():
-            # weight 1.0, one slot: round(fp32(1) * fp32(y)) is y itself; the kernel's rows do not
-            # depend on which other rows share the launch
-            y[rows, r] = K.moe_experts(x[rows], ids[rows, r:r + 1] - lo, ones[rows], w_in_local, w_out_local,
-                                       activation=activation, swiglu_limit=swiglu_limit)
-    everyone = all_gather_cat(y[None], ep, dim=0)          # [EP, T, k, H], rank order
-    owner = (ids // local).long()                          # the rank that computed y[t, r]
-    t_idx = torch.arange(T, device=x.device)[:, None].expand(T, k)
-    r_idx = torch.arange(k, device=x.device)[None, :].expand(T, k)
-    return everyone[owner, t_idx, r_idx]                   # a selection: no arithmetic
+    H = x.shape[1]
+    owner = (ids // local).reshape(-1).long()              # [T k]: the rank computing each row
+    counts = torch.bincount(owner, minlength=ep.world).tolist()
+    most = max(counts) if counts else 0
+    rows = (owner == ep.rank).nonzero()[:, 0]              # this rank's rows, ascending
+    y_mine = x.new_zeros(most, H)
+    if rows.numel():
+        ones = torch.ones(rows.numel(), 1, dtype=torch.float32, device=x.device)
+        tok, slot_ids = rows // k, ids.reshape(-1)[rows, None] - lo
+        y_mine = torch.cat([K.moe_experts(x[tok], slot_ids, ones, w_in_local, w_out_local, activation=activation,
+                                          swiglu_limit=swiglu_limit),
+                            y_mine[rows.numel():]])
+    everyone = all_gather_cat(y_mine[None], ep, dim=0).reshape(ep.world * most, H)  # rank order
+    # row p comes from rank owner[p], at its place among that rank's rows (ascending p, as sent)
+    place = (F.one_hot(owner, ep.world).cumsum(0) - 1).gather(1, owner[:, None])[:, 0]
+    return everyone[owner * most + place].reshape(T, k, H)
 
 
 def expert_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *,
