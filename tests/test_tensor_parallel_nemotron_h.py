@@ -32,7 +32,7 @@ from bitmatch.parallel import (
 )
 from bitmatch.parallel.nemotron_h import MambaShard
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
-from bitmatch.testing import bits_equal
+from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 
 # head_dim 16 and chunk 16: the Triton scan's smallest tile; 8 Mamba heads in 4 groups
@@ -154,13 +154,6 @@ def ranks(request, tmp_path_factory):
     return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
 
 
-def _assert_bits(name, got, want):
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
-    if not bits_equal(got, want):
-        bad = (got != want).nonzero()
-        pytest.fail(f"{name}: {bad.shape[0]} of {want.numel()} differ, first at {bad[:5].tolist()}")
-
-
 def test_trainer_logprobs_equal_tp1(ranks):
     world, res = ranks
     for name in MODELS:
@@ -168,7 +161,7 @@ def test_trainer_logprobs_equal_tp1(ranks):
         for side, (ids, mask) in _batches().items():
             want = bitmatch.token_logprobs(lm, ids, mask)
             for r, got in enumerate(res):
-                _assert_bits(f"{name} {side} rank {r}/{world} logprobs", got[f"{name}/{side}/logprobs"], want)
+                assert_bitwise_equal(got[f"{name}/{side}/logprobs"], want, f"{name} {side} rank {r}/{world} logprobs")
 
 
 def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
@@ -183,7 +176,7 @@ def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
             want = tp1_forward_hidden(lm, ids, _packed_ctx(ids))
             want_lp = bitmatch.token_logprobs(lm, *_batches()["right"])
         for r, got in enumerate(res):
-            _assert_bits(f"{name} rank {r}/{world} hidden", got[f"{name}/hidden"], want)
+            assert_bitwise_equal(got[f"{name}/hidden"], want, f"{name} rank {r}/{world} hidden")
             assert not torch.equal(got[f"{name}/control/hidden"], want), \
                 f"control: the all-reduce out_proj should change {name}'s hidden states at TP = {world}"
             assert not torch.equal(got[f"{name}/control/stock_hidden"], want), \
@@ -202,7 +195,7 @@ def test_tp_trainer_gradients_match_tp1(ranks):
     lp = bitmatch.token_logprobs(lm, *_batches()["right"])
     lp.sum().backward()
     for r, got in enumerate(res):
-        _assert_bits(f"rank {r}/{world} fp32 trainer logprobs", got["grad/logprobs"], lp.detach())
+        assert_bitwise_equal(got["grad/logprobs"], lp.detach(), f"rank {r}/{world} fp32 trainer logprobs")
     checked = 0
     for n, p in lm.named_parameters():
         if p.grad is None:
@@ -226,8 +219,8 @@ def test_rank_caches_hold_the_ranks_heads_and_groups(ranks):
     hl, gl = c.mamba_num_heads // world, c.n_groups // world
     conv = hl * c.mamba_head_dim + 2 * gl * c.ssm_state_size
     Q, P, N = c.chunk_size, c.mamba_head_dim, c.ssm_state_size
-    want = [("kv", max(c.num_key_value_heads // world, 1), []),
-            ("mamba", full["mamba"].num_kv_heads, [(c.conv_kernel - 1, conv), (hl, P, N), (Q, hl, P), (Q, gl, N), (Q, hl)])]
+    mamba = [(c.conv_kernel - 1, conv), (hl, P, N), (Q, hl, P), (Q, gl, N), (Q, hl)]
+    want = [("kv", max(c.num_key_value_heads // world, 1), []), ("mamba", full["mamba"].num_kv_heads, mamba)]
     for r, got in enumerate(res):
         assert [(n, h, [tuple(s) for s in shapes]) for n, h, shapes in got["caches"]] == want, f"rank {r}"
         assert got["graph_safe"] is False
@@ -242,12 +235,12 @@ def test_engine_equals_engine_tp1_and_trainer(ranks):
     want = _engine_run(lm)
     for r, got in enumerate(res):
         for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["engine"], want)):
-            _assert_bits(f"rank {r}/{world} prompt {i} tokens", tok, wtok)
-            _assert_bits(f"rank {r}/{world} prompt {i} logprobs", lp, wlp)
+            assert_bitwise_equal(tok, wtok, f"rank {r}/{world} prompt {i} tokens")
+            assert_bitwise_equal(lp, wlp, f"rank {r}/{world} prompt {i} logprobs")
     for i, (tok, lp) in enumerate(res[0]["engine"]):
         seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
         trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
-        _assert_bits(f"prompt {i}: engine TP = {world} vs trainer TP = 1", lp, trainer)
+        assert_bitwise_equal(lp, trainer, f"prompt {i}: engine TP = {world} vs trainer TP = 1")
 
 
 @pytest.mark.interpreter
@@ -261,10 +254,10 @@ def test_triton_interpreter_trainer_and_engine_equal_tp1(ranks):
         want = bitmatch.token_logprobs(lm, ids[:2], mask[:2])
         want_engine = _engine_run(lm, **TRITON_ENGINE)
     for r, got in enumerate(res):
-        _assert_bits(f"triton rank {r} logprobs", got["triton/logprobs"], want)
+        assert_bitwise_equal(got["triton/logprobs"], want, f"triton rank {r} logprobs")
         for i, ((tok, lp), (wtok, wlp)) in enumerate(zip(got["triton/engine"], want_engine)):
-            _assert_bits(f"triton rank {r} prompt {i} tokens", tok, wtok)
-            _assert_bits(f"triton rank {r} prompt {i} logprobs", lp, wlp)
+            assert_bitwise_equal(tok, wtok, f"triton rank {r} prompt {i} tokens")
+            assert_bitwise_equal(lp, wlp, f"triton rank {r} prompt {i} logprobs")
 
 
 # ----------------------------------------------------------------------------- single process
@@ -302,7 +295,7 @@ def test_tp1_shard_is_the_model_and_disable_restores_graphs():
     enable_tensor_parallel(lm, TPGroup(0, 1))
     try:
         assert not family_of(lm).cuda_graph_safe(lm)
-        _assert_bits("TP = 1 through the shard", bitmatch.token_logprobs(lm, ids, mask), want)
+        assert_bitwise_equal(bitmatch.token_logprobs(lm, ids, mask), want, "TP = 1 through the shard")
     finally:
         disable_tensor_parallel(lm)
     assert family_of(lm).cuda_graph_safe(lm)
