@@ -1,14 +1,14 @@
 """Gather-only tensor (and expert) parallelism for Nemotron-H on CPU: TP = 2 and 4 equal TP = 1 bit for bit.
 
-Each world size runs once in ``WORLD`` gloo processes (fork, a file rendezvous), on a tiny model with
+Each world size runs once in that many gloo processes (fork, a file rendezvous), on tiny models with
 every block kind (Mamba2, MoE, attention, MLP, Mamba2) whose Mamba heads (8), groups (4), attention
-heads (4), experts (8) and widths divide 4; its 2 KV heads are sharded at TP = 2 and replicated at
+heads (4), experts (8) and widths divide 4; the 2 KV heads are sharded at TP = 2 and replicated at
 TP = 4. Every rank computes the trainer's logprobs of a left- and a right-padded batch (prompts
-across the chunk boundaries), the hidden states, the same with the stock all-reduce out_proj in the
-Mamba layers (the control), the rank's cache sizes, the embedded engine's tokens and logprobs
-(chunked prefill) and a trainer step's gradients; at TP = 2 also the trainer's logprobs on Triton
-(interpreter). The ranks save
-their results; this process computes TP = 1 and compares every rank's bits.
+across the chunk boundaries), the hidden states, the controls (the stock all-reduce out_proj in the
+Mamba layers; the whole stock layout), the rank's cache sizes, the embedded engine's tokens and
+logprobs (chunked prefill) and a trainer step's gradients; at TP = 2 also the trainer's logprobs and
+the engine on Triton (interpreter). The ranks save their results; this process computes TP = 1 and
+compares every rank's bits.
 """
 from __future__ import annotations
 
