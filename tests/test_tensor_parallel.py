@@ -11,12 +11,9 @@ results; this process computes TP = 1 with the unsharded model (``bitmatch.token
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -34,6 +31,7 @@ from bitmatch.parallel import (
     token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
+from tp_ranks import FakeTP, run_ranks
 
 BF = torch.bfloat16
 # (name, tiny_model args): KV heads replicated (1 KV head) / sharded (4 KV heads); Qwen2 with q/k/v
@@ -104,41 +102,36 @@ def _sample(logits, step):
     return K.categorical_sample(logits, 1.0, u)
 
 
-def _worker(rank, world, store, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        tp = TPGroup.current()
-        res = {}
-        ids, mask = _batch()
-        with torch.no_grad():
-            for name in _models(world):
-                shard = shard_dense_model(_model(name), tp)
-                res[f"{name}/logprobs"] = token_logprobs(shard, ids, mask)
-                res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
-            res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
-        res.update(_trainer_grads(tp, ids, mask))
-        res.update(_tp_train(tp, ids, mask))
-        with torch.no_grad():
-            x, w, b = _row_inputs()
-            kk, nn = x.shape[1] // world, w.shape[0] // world
-            res["row/gather"] = gathered_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
-                                                             w[rank * nn:(rank + 1) * nn], b[rank * nn:(rank + 1) * nn],
-                                                             w.shape[0], tp)
-            res["row/allreduce"] = allreduce_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
-                                                                 w[:, rank * kk:(rank + 1) * kk], b, tp)
-            res.update(_experts(tp))
-            res.update(_triton_case(tp))
-            if world == 2:
-                res.update(_paged_decode(tp))
-                for name in ENGINE_MODELS:
-                    lm = _model(name)
-                    enable_tensor_parallel(lm, tp)
-                    res[f"engine/{name}/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
-                    res[f"engine/{name}/out"] = _engine_run(lm)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(tp):
+    rank, world = tp.rank, tp.world
+    res = {}
+    ids, mask = _batch()
+    with torch.no_grad():
+        for name in _models(world):
+            shard = shard_dense_model(_model(name), tp)
+            res[f"{name}/logprobs"] = token_logprobs(shard, ids, mask)
+            res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
+        res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
+    res.update(_trainer_grads(tp, ids, mask))
+    res.update(_tp_train(tp, ids, mask))
+    with torch.no_grad():
+        x, w, b = _row_inputs()
+        kk, nn = x.shape[1] // world, w.shape[0] // world
+        res["row/gather"] = gathered_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
+                                                         w[rank * nn:(rank + 1) * nn], b[rank * nn:(rank + 1) * nn],
+                                                         w.shape[0], tp)
+        res["row/allreduce"] = allreduce_row_parallel_linear(x[:, rank * kk:(rank + 1) * kk],
+                                                             w[:, rank * kk:(rank + 1) * kk], b, tp)
+        res.update(_experts(tp))
+        res.update(_triton_case(tp))
+        if world == 2:
+            res.update(_paged_decode(tp))
+            for name in ENGINE_MODELS:
+                lm = _model(name)
+                enable_tensor_parallel(lm, tp)
+                res[f"engine/{name}/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
+                res[f"engine/{name}/out"] = _engine_run(lm)
+    return res
 
 
 def _moe_inputs(E=8, k=2, H=64, I=32, T=11, dtype=BF):
@@ -251,9 +244,7 @@ def ranks(request, tmp_path_factory):
     """(world, [each rank's results])."""
     world = request.param
     d = tmp_path_factory.mktemp(f"tp{world}")
-    # fork: the ranks inherit this process's imports (spawn re-imports torch and transformers per rank)
-    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
-    return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return world, run_ranks(_worker, world, d)
 
 
 def _assert_bits(name, got, want):
@@ -472,20 +463,13 @@ def test_column_slice_of_linear_is_those_columns(backend):
 def test_shard_refuses_uneven_heads():
     lm = _model("qwen3-kv1")
     with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by the TP degree 3"):
-        shard_dense_model(lm, _FakeTP(0, 3))
+        shard_dense_model(lm, FakeTP(0, 3))
 
 
 def test_fsdp_unsharded_refuses_a_plain_model():
     with pytest.raises(ValueError, match="no fully_shard-ed module"):
         with fsdp_unsharded(_model("qwen3-kv1")):
             pass
-
-
-class _FakeTP:
-    """A TP group's place without a process group (sharding reads only rank and world)."""
-
-    def __init__(self, rank, world):
-        self.rank, self.world, self.group = rank, world, None
 
 
 def test_comm_bytes_qwen3_8b():

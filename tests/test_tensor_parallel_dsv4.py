@@ -16,8 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import bitmatch
 import bitmatch.kernels as K
@@ -28,10 +26,11 @@ from bitmatch.models import compute_logits as tp1_compute_logits
 from bitmatch.models import family_of
 from bitmatch.models import forward_hidden as tp1_forward_hidden
 from bitmatch.parallel import (
-    TPGroup, allreduce_row_parallel_linear, enable_tensor_parallel, shard_deepseek_v4, token_logprobs,
+    allreduce_row_parallel_linear, enable_tensor_parallel, reduce_tp_gradients, shard_deepseek_v4, token_logprobs,
 )
 from bitmatch.testing import assert_bitwise_equal, bits_equal
 from bitmatch.testing_models import tiny_model
+from tp_ranks import FakeTP, run_ranks
 
 # heads 8 x 16 in 4 output groups (2 heads each), 8 experts top-2: TP 2 holds 2 groups and 4 experts
 # a rank, TP 4 one group and 2 experts
@@ -80,10 +79,13 @@ class _StockRow:
 
 
 def _trainer_grads(tp, ids, mask):
-    """A TP trainer step (fp32, autograd on): the logprobs and the gradients of their sum."""
+    """A TP trainer step (fp32, autograd on): the logprobs and the gradients of their sum, the ranks'
+    parts summed by ``reduce_tp_gradients``."""
     lm = _model().float()
-    lp = token_logprobs(shard_deepseek_v4(lm, tp), ids, mask)
+    enable_tensor_parallel(lm, tp)
+    lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()
+    reduce_tp_gradients(lm)
     return {"grad/logprobs": lp.detach(), "grad/params": {n: p.grad for n, p in lm.named_parameters()}}
 
 
@@ -106,35 +108,29 @@ def _triton_case(tp):
     return {"triton/logits": _triton_logits(shard_deepseek_v4(_model(), tp))}
 
 
-def _worker(rank, world, store, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        tp = TPGroup.current()
-        res = {}
-        ids, mask = _batch()
-        with torch.no_grad():
-            shard = shard_deepseek_v4(_model(), tp)
-            res["logprobs"] = token_logprobs(shard, ids, mask)
-            res["hidden"] = shard.forward_hidden(ids[0], _packed_ctx(ids[0]))
-            for a, _ in shard.layers:  # the control: stock row-parallel o_b_proj
-                a.o_b = _StockRow(a.module.o_b_proj, tp)
-            res["control/logprobs"] = token_logprobs(shard, ids, mask)
-            res["heads"] = [tuple(a.heads().sinks.shape) for a, _ in shard.layers]
-        res.update(_trainer_grads(tp, ids, mask))
-        lm = _model()
-        shard = enable_tensor_parallel(lm, tp)
-        res["engine/graph_safe"] = family_of(lm).cuda_graph_safe(lm)
-        res["engine/cache_shapes"] = [(g.name, g.layers, g.tensors) for g in model_cache_groups(lm)]
-        res["engine/out"] = _engine_run(lm)
-        for a, _ in shard.layers:  # the control through the engine: the stock o_b_proj
+def _worker(tp):
+    res = {}
+    ids, mask = _batch()
+    with torch.no_grad():
+        shard = shard_deepseek_v4(_model(), tp)
+        res["logprobs"] = token_logprobs(shard, ids, mask)
+        res["hidden"] = shard.forward_hidden(ids[0], _packed_ctx(ids[0]))
+        for a, _ in shard.layers:  # the control: stock row-parallel o_b_proj
             a.o_b = _StockRow(a.module.o_b_proj, tp)
-        res["engine/control"] = _engine_run(lm)
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            res.update(_triton_case(tp))
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        res["control/logprobs"] = token_logprobs(shard, ids, mask)
+        res["heads"] = [tuple(a.heads().sinks.shape) for a, _ in shard.layers]
+    res.update(_trainer_grads(tp, ids, mask))
+    lm = _model()
+    shard = enable_tensor_parallel(lm, tp)
+    res["engine/graph_safe"] = family_of(lm).cuda_graph_safe(lm)
+    res["engine/cache_shapes"] = [(g.name, g.layers, g.tensors) for g in model_cache_groups(lm)]
+    res["engine/out"] = _engine_run(lm)
+    for a, _ in shard.layers:  # the control through the engine: the stock o_b_proj
+        a.o_b = _StockRow(a.module.o_b_proj, tp)
+    res["engine/control"] = _engine_run(lm)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        res.update(_triton_case(tp))
+    return res
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
@@ -142,8 +138,7 @@ def ranks(request, tmp_path_factory):
     """(world, [each rank's results])."""
     world = request.param
     d = tmp_path_factory.mktemp(f"dsv4_tp{world}")
-    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
-    return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return world, run_ranks(_worker, world, d)
 
 
 @pytest.fixture(scope="module")
@@ -204,28 +199,23 @@ def test_engine_equals_engine_tp1_and_trainer(ranks, tp1):
 
 
 def test_tp_trainer_gradients_match_tp1(ranks):
-    """Autograd through the sharded forward (fp32): bitwise logprobs, and gradients equal to TP = 1's
-    within fp32 rounding (backward needs correct gradients, not invariant ones). A sharded weight's
-    gradient covers the rank's rows only (the ranks' sum is the full one); replicated parameters get
-    the full gradient on every rank."""
+    """Autograd through the sharded forward (fp32): bitwise logprobs; after ``reduce_tp_gradients``
+    every rank holds the same gradient, equal to TP = 1's within fp32 rounding (backward needs correct
+    gradients, not invariant ones)."""
     world, res = ranks
     ids, mask = _batch()
     lm = _model().float()
     lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()
-    sharded = ("self_attn.q_b_proj.", ".sinks", ".o_a_proj.", ".o_b_proj.", ".experts.", ".shared_experts.", "lm_head.")
     for r, got in enumerate(res):
         assert_bitwise_equal(got["grad/logprobs"], lp.detach(), f"rank {r}/{world} fp32 trainer logprobs")
     for n, p in lm.named_parameters():
         if p.grad is None:  # the indexer: a top-k selection, no gradient (HF's neither)
             assert all(got["grad/params"][n] is None for got in res), n
             continue
-        if any(s in n for s in sharded):
-            g = sum(got["grad/params"][n] for got in res)
-        else:
-            g = res[0]["grad/params"][n]
-            for got in res[1:]:
-                torch.testing.assert_close(got["grad/params"][n], g, rtol=0, atol=0, msg=f"{n}: ranks differ")
+        g = res[0]["grad/params"][n]
+        for r, got in enumerate(res[1:], 1):
+            assert torch.equal(got["grad/params"][n], g), f"{n}: rank {r} differs from rank 0"
         atol = 1e-4 * p.grad.abs().max().item()
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
@@ -245,13 +235,6 @@ def test_triton_interpreter_forward_equals_tp1(ranks):
         assert_bitwise_equal(got["triton/logits"], want, f"triton logits rank {r}/{world}")
 
 
-class _FakeTP:
-    """A TP group's place without a process group (sharding reads only rank and world)."""
-
-    def __init__(self, rank, world):
-        self.rank, self.world, self.group = rank, world, None
-
-
 @pytest.mark.parametrize("kw, world, field", [
     ({}, 3, "num_attention_heads = 8 is not divisible by the TP degree 3"),
     (dict(o_groups=2), 4, "o_groups = 2 is not divisible by the TP degree 4"),
@@ -259,4 +242,4 @@ class _FakeTP:
 ], ids=["heads", "o_groups", "experts"])
 def test_shard_refuses_indivisible(kw, world, field):
     with pytest.raises(ValueError, match=field):
-        shard_deepseek_v4(_model(**kw), _FakeTP(0, world))
+        shard_deepseek_v4(_model(**kw), FakeTP(0, world))

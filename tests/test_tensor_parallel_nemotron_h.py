@@ -12,12 +12,9 @@ compares every rank's bits.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import bitmatch
 import bitmatch.kernels as K
@@ -34,6 +31,7 @@ from bitmatch.parallel.nemotron_h import MambaShard
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from tp_ranks import FakeTP, run_ranks
 
 # head_dim 16 and chunk 16: the Triton scan's smallest tile; 8 Mamba heads in 4 groups
 DIVISIBLE = dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=4)
@@ -71,32 +69,27 @@ def _engine_run(lm, prompts=ENGINE_PROMPTS, max_tokens=6, budget=5):
     return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
 
 
-def _worker(rank, world, store, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        tp = TPGroup.current()
-        res = {}
-        ids0 = _batches()["right"][0][4]
-        with torch.no_grad():
-            for name in MODELS:
-                shard = shard_nemotron_h(_model(name), tp)
-                for side, (ids, mask) in _batches().items():
-                    res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
-                res[f"{name}/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
-                res.update(_controls(name, tp, ids0))
-            lm = _model("chunk8")
-            enable_tensor_parallel(lm, tp)
-            res["caches"] = [(g.name, g.num_kv_heads, [shape for shape, _ in g.tensors or ()])
-                             for g in model_cache_groups(lm)]
-            res["graph_safe"] = family_of(lm).cuda_graph_safe(lm)
-            res["engine"] = _engine_run(lm)
-            if world == 2:
-                res.update(_triton_case(tp))
-        res.update(_trainer_grads(tp))
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(tp):
+    world = tp.world
+    res = {}
+    ids0 = _batches()["right"][0][4]
+    with torch.no_grad():
+        for name in MODELS:
+            shard = shard_nemotron_h(_model(name), tp)
+            for side, (ids, mask) in _batches().items():
+                res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
+            res[f"{name}/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+            res.update(_controls(name, tp, ids0))
+        lm = _model("chunk8")
+        enable_tensor_parallel(lm, tp)
+        res["caches"] = [(g.name, g.num_kv_heads, [shape for shape, _ in g.tensors or ()])
+                         for g in model_cache_groups(lm)]
+        res["graph_safe"] = family_of(lm).cuda_graph_safe(lm)
+        res["engine"] = _engine_run(lm)
+        if world == 2:
+            res.update(_triton_case(tp))
+    res.update(_trainer_grads(tp))
+    return res
 
 
 def _controls(name, tp, ids0):
@@ -149,9 +142,7 @@ def ranks(request, tmp_path_factory):
     """(world, [each rank's results])."""
     world = request.param
     d = tmp_path_factory.mktemp(f"nh_tp{world}")
-    # fork: the ranks inherit this process's imports (spawn re-imports torch and transformers per rank)
-    mp.start_processes(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True, start_method="fork")
-    return world, [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return world, run_ranks(_worker, world, d)
 
 
 def test_trainer_logprobs_equal_tp1(ranks):
@@ -262,26 +253,19 @@ def test_triton_interpreter_trainer_and_engine_equal_tp1(ranks):
 
 # ----------------------------------------------------------------------------- single process
 
-class _FakeTP:
-    """A TP group's place without a process group (sharding reads only rank and world)."""
-
-    def __init__(self, rank, world):
-        self.rank, self.world, self.group = rank, world, None
-
-
 def test_refuses_indivisible_sizes_by_config_field():
     lm = tiny_model("nemotron_h")  # 4 Mamba heads in 2 groups, 4 heads, 2 KV heads, 8 experts, hidden 64
     with pytest.raises(ValueError) as e:
-        shard_nemotron_h(lm, _FakeTP(0, 3))
+        shard_nemotron_h(lm, FakeTP(0, 3))
     for field in ("hidden_size = 64", "vocab_size = 128", "mamba_num_heads = 4", "n_groups = 2",
                   "num_attention_heads = 4", "n_routed_experts = 8", "num_key_value_heads = 2"):
         assert field in str(e.value), field
     assert "intermediate_size = 96" not in str(e.value)  # 96 = 3 x 32: not named
     # heads divide 4, groups do not: the gated norm's groups would straddle ranks
     with pytest.raises(ValueError, match="row_parallel must be 'gather' or 'allreduce'"):
-        shard_nemotron_h(lm, _FakeTP(0, 2), row_parallel="reduce")
+        shard_nemotron_h(lm, FakeTP(0, 2), row_parallel="reduce")
     with pytest.raises(ValueError, match=r"n_groups = 2 is not divisible by the TP degree 4 \(the gated RMSNorm"):
-        enable_tensor_parallel(lm, _FakeTP(1, 4))
+        enable_tensor_parallel(lm, FakeTP(1, 4))
     assert tp_shard(lm) is None, "a refused enable sets no shard"
 
 

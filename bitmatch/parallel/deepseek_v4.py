@@ -128,6 +128,20 @@ class DeepseekV4Shard:
         """Full logits on every rank (vocab slices all-gathered). Invariance: TP = 1's bits."""
         return compute_logits(self, hidden)
 
+    def partial_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient on this rank is a part (``reduce_tp_gradients`` sums them):
+        q_b_proj, the sinks, o_a_proj and o_b_proj (the rank's heads, groups and output columns), the
+        routed experts, the shared expert and the LM head. The rest (q_a, the K = V head, compressors,
+        indexer, mHC, norms, routers, embedding) runs replicated on full rows: whole on every rank."""
+        out = []
+        for a, m in self.layers:
+            att, mlp = a.module, m.module
+            mods = (att.q_b_proj, att.o_a_proj, att.o_b_proj, mlp.shared_experts.gate_proj,
+                    mlp.shared_experts.up_proj, mlp.shared_experts.down_proj)
+            out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
+            out += [att.sinks, mlp.experts.gate_up_proj, mlp.experts.down_proj]
+        return out + [self.lm_head.module.weight]
+
 
 def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DeepseekV4Shard:
     """This rank's ``DeepseekV4Shard`` of a DeepSeek-V4 HF causal LM (heads by whole output groups,

@@ -477,7 +477,7 @@ def reduce_tp_gradients(model) -> None:
     parts = getattr(shard, "partial_parameters", None)
     if parts is None:
         raise ValueError(f"reduce_tp_gradients: the {family_of(lm).name} layout does not list its partial "
-                         "gradients (supported: the dense family and qwen3_moe)")
+                         "gradients (no partial_parameters)")
     emb = lm.get_input_embeddings()
     if emb is not None and emb.weight is lm.lm_head.weight:
         raise ValueError("reduce_tp_gradients: tie_word_embeddings=True (the shared tensor's gradient is whole "
