@@ -31,7 +31,7 @@ from bitmatch.parallel import (
     token_logprobs,
 )
 from bitmatch.testing_models import tiny_model
-from tp_ranks import FakeTP, run_ranks
+from tp_ranks import FakeTP, packed_ctx, padded_batch, ranks_fixture
 
 BF = torch.bfloat16
 # (name, tiny_model args): KV heads replicated (1 KV head) / sharded (4 KV heads); Qwen2 with q/k/v
@@ -58,25 +58,10 @@ def _model(name):
     return tiny_model(*args, **kw)
 
 
-def _batch():
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 99, (3, 13), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, 9:] = 0  # right padding
-    return ids, mask
-
-
 def _row_inputs(dtype=BF, k=256, n=128, m=9):
     g = torch.Generator().manual_seed(3)
     return (torch.randn(m, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype),
             torch.randn(n, generator=g).to(dtype))
-
-
-def _packed_ctx(ids):
-    t = ids.shape[0]
-    return ForwardContext(positions=torch.arange(t), cu_seqlens=torch.tensor([0, t], dtype=torch.int32),
-                          max_query_len=t, max_seq_len=t)
 
 
 def _paged_ctx(caches, block_table, start, n, block_size=4):
@@ -105,12 +90,12 @@ def _sample(logits, step):
 def _worker(tp):
     rank, world = tp.rank, tp.world
     res = {}
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     with torch.no_grad():
         for name in _models(world):
             shard = shard_dense_model(_model(name), tp)
             res[f"{name}/logprobs"] = token_logprobs(shard, ids, mask)
-            res[f"{name}/hidden"] = forward_hidden(shard, ids[0], _packed_ctx(ids[0]))
+            res[f"{name}/hidden"] = forward_hidden(shard, ids[0], packed_ctx(ids[0]))
         res["fsdp2/logprobs"] = _fsdp2_logprobs(world, ids, mask)
     res.update(_trainer_grads(tp, ids, mask))
     res.update(_tp_train(tp, ids, mask))
@@ -210,7 +195,7 @@ def _paged_decode(tp):
     shard = shard_dense_model(_model("qwen3-kv4"), tp)
     caches = allocate_caches(cache_groups(shard), num_blocks=8, block_size=4, device="cpu")
     bt = torch.tensor([[5, 2, 7, 0, 1, 3, 4, 6]], dtype=torch.int32)
-    prompt = _batch()[0][0, :7]
+    prompt = padded_batch()[0][0, :7]
     h = forward_hidden(shard, prompt, _paged_ctx(caches, bt, 0, 7))
     logits0 = compute_logits(shard, h[-1:])
     tok = _sample(logits0, 0)
@@ -233,18 +218,13 @@ def _triton_case(tp):
                 x[:, r * kk:(r + 1) * kk], w[:, r * kk:(r + 1) * kk], b, tp)
         if tp.world != 2:  # the model's forward under the interpreter: once
             return out
-        ids = _batch()[0][0, :6]
+        ids = padded_batch()[0][0, :6]
         shard = shard_dense_model(_model("qwen3-kv4"), tp)
-        out["triton/logits"] = compute_logits(shard, forward_hidden(shard, ids, _packed_ctx(ids)))
+        out["triton/logits"] = compute_logits(shard, forward_hidden(shard, ids, packed_ctx(ids)))
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
-def ranks(request, tmp_path_factory):
-    """(world, [each rank's results])."""
-    world = request.param
-    d = tmp_path_factory.mktemp(f"tp{world}")
-    return world, run_ranks(_worker, world, d)
+ranks = ranks_fixture(_worker, "tp")  # (world, [each rank's results]) at TP 2 and 4
 
 
 def _assert_bits(name, got, want):
@@ -256,7 +236,7 @@ def _assert_bits(name, got, want):
 
 def test_trainer_logprobs_equal_tp1(ranks):
     world, res = ranks
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     for name in _models(world):
         want = bitmatch.token_logprobs(_model(name), ids, mask)
         for r, got in enumerate(res):
@@ -267,7 +247,7 @@ def test_fsdp2_trainer_logprobs_equal_unsharded(ranks):
     """FSDP2 shards parameters, not tokens: unsharded for bitmatch's forward (a bytes all-gather), every
     rank's logprobs are the plain model's bits."""
     world, res = ranks
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     want = bitmatch.token_logprobs(_model("qwen3-kv4"), ids, mask)
     for r, got in enumerate(res):
         _assert_bits(f"FSDP2 rank {r}/{world} logprobs", got["fsdp2/logprobs"], want)
@@ -279,7 +259,7 @@ def test_tp_trainer_gradients_match_tp1(ranks):
     sharded weight covers its rows only: the ranks' gradients summed are the full one; replicated
     parameters (norms, embedding) get the full gradient on every rank."""
     world, res = ranks
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     lm = _model("qwen3-kv4").float()
     lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()
@@ -305,7 +285,7 @@ def test_tp_trainer_loop_keeps_ranks_equal_and_tp1_bits(ranks):
     logprobs on them (through the shard) equal the one-process ``bitmatch.token_logprobs`` of a model
     holding rank 0's weights bit for bit: a TP trainer and a TP = 1 rollout stay on-policy."""
     world, res = ranks
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     for name in TRAIN_MODELS:
         w0 = res[0][f"train/{name}/weights"]
         for r, got in enumerate(res[1:], 1):
@@ -345,10 +325,10 @@ def test_reduce_tp_gradients_refuses_tied_and_unsharded():
 
 def test_hidden_states_equal_tp1(ranks):
     world, res = ranks
-    ids = _batch()[0][0]
+    ids = padded_batch()[0][0]
     for name in _models(world):
         with torch.no_grad():
-            want = tp1_forward_hidden(_model(name), ids, _packed_ctx(ids))
+            want = tp1_forward_hidden(_model(name), ids, packed_ctx(ids))
         for r, got in enumerate(res):
             _assert_bits(f"{name} rank {r}/{world} hidden", got[f"{name}/hidden"], want)
 
@@ -384,11 +364,11 @@ def test_paged_decode_step_equal_tp1_trainer(ranks):
     if world != 2:
         pytest.skip("the paged decode step runs at TP = 2")
     lm = _model("qwen3-kv4")
-    prompt = _batch()[0][0, :7]
+    prompt = padded_batch()[0][0, :7]
     tok = res[0]["paged/token"]
     seq = torch.cat([prompt, tok])
     with torch.no_grad():  # the trainer's packed prefill of the whole sequence at TP = 1
-        logits = tp1_compute_logits(lm, tp1_forward_hidden(lm, seq, _packed_ctx(seq)))
+        logits = tp1_compute_logits(lm, tp1_forward_hidden(lm, seq, packed_ctx(seq)))
     assert torch.equal(tok, _sample(logits[6:7], 0)), "every rank samples TP = 1's token"
     for r, got in enumerate(res):
         assert torch.equal(got["paged/token"], tok)
@@ -399,11 +379,11 @@ def test_paged_decode_step_equal_tp1_trainer(ranks):
 @pytest.mark.interpreter
 def test_triton_interpreter_row_parallel_and_forward_equal_tp1(ranks):
     world, res = ranks
-    ids = _batch()[0][0, :6]
+    ids = padded_batch()[0][0, :6]
     lm = _model("qwen3-kv4")
     with K.use_backend("triton"), order.override(**TRITON_SPLIT), torch.no_grad():
         want = {tag: K.linear(*_row_inputs(dt, k=512, n=64)) for dt, tag in ((torch.float32, "fp32"), (BF, "bf16"))}
-        want_logits = tp1_compute_logits(lm, tp1_forward_hidden(lm, ids, _packed_ctx(ids))) if world == 2 else None
+        want_logits = tp1_compute_logits(lm, tp1_forward_hidden(lm, ids, packed_ctx(ids))) if world == 2 else None
     for r, got in enumerate(res):
         for tag in want:
             _assert_bits(f"triton {tag} row-parallel rank {r}", got[f"triton/row_gather_{tag}"], want[tag])

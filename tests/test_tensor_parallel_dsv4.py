@@ -20,7 +20,6 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
-from bitmatch.context import ForwardContext
 from bitmatch.models import cache_groups as model_cache_groups
 from bitmatch.models import compute_logits as tp1_compute_logits
 from bitmatch.models import family_of
@@ -30,7 +29,7 @@ from bitmatch.parallel import (
 )
 from bitmatch.testing import assert_bitwise_equal, bits_equal
 from bitmatch.testing_models import tiny_model
-from tp_ranks import FakeTP, run_ranks
+from tp_ranks import FakeTP, packed_ctx, padded_batch, ranks_fixture
 
 # heads 8 x 16 in 4 output groups (2 heads each), 8 experts top-2: TP 2 holds 2 groups and 4 experts
 # a rank, TP 4 one group and 2 experts
@@ -41,21 +40,6 @@ MAX_TOKENS = 6  # 5 + 6 tokens: CSA (rate 2) and HCA (rate 4) windows close duri
 
 def _model(**kw):
     return tiny_model("deepseek_v4", seed=1, **{**CONFIG, **kw})
-
-
-def _batch():
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 99, (3, 13), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, 9:] = 0  # right padding
-    return ids, mask
-
-
-def _packed_ctx(ids):
-    t = ids.shape[0]
-    return ForwardContext(positions=torch.arange(t), cu_seqlens=torch.tensor([0, t], dtype=torch.int32),
-                          max_query_len=t, max_seq_len=t)
 
 
 def _engine_run(lm):
@@ -98,8 +82,8 @@ def _triton_logits(model_or_shard):
     with K.use_backend("triton"), torch.no_grad():
         if isinstance(model_or_shard, torch.nn.Module):
             return tp1_compute_logits(model_or_shard, tp1_forward_hidden(model_or_shard, TRITON_IDS,
-                                                                         _packed_ctx(TRITON_IDS)))
-        return model_or_shard.compute_logits(model_or_shard.forward_hidden(TRITON_IDS, _packed_ctx(TRITON_IDS)))
+                                                                         packed_ctx(TRITON_IDS)))
+        return model_or_shard.compute_logits(model_or_shard.forward_hidden(TRITON_IDS, packed_ctx(TRITON_IDS)))
 
 
 def _triton_case(tp):
@@ -110,11 +94,11 @@ def _triton_case(tp):
 
 def _worker(tp):
     res = {}
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     with torch.no_grad():
         shard = shard_deepseek_v4(_model(), tp)
         res["logprobs"] = token_logprobs(shard, ids, mask)
-        res["hidden"] = shard.forward_hidden(ids[0], _packed_ctx(ids[0]))
+        res["hidden"] = shard.forward_hidden(ids[0], packed_ctx(ids[0]))
         for a, _ in shard.layers:  # the control: stock row-parallel o_b_proj
             a.o_b = _StockRow(a.module.o_b_proj, tp)
         res["control/logprobs"] = token_logprobs(shard, ids, mask)
@@ -133,12 +117,7 @@ def _worker(tp):
     return res
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
-def ranks(request, tmp_path_factory):
-    """(world, [each rank's results])."""
-    world = request.param
-    d = tmp_path_factory.mktemp(f"dsv4_tp{world}")
-    return world, run_ranks(_worker, world, d)
+ranks = ranks_fixture(_worker, "dsv4_tp")  # (world, [each rank's results]) at TP 2 and 4
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +126,10 @@ def tp1():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the float64 reference is faster on one thread of this shared box; same bits
     lm = _model()
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     with torch.no_grad():
         out = dict(logprobs=bitmatch.token_logprobs(lm, ids, mask),
-                   hidden=tp1_forward_hidden(lm, ids[0], _packed_ctx(ids[0])),
+                   hidden=tp1_forward_hidden(lm, ids[0], packed_ctx(ids[0])),
                    cache_shapes=[(g.name, g.layers, g.tensors) for g in model_cache_groups(lm)],
                    engine=_engine_run(lm), lm=lm)
     yield out
@@ -203,7 +182,7 @@ def test_tp_trainer_gradients_match_tp1(ranks):
     every rank holds the same gradient, equal to TP = 1's within fp32 rounding (backward needs correct
     gradients, not invariant ones)."""
     world, res = ranks
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     lm = _model().float()
     lp = bitmatch.token_logprobs(lm, ids, mask)
     lp.sum().backward()

@@ -19,7 +19,6 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
-from bitmatch.context import ForwardContext
 from bitmatch.models import cache_groups as model_cache_groups, family_of
 from bitmatch.models import forward_hidden as tp1_forward_hidden
 from bitmatch.models.registry import tp_shard
@@ -31,7 +30,7 @@ from bitmatch.parallel.nemotron_h import MambaShard
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
-from tp_ranks import FakeTP, run_ranks
+from tp_ranks import FakeTP, packed_ctx, ranks_fixture
 
 # head_dim 16 and chunk 16: the Triton scan's smallest tile; 8 Mamba heads in 4 groups
 DIVISIBLE = dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=4)
@@ -53,12 +52,6 @@ def _batches():
     return {side: pad_batch(prompts, side) for side in ("left", "right")}
 
 
-def _packed_ctx(ids):
-    t = ids.shape[0]
-    return ForwardContext(positions=torch.arange(t), cu_seqlens=torch.tensor([0, t], dtype=torch.int32),
-                          max_query_len=t, max_seq_len=t)
-
-
 def _engine_run(lm, prompts=ENGINE_PROMPTS, max_tokens=6, budget=5):
     """The embedded engine's sampled tokens and logprobs: each prompt x ``max_tokens`` seeded tokens,
     steps of ``budget`` tokens (chunked prefill splitting the chunks)."""
@@ -78,7 +71,7 @@ def _worker(tp):
             shard = shard_nemotron_h(_model(name), tp)
             for side, (ids, mask) in _batches().items():
                 res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
-            res[f"{name}/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+            res[f"{name}/hidden"] = shard.forward_hidden(ids0, packed_ctx(ids0))
             res.update(_controls(name, tp, ids0))
         lm = _model("chunk8")
         enable_tensor_parallel(lm, tp)
@@ -101,10 +94,10 @@ def _controls(name, tp, ids0):
         if isinstance(mixer, MambaShard):
             k = mixer.inner.stop - mixer.inner.start  # the rank's K columns of out_proj
             mixer.out = AllreduceRowShard(mixer.out.module, tp.rank * k, (tp.rank + 1) * k, shard.dtype, tp)
-    out[f"{name}/control/hidden"] = shard.forward_hidden(ids0, _packed_ctx(ids0))
+    out[f"{name}/control/hidden"] = shard.forward_hidden(ids0, packed_ctx(ids0))
     out[f"{name}/control/logprobs"] = token_logprobs(shard, *_batches()["right"])
     stock = shard_nemotron_h(_model(name), tp, row_parallel="allreduce")
-    out[f"{name}/control/stock_hidden"] = stock.forward_hidden(ids0, _packed_ctx(ids0))
+    out[f"{name}/control/stock_hidden"] = stock.forward_hidden(ids0, packed_ctx(ids0))
     return out
 
 
@@ -137,12 +130,7 @@ def _triton_case(tp):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
-def ranks(request, tmp_path_factory):
-    """(world, [each rank's results])."""
-    world = request.param
-    d = tmp_path_factory.mktemp(f"nh_tp{world}")
-    return world, run_ranks(_worker, world, d)
+ranks = ranks_fixture(_worker, "nh_tp")  # (world, [each rank's results]) at TP 2 and 4
 
 
 def test_trainer_logprobs_equal_tp1(ranks):
@@ -164,7 +152,7 @@ def test_hidden_states_equal_tp1_and_allreduce_out_proj_differs(ranks):
     for name in MODELS:
         lm = _model(name)
         with torch.no_grad():
-            want = tp1_forward_hidden(lm, ids, _packed_ctx(ids))
+            want = tp1_forward_hidden(lm, ids, packed_ctx(ids))
             want_lp = bitmatch.token_logprobs(lm, *_batches()["right"])
         for r, got in enumerate(res):
             assert_bitwise_equal(got[f"{name}/hidden"], want, f"{name} rank {r}/{world} hidden")
