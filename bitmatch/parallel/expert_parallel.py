@@ -1,5 +1,8 @@
 """Expert parallelism with EP = 1's bits: experts spread over ranks, no cross-rank sum.
 
+Two layouts: ``expert_parallel_experts`` (every rank holds every token: EP = TP under tensor
+parallelism) and ``data_parallel_experts`` (each rank its own tokens: data-parallel attention).
+
 ``kernels.moe_experts``' canonical order: each (token t, slot r) row goes through its expert's
 invariant linear (y[t, r] in x's dtype, its bits independent of the other rows), then
 ``out_t = round(sum over r = 0..k-1 in slot order of fp32(w[t, r]) * fp32(y[t, r]))``. Stock
@@ -33,7 +36,7 @@ def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:
 
 
 def expert_outputs(x, ids, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *, activation="swiglu",
-                   swiglu_limit=None) -> torch.Tensor:
+                   swiglu_limit=None, each_rank_its_own: bool = False) -> torch.Tensor:
     """y [T, k, H]: every (token, slot) row's expert output, each computed on its expert's rank.
     Invariance: bit for bit the y[t, r] of ``kernels.moe_experts`` at EP = 1.
 
@@ -43,6 +46,8 @@ def expert_outputs(x, ids, w_in_local, w_out_local, num_experts: int, ep: TPGrou
     routing, so the rows travel compact (padded to the largest rank's count, (EP - 1) / EP x T x k
     x H values received per rank, as a stock all-to-all moves) and land by a selection, no
     arithmetic. The counts are read on the host (one sync per call, as the rows' ``nonzero`` was).
+    ``each_rank_its_own``: every rank will use only its own tokens' rows (data-parallel tokens), so
+    a row's gradient is summed over the ranks before it returns to the rank that computed it.
     """
     local = _check(ids, num_experts, ep, w_in_local)
     lo = ep.rank * local
@@ -59,7 +64,7 @@ def expert_outputs(x, ids, w_in_local, w_out_local, num_experts: int, ep: TPGrou
         y_mine = torch.cat([K.moe_experts(x[tok], slot_ids, ones, w_in_local, w_out_local, activation=activation,
                                           swiglu_limit=swiglu_limit),
                             y_mine[rows.numel():]])
-    everyone = all_gather_cat(y_mine[None], ep, dim=0).reshape(ep.world * most, H)  # rank order
+    everyone = all_gather_cat(y_mine[None], ep, dim=0, reduce_grad=each_rank_its_own).reshape(ep.world * most, H)
     # row p comes from rank owner[p], at its place among that rank's rows (ascending p, as sent)
     place = (F.one_hot(owner, ep.world).cumsum(0) - 1).gather(1, owner[:, None])[:, 0]
     return everyone[owner * most + place].reshape(T, k, H)
@@ -73,6 +78,28 @@ def expert_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_expert
     y = expert_outputs(x, ids, w_in_local, w_out_local, num_experts, ep, activation=activation,
                        swiglu_limit=swiglu_limit)
     return K.moe_combine(y, weights.float())
+
+
+def data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *,
+                          activation="swiglu", swiglu_limit=None) -> torch.Tensor:
+    """Expert parallelism under data-parallel attention (DeepSeek's serving layout: each rank its own
+    tokens, the experts spread over the ranks). ``x`` [T_rank, H], ``ids`` / ``weights`` [T_rank, k]
+    are this rank's tokens (any count, 0 included, every rank calling once per MoE layer); the
+    ranks' tokens are gathered in rank order as bytes, every (token, slot) row is computed on its
+    expert's rank (``expert_outputs``), and each rank combines its own tokens' rows in slot order.
+    Invariance: bit for bit ``kernels.moe_experts`` of this rank's tokens in one process, whatever
+    the other ranks' tokens and the EP degree. The token counts are read on the host (one sync)."""
+    k, H = ids.shape[1], x.shape[1]
+    sizes = all_gather_cat(torch.tensor([x.shape[0]], device=x.device), ep, dim=0).tolist()
+    most = max(sizes)
+    pad = most - x.shape[0]
+    xs = all_gather_cat(torch.cat([x, x.new_zeros(pad, H)])[None], ep, dim=0, reduce_grad=True)
+    idss = all_gather_cat(torch.cat([ids, ids.new_zeros(pad, k)])[None], ep, dim=0)
+    real = torch.cat([torch.arange(r * most, r * most + n, device=x.device) for r, n in enumerate(sizes)])
+    y = expert_outputs(xs.reshape(-1, H)[real], idss.reshape(-1, k)[real], w_in_local, w_out_local, num_experts, ep,
+                       activation=activation, swiglu_limit=swiglu_limit, each_rank_its_own=True)
+    start = sum(sizes[: ep.rank])
+    return K.moe_combine(y[start:start + x.shape[0]], weights.float())
 
 
 def allreduce_expert_parallel(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup) -> torch.Tensor:

@@ -41,7 +41,7 @@ from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
-from .expert_parallel import expert_parallel_experts
+from .expert_parallel import data_parallel_experts, expert_parallel_experts
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -188,24 +188,29 @@ class GatedMlpShard:
 
 @dataclass
 class MoeShard:
-    """A Qwen3-MoE block with the experts spread over the TP ranks (EP = TP): the router runs
-    replicated (the same bits on every rank, so every rank picks the same experts), the experts
-    through ``expert_parallel_experts`` (the one-rank slot-order combine)."""
+    """A Qwen3-MoE block with the experts spread over the ranks of ``tp``: the router runs on the
+    rank's rows (the same bits wherever a row is, so a row's experts do not depend on the layout),
+    the experts through ``expert_parallel_experts`` (every rank holds every token: EP = TP) or, with
+    ``data_parallel``, ``data_parallel_experts`` (each rank its own tokens); both end in the
+    one-rank slot-order combine."""
     module: torch.nn.Module
     lo: int
     hi: int
     dtype: torch.dtype
     tp: TPGroup
+    data_parallel: bool = False
 
     def __call__(self, x):
         m, ex = self.module, self.module.experts
         # qwen3_moe._moe_block's routing: fp32 router logits, softmax top-k
         logits = K.linear(x.float(), cast_param(m.gate.weight, torch.float32))
         w, ids = K.moe_route(logits, int(m.gate.top_k), scoring="softmax", renormalize=bool(m.gate.norm_topk_prob))
-        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w,
-                                       cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
-                                       cast_param(ex.down_proj[self.lo:self.hi], self.dtype),
-                                       ex.gate_up_proj.shape[0], self.tp)
+        w_in, w_out = (cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
+                       cast_param(ex.down_proj[self.lo:self.hi], self.dtype))
+        if self.data_parallel:
+            return data_parallel_experts(x, ids, w, w_in, w_out, ex.gate_up_proj.shape[0], self.tp)
+        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, ex.gate_up_proj.shape[0],
+                                       self.tp)
 
 
 @dataclass
@@ -284,9 +289,16 @@ def _row_shard(mod, tp: TPGroup, rows: int, kcols: int, dt, what: str, row_paral
     return _rows(mod, r * kcols, (r + 1) * kcols, dt, what, AllreduceRowShard, tp=tp)
 
 
-def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gather"):
+def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gather", dp_ep: TPGroup | None = None):
     n, r = tp.world, tp.rank
     if hasattr(m, "experts"):
+        if dp_ep is not None:  # data-parallel tokens, experts over dp_ep's ranks
+            total = m.experts.gate_up_proj.shape[0]
+            if total % dp_ep.world:
+                raise ValueError(f"enable_expert_parallel: num_experts = {total} is not divisible by the EP "
+                                 f"degree {dp_ep.world}; use a degree that divides it")
+            e = total // dp_ep.world
+            return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True)
         e = _even(m.experts.gate_up_proj.shape[0], n, "num_experts")
         return MoeShard(m, r * e, (r + 1) * e, dt, tp)
     inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
@@ -296,7 +308,7 @@ def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gat
 
 
 def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
-                      row_parallel: str = "gather") -> DenseShard:
+                      row_parallel: str = "gather", data_parallel_experts: TPGroup | None = None) -> DenseShard:
     """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral) or a
     Qwen3-MoE one (num_experts % N == 0: rank r holds experts [r E/N, (r + 1) E/N)).
 
@@ -305,8 +317,13 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     locally. Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` on the shard
     give every rank TP = 1's bits. ``row_parallel="allreduce"`` builds the stock layout instead
     (o_proj / down_proj split over K, partials all-reduced): not invariant, the control and the
-    speed baseline of benchmarks/tp_layout.py.
+    speed baseline of benchmarks/tp_layout.py. ``data_parallel_experts`` (with ``tp`` of one
+    rank): each rank runs its own tokens and the Qwen3-MoE experts spread over that group's ranks
+    (``enable_expert_parallel``).
     """
+    if data_parallel_experts is not None and tp.world != 1:
+        raise ValueError("shard_dense_model: data_parallel_experts needs tp of one rank (data-parallel "
+                         "attention); tensor parallel attention with experts over another group is not built")
     if row_parallel not in ("gather", "allreduce"):
         raise ValueError(f"shard_dense_model: row_parallel must be 'gather' or 'allreduce', got {row_parallel!r}")
     lm = unwrap_causal_lm(model)
@@ -343,7 +360,7 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
             q_norm=Norm(a.q_norm, dt) if spec.qk_norm else None,
             k_norm=Norm(a.k_norm, dt) if spec.qk_norm else None,
             o=_row_shard(a.o_proj, tp, hidden, hq * d, dt, f"{p}.o_proj", row_parallel),
-            mlp=_mlp_shard(m, tp, hidden, dt, p, row_parallel),
+            mlp=_mlp_shard(m, tp, hidden, dt, p, row_parallel, data_parallel_experts),
         ))
     return DenseShard(tp=tp, spec=spec, dtype=dt, model=lm,
                       layers=layers, norm=Norm(lm.model.norm, dt),
@@ -459,6 +476,17 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     create_state(lm).tp = shard
     forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard
+
+
+def enable_expert_parallel(model, ep: TPGroup, compute_dtype: torch.dtype | None = None):
+    """Data-parallel attention, expert-parallel MoE (how DeepSeek models are served): every rank runs
+    its own tokens through the whole model except the routed experts, which are spread over ``ep``'s
+    ranks (rank r holds experts [r E/N, (r + 1) E/N)); a MoE layer gathers the ranks' tokens, computes
+    each (token, slot) row on its expert's rank and combines each token's rows on its own rank
+    (``data_parallel_experts``). Every rank must run every MoE layer the same number of times (the
+    trainer: the same number of ``token_logprobs`` calls; the engine: the same number of steps).
+    Invariance: each rank's tokens get the one-process bits, whatever the other ranks run."""
+    return enable_tensor_parallel(model, TPGroup(0, 1), compute_dtype, data_parallel_experts=ep)
 
 
 def reduce_tp_gradients(model) -> None:

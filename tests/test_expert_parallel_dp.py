@@ -1,0 +1,164 @@
+"""Data-parallel attention with expert-parallel MoE (``parallel.enable_expert_parallel``), CPU gloo.
+
+DeepSeek models are served this way: each rank runs its own requests, the routed experts are spread
+over the ranks, and a MoE layer moves each (token, slot) row to its expert's rank and back. Each
+rank here gets its own batch (other lengths, other padding) and its own prompts; every rank's
+trainer logprobs and engine tokens / logprobs must equal the one-process ones of that rank's inputs,
+bit for bit, whatever the other ranks run. Backward: the ranks' gradients summed equal the one
+process's gradient of the summed loss (within fp32 rounding). The control is stock expert
+parallelism: each rank combines its own experts' share of every token and the partial outputs are
+all-reduced (``allreduce_expert_parallel``), which differs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bitmatch
+from bitmatch import Engine, SamplingParams
+from bitmatch.parallel import TPGroup, allreduce_expert_parallel, all_gather_cat, data_parallel_experts
+from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel
+from bitmatch.testing import assert_bitwise_equal
+from bitmatch.testing_models import tiny_model
+from tp_ranks import FakeTP, ranks_fixture
+
+MODEL = ("qwen3moe-e8-k2", {})  # 8 experts top-2, one dense layer
+
+
+def _model():
+    return tiny_model(MODEL[0], **MODEL[1])
+
+
+def _batch(rank):
+    """This rank's own batch: 2 + rank rows of 9 + 2 rank tokens, its last row left-padded."""
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(3, 99, (2 + rank, 9 + 2 * rank), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    return ids, mask
+
+
+def _prompts(rank):
+    g = torch.Generator().manual_seed(200 + rank)
+    return [torch.randint(3, 99, (n,), generator=g).tolist() for n in (5, 8)]
+
+
+def _engine_run(lm, prompts):
+    params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=31 + i) for i in range(len(prompts))]
+    outs = Engine(lm, block_size=4, num_gpu_blocks=64).generate(prompts, params, use_tqdm=False)
+    return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
+
+
+def _control(lm, ep, ids):
+    """Stock EP on this rank's tokens: all tokens gathered, each rank's partial combine all-reduced."""
+    from bitmatch.models import forward_hidden
+    from bitmatch.parallel.tensor_parallel import MoeShard
+    from tp_ranks import packed_ctx
+
+    class StockMoe(MoeShard):
+        def __call__(self, x):
+            m, ex = self.module, self.module.experts
+            logits = bitmatch.kernels.linear(x.float(), m.gate.weight.float())
+            w, i = bitmatch.kernels.moe_route(logits, int(m.gate.top_k), scoring="softmax",
+                                              renormalize=bool(m.gate.norm_topk_prob))
+            xs = all_gather_cat(x[None], self.tp, dim=0)  # every rank the same token count here
+            ws, iss = all_gather_cat(w[None], self.tp, dim=0), all_gather_cat(i[None], self.tp, dim=0)
+            y = allreduce_expert_parallel(xs.reshape(-1, x.shape[1]), iss.reshape(-1, i.shape[1]),
+                                          ws.reshape(-1, w.shape[1]), ex.gate_up_proj[self.lo:self.hi],
+                                          ex.down_proj[self.lo:self.hi], ex.gate_up_proj.shape[0], self.tp)
+            return y[self.tp.rank * x.shape[0]:(self.tp.rank + 1) * x.shape[0]]
+
+    shard = enable_expert_parallel(lm, ep)
+    for L in shard.layers:
+        if isinstance(L.mlp, MoeShard):
+            L.mlp = StockMoe(L.mlp.module, L.mlp.lo, L.mlp.hi, L.mlp.dtype, L.mlp.tp, True)
+    try:
+        with torch.no_grad():
+            return forward_hidden(lm, ids, packed_ctx(ids))
+    finally:
+        disable_tensor_parallel(lm)
+
+
+def _worker(ep):
+    res = {}
+    ids, mask = _batch(ep.rank)
+    lm = _model()
+    enable_expert_parallel(lm, ep)
+    with torch.no_grad():
+        res["logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
+    res["engine"] = _engine_run(lm, _prompts(ep.rank))
+    disable_tensor_parallel(lm)
+    same = torch.arange(3, 14)  # the control needs equal token counts on every rank
+    res["control"] = _control(lm, ep, same + ep.rank)
+    f32 = _model().float()
+    enable_expert_parallel(f32, ep)
+    lp = bitmatch.token_logprobs(f32, ids, mask)
+    (lp * mask[:, 1:]).sum().backward()
+    res["grads"] = {n: p.grad for n, p in f32.named_parameters()}
+    return res
+
+
+ranks = ranks_fixture(_worker, "dp_ep")
+
+
+def test_each_rank_gets_its_own_one_process_bits(ranks):
+    world, res = ranks
+    lm = _model()
+    for r, got in enumerate(res):
+        ids, mask = _batch(r)
+        with torch.no_grad():
+            assert_bitwise_equal(got["logprobs"], bitmatch.token_logprobs(lm, ids, mask), f"rank {r}/{world} trainer")
+        want = _engine_run(lm, _prompts(r))
+        for i, ((t, lp), (wt, wlp)) in enumerate(zip(got["engine"], want)):
+            assert torch.equal(t, wt), f"rank {r}/{world} prompt {i}: sampled tokens differ"
+            assert_bitwise_equal(lp, wlp, f"rank {r}/{world} prompt {i}: engine logprobs")
+            seq = torch.tensor(_prompts(r)[i] + t.tolist())[None]
+            with torch.no_grad():
+                trainer = bitmatch.token_logprobs(lm, seq)[0, len(_prompts(r)[i]) - 1:]
+            assert_bitwise_equal(lp, trainer, f"rank {r}/{world} prompt {i}: engine vs trainer")
+
+
+def test_stock_expert_parallel_differs(ranks):
+    from bitmatch.models import forward_hidden
+    from tp_ranks import packed_ctx
+
+    world, res = ranks
+    lm = _model()
+    differs = 0
+    for r, got in enumerate(res):
+        ids = torch.arange(3, 14) + r
+        with torch.no_grad():
+            differs += int(not torch.equal(got["control"], forward_hidden(lm, ids, packed_ctx(ids))))
+    assert differs > 0, f"the stock partial-combine EP gave one process's bits on every rank at EP = {world}"
+
+
+def test_gradients_sum_to_the_one_process_gradient(ranks):
+    world, res = ranks
+    f32 = _model().float()
+    for r in range(world):
+        ids, mask = _batch(r)
+        (bitmatch.token_logprobs(f32, ids, mask) * mask[:, 1:]).sum().backward()
+    for n, p in f32.named_parameters():
+        g = sum(got["grads"][n] for got in res)
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4 * p.grad.abs().max().item(),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="num_experts = 8 is not divisible by the EP degree 3"):
+        enable_expert_parallel(_model(), FakeTP(0, 3))
+    with pytest.raises(ValueError, match="data_parallel_experts needs tp of one rank"):
+        from bitmatch.parallel import shard_dense_model
+        shard_dense_model(_model(), FakeTP(0, 2), data_parallel_experts=FakeTP(0, 2))
+
+
+def test_one_rank_is_moe_experts():
+    # EP = 1: the data-parallel experts are kernels.moe_experts itself
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (7, 2), generator=g)
+    w = torch.rand(7, 2, generator=g)
+    w_in = (torch.randn(8, 64, 64, generator=g) / 8).to(torch.bfloat16)
+    w_out = (torch.randn(8, 64, 32, generator=g) / 6).to(torch.bfloat16)
+    got = data_parallel_experts(x, ids, w, w_in, w_out, 8, TPGroup(0, 1))
+    assert_bitwise_equal(got, bitmatch.kernels.moe_experts(x, ids, w, w_in, w_out), "EP = 1")
