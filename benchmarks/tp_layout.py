@@ -2,6 +2,7 @@
 
   python benchmarks/tp_layout.py --out DIR --world 2                  # 2 GPUs of one host, NCCL
   python benchmarks/tp_layout.py --out DIR --world 2 --device cpu --smoke   # gloo: the logic only
+  python benchmarks/tp_layout.py --out DIR --world 1                  # one GPU: the shard linears only
 
 Spawns ``--world`` processes (one GPU each, NCCL; gloo on CPU). Every rank builds the same seeded
 random Qwen3 (default: Qwen3-1.7B widths, fewer layers) and, on its own device:
@@ -16,6 +17,12 @@ random Qwen3 (default: Qwen3-1.7B widths, fewer layers) and, on its own device:
 The cost of the fixed-order layout is the ratio gather / allreduce at the same TP degree; the
 single-GPU kernels are unchanged (no canonical order moved), so TP = 1 speed is today's. Rank 0
 writes ``tp_layout.json``.
+
+``--world 1`` (one GPU) times what a rank's row-parallel layer computes in each layout at Qwen3-8B
+widths (o_proj 4096 x 4096, down_proj 4096 x 12288) for TP 2, 4, 8: the gather layout's
+``shard_linear`` [T, K] x [N / TP, K] (full K, the full weight's K split) against the stock
+partial [T, K / TP] x [N, K / TP] on cuBLAS (``torch.nn.functional.linear``) and on bitmatch's
+linear: the single-GPU cost of the layout, collectives aside, written to ``tp_shard_linear.json``.
 """
 import argparse
 import os
@@ -143,6 +150,41 @@ def worker(rank, a, store):
     dist.destroy_process_group()
 
 
+LINEARS = {"o_proj": (4096, 4096), "down_proj": (4096, 12288)}  # Qwen3-8B (N, K)
+
+
+def shard_linears(a):
+    """Per-rank row-parallel linear time in the two layouts (one device, no collective)."""
+    import torch.nn.functional as F
+
+    import bitmatch.kernels as K
+    from bitmatch.parallel import shard_linear
+
+    dev = torch.device(a.device)
+    rec = _common.Recorder(os.path.join(a.out, "tp_shard_linear.json"), a)
+    shapes = {"tiny": (64, 256)} if a.smoke else LINEARS
+    tokens = (1, 8) if a.smoke else (1, 64, 512, 4096)
+    timer = _common.cuda_ms if dev.type == "cpu" else (lambda fn: _common.triton_bench(fn))
+    rows = []
+    for name, (n, k) in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(a.seed)
+        w = (torch.randn(n, k, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
+        for t in tokens:
+            x = torch.randn(t, k, generator=g, device=dev).to(torch.bfloat16)
+            full = timer(lambda: K.linear(x, w))
+            for tp in (2, 4, 8):
+                w_rows, w_cols, x_cols = w[: n // tp].contiguous(), w[:, : k // tp].contiguous(), x[:, : k // tp].contiguous()
+                row = {"linear": name, "N": n, "K": k, "tokens": t, "tp": tp, "tp1_ms": full,
+                       "gather_rows_ms": timer(lambda: shard_linear(x, w_rows, None, n)),
+                       "stock_cols_cublas_ms": timer(lambda: F.linear(x_cols, w_cols)),
+                       "stock_cols_bitmatch_ms": timer(lambda: K.linear(x_cols, w_cols))}
+                row["gather_over_stock_cublas_time"] = row["gather_rows_ms"] / row["stock_cols_cublas_ms"]
+                row["gather_over_tp1_share_time"] = row["gather_rows_ms"] / (full / tp)
+                rows.append(row)
+                rec.put("shard_linear", rows)
+    print(rows[-1], flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -163,6 +205,10 @@ def main(argv=None):
     for k, (full, smoke) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, smoke if a.smoke else full)
+    if a.world == 1:
+        os.makedirs(a.out, exist_ok=True)
+        shard_linears(a)
+        return
     if a.device == "cuda" and torch.cuda.device_count() < a.world:
         raise SystemExit(f"tp_layout: --world {a.world} needs {a.world} GPUs, found {torch.cuda.device_count()}")
     os.makedirs(a.out, exist_ok=True)

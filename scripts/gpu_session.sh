@@ -35,11 +35,13 @@ case $STAGE in
     bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
     bench nemotron_h 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --budget-s 120
     ;;
-2)  # V4 at the mid config and flash4 rollout (21), the golden bits, the Mamba layer against mamba_ssm (27)
-    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
-    bench v4_rollout 100 deepseek_v4_layer.py --device cuda --config flash4 --sections rollout --batch 16 --seq 256 --new 32
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
-    bench mamba 120 mamba_layer.py --mamba-src "$MAMBA"
+2)  # V4 at the mid config and flash4 rollout (21), the golden bits, the Mamba layer against mamba_ssm (27),
+    # a TP rank's row-parallel linear in both layouts on one GPU (28)
+    bench v4_mid 190 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
+    bench v4_rollout 90 deepseek_v4_layer.py --device cuda --config flash4 --sections rollout --batch 16 --seq 256 --new 32
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
+    bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
+    bench tp_shard_linear 60 tp_layout.py --world 1
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout

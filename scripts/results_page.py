@@ -306,6 +306,35 @@ def r_gpu_train(d):
                "host syncs per step"], rows)
 
 
+def r_tp_layout(d):
+    """benchmarks/tp_layout.py --world N: TP = N gather layout and stock all-reduce layout vs TP = 1."""
+    r = get(d, "sections", "tp_layout", default={})
+    n = r.get("world")
+    rows = []
+    for layout in ("gather", "allreduce"):
+        x = r.get(f"tp{n}_{layout}", {})
+        roll = x.get("rollout", {})
+        rows.append([layout, x.get("trainer_logprob_mismatches"), x.get("of"), roll.get("token_mismatches"),
+                     roll.get("logprob_mismatches_on_equal_tokens"), x.get("forward_ms"), roll.get("tokens_per_s")])
+    return header(d) + [f"TP = {fmt(n)} over {fmt(r.get('backend'))}; TP = 1 forward {fmt(r.get('tp1_forward_ms'))} ms, "
+                        f"rollout {fmt(get(r, 'tp1_rollout_graphs', 'tokens_per_s'))} tokens/s with CUDA graphs, "
+                        f"{fmt(get(r, 'tp1_rollout_eager', 'tokens_per_s'))} eager. Gather / stock: forward time "
+                        f"{fmt(r.get('forward_gather_over_allreduce_time'))}, rollout tokens/s "
+                        f"{fmt(r.get('rollout_gather_over_allreduce_tokens_per_s'))}.", ""] + \
+        table(["layout", "trainer logprobs differing from TP = 1", "of", "rollout tokens differing",
+               "rollout logprobs differing", "forward ms", "rollout tokens/s (eager)"], rows)
+
+
+def r_tp_shard_linear(d):
+    """benchmarks/tp_layout.py --world 1: a TP rank's row-parallel linear in the two layouts, one GPU."""
+    rows = [[r.get("linear"), r.get("tokens"), r.get("tp"), r.get("gather_rows_ms"), r.get("stock_cols_cublas_ms"),
+             r.get("gather_over_stock_cublas_time"), r.get("gather_over_tp1_share_time")]
+            for r in get(d, "sections", "shard_linear", default=[])]
+    return header(d) + ["gather: [T, K] x [N / TP, K] on bitmatch's linear (full K); stock: [T, K / TP] x [N, K / TP] "
+                        "on cuBLAS, before its all-reduce.", ""] + \
+        table(["linear", "tokens", "TP", "gather ms", "stock ms", "gather / stock time", "gather / (TP = 1 / TP)"], rows)
+
+
 def _dsv4_rows(name, r):
     q, res = r.get("ratios", {}), r.get("results", {})
     return [name, get(r, "setup", "config"), q.get("train_bitmatch_over_hf"), q.get("rollout_bitmatch_over_hf"),
@@ -457,6 +486,10 @@ RENDERERS = {
     "mamba_ssd_h200": ("Mamba2 chunked-SSD scan vs mamba_ssm's Triton kernels (`benchmarks/mamba_layer.py`)",
                        r_mamba_ssd),
     "sampler_h200": ("Sampler (`benchmarks/sampler.py`)", r_sampler),
+    "tp_layout_h200": ("Tensor parallel on GPUs: gather layout vs stock all-reduce (`benchmarks/tp_layout.py`)",
+                       r_tp_layout),
+    "tp_shard_linear_h200": ("A TP rank's row-parallel linear in both layouts, one GPU (`benchmarks/tp_layout.py "
+                             "--world 1`)", r_tp_shard_linear),
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
     "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),

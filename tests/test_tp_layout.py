@@ -24,3 +24,11 @@ def test_tp2_gather_layout_equals_tp1_and_stock_layout_differs(tmp_path):
     assert res["tp1_rollout_eager"]["logprob_mismatches_on_equal_tokens"] == 0
     # the control: the stock row-parallel layer's all-reduce changes the trainer's bits on every rank
     assert all(m > 0 for m in s["mismatches_per_rank"])
+
+
+def test_shard_linear_section_runs_both_layouts(tmp_path):
+    # --world 1: a rank's row-parallel linear in each layout, timed on one device (the smoke: CPU)
+    tp_layout.main(["--out", str(tmp_path), "--device", "cpu", "--smoke", "--world", "1"])
+    rows = json.load(open(tmp_path / "tp_shard_linear.json"))["sections"]["shard_linear"]
+    assert [(r["tokens"], r["tp"]) for r in rows] == [(t, tp) for t in (1, 8) for tp in (2, 4, 8)]
+    assert all(r["gather_rows_ms"] > 0 and r["stock_cols_cublas_ms"] > 0 for r in rows)
