@@ -4,7 +4,7 @@ DeepSeek models are served this way: each rank runs its own requests, the routed
 over the ranks, and a MoE layer moves each (token, slot) row to its expert's rank and back. Each
 rank here gets its own batch (other lengths, other padding) and its own prompts; every rank's
 trainer logprobs and engine tokens / logprobs must equal the one-process ones of that rank's inputs,
-bit for bit, whatever the other ranks run. Backward: the ranks' gradients summed equal the one
+bit for bit, whatever the other ranks run (Qwen3-MoE, DeepSeek-V4, Nemotron-H). Backward: the ranks' gradients summed equal the one
 process's gradient of the summed loss (within fp32 rounding). The control is stock expert
 parallelism: each rank combines its own experts' share of every token and the partial outputs are
 all-reduced (``allreduce_expert_parallel``), which differs.
@@ -22,11 +22,18 @@ from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model
 from tp_ranks import FakeTP, ranks_fixture
 
-MODEL = ("qwen3moe-e8-k2", {})  # 8 experts top-2, one dense layer
+# every MoE family, 8 routed experts: Qwen3-MoE (top-2, one dense layer); DeepSeek-V4 (hash and
+# learned routing, the tests' TP config); Nemotron-H (Mamba2 / attention / MLP / MoE blocks)
+MODELS = {
+    "qwen3moe": ("qwen3moe-e8-k2", {}),
+    "deepseek_v4": ("deepseek_v4", dict(seed=1, num_attention_heads=8, head_dim=16, o_groups=4, n_routed_experts=8)),
+    "nemotron_h": ("nemotron_h", dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=4, chunk_size=8)),
+}
 
 
-def _model():
-    return tiny_model(MODEL[0], **MODEL[1])
+def _model(name="qwen3moe"):
+    args, kw = MODELS[name]
+    return tiny_model(args, **kw)
 
 
 def _batch(rank):
@@ -82,40 +89,43 @@ def _control(lm, ep, ids):
 def _worker(ep):
     res = {}
     ids, mask = _batch(ep.rank)
-    lm = _model()
-    enable_expert_parallel(lm, ep)
-    with torch.no_grad():
-        res["logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
-    res["engine"] = _engine_run(lm, _prompts(ep.rank))
-    disable_tensor_parallel(lm)
+    for name in MODELS:
+        lm = _model(name)
+        enable_expert_parallel(lm, ep)
+        with torch.no_grad():
+            res[f"{name}/logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
+        res[f"{name}/engine"] = _engine_run(lm, _prompts(ep.rank))
+        disable_tensor_parallel(lm)
+        f32 = _model(name).float()
+        enable_expert_parallel(f32, ep)
+        lp = bitmatch.token_logprobs(f32, ids, mask)
+        (lp * mask[:, 1:]).sum().backward()
+        res[f"{name}/grads"] = {n: p.grad for n, p in f32.named_parameters()}
     same = torch.arange(3, 14)  # the control needs equal token counts on every rank
-    res["control"] = _control(lm, ep, same + ep.rank)
-    f32 = _model().float()
-    enable_expert_parallel(f32, ep)
-    lp = bitmatch.token_logprobs(f32, ids, mask)
-    (lp * mask[:, 1:]).sum().backward()
-    res["grads"] = {n: p.grad for n, p in f32.named_parameters()}
+    res["control"] = _control(_model(), ep, same + ep.rank)
     return res
 
 
 ranks = ranks_fixture(_worker, "dp_ep")
 
 
-def test_each_rank_gets_its_own_one_process_bits(ranks):
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_rank_gets_its_own_one_process_bits(ranks, name):
     world, res = ranks
-    lm = _model()
+    lm = _model(name)
     for r, got in enumerate(res):
         ids, mask = _batch(r)
+        where = f"{name} rank {r}/{world}"
         with torch.no_grad():
-            assert_bitwise_equal(got["logprobs"], bitmatch.token_logprobs(lm, ids, mask), f"rank {r}/{world} trainer")
+            assert_bitwise_equal(got[f"{name}/logprobs"], bitmatch.token_logprobs(lm, ids, mask), f"{where} trainer")
         want = _engine_run(lm, _prompts(r))
-        for i, ((t, lp), (wt, wlp)) in enumerate(zip(got["engine"], want)):
-            assert torch.equal(t, wt), f"rank {r}/{world} prompt {i}: sampled tokens differ"
-            assert_bitwise_equal(lp, wlp, f"rank {r}/{world} prompt {i}: engine logprobs")
+        for i, ((t, lp), (wt, wlp)) in enumerate(zip(got[f"{name}/engine"], want)):
+            assert torch.equal(t, wt), f"{where} prompt {i}: sampled tokens differ"
+            assert_bitwise_equal(lp, wlp, f"{where} prompt {i}: engine logprobs")
             seq = torch.tensor(_prompts(r)[i] + t.tolist())[None]
             with torch.no_grad():
                 trainer = bitmatch.token_logprobs(lm, seq)[0, len(_prompts(r)[i]) - 1:]
-            assert_bitwise_equal(lp, trainer, f"rank {r}/{world} prompt {i}: engine vs trainer")
+            assert_bitwise_equal(lp, trainer, f"{where} prompt {i}: engine vs trainer")
 
 
 def test_stock_expert_parallel_differs(ranks):
@@ -132,21 +142,26 @@ def test_stock_expert_parallel_differs(ranks):
     assert differs > 0, f"the stock partial-combine EP gave one process's bits on every rank at EP = {world}"
 
 
-def test_gradients_sum_to_the_one_process_gradient(ranks):
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_sum_to_the_one_process_gradient(ranks, name):
     world, res = ranks
-    f32 = _model().float()
+    f32 = _model(name).float()
     for r in range(world):
         ids, mask = _batch(r)
         (bitmatch.token_logprobs(f32, ids, mask) * mask[:, 1:]).sum().backward()
     for n, p in f32.named_parameters():
-        g = sum(got["grads"][n] for got in res)
+        if p.grad is None:  # V4's indexer: a top-k selection, no gradient
+            assert all(got[f"{name}/grads"][n] is None for got in res), n
+            continue
+        g = sum(got[f"{name}/grads"][n] for got in res)
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4 * p.grad.abs().max().item(),
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_refusals():
-    with pytest.raises(ValueError, match="num_experts = 8 is not divisible by the EP degree 3"):
-        enable_expert_parallel(_model(), FakeTP(0, 3))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_refusals(name):
+    with pytest.raises(ValueError, match="experts = 8 is not divisible by the EP degree 3"):
+        enable_expert_parallel(_model(name), FakeTP(0, 3))
     with pytest.raises(ValueError, match="data_parallel_experts needs tp of one rank"):
         from bitmatch.parallel import shard_dense_model
         shard_dense_model(_model(), FakeTP(0, 2), data_parallel_experts=FakeTP(0, 2))

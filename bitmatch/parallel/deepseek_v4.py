@@ -41,7 +41,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import expert_parallel_experts
+from .expert_parallel import data_parallel_experts, expert_parallel_experts
 from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
 
 F32 = torch.float32
@@ -90,14 +90,17 @@ class MoeShard:
     limit: float | None
     dtype: torch.dtype
     tp: TPGroup
+    ep: TPGroup | None = None  # data-parallel tokens, experts over ep's ranks (enable_expert_parallel)
 
     def parts(self) -> V4.MoeParts:
         ex, tp, dt = self.module.experts, self.tp, self.dtype
 
         def experts(x, ids, w):
-            return expert_parallel_experts(copy_to_ranks(x, tp), ids, w, cast_param(ex.gate_up_proj[self.lo:self.hi], dt),
-                                           cast_param(ex.down_proj[self.lo:self.hi], dt), ex.gate_up_proj.shape[0], tp,
-                                           activation="swiglu", swiglu_limit=self.limit)
+            args = (ids, w, cast_param(ex.gate_up_proj[self.lo:self.hi], dt), cast_param(ex.down_proj[self.lo:self.hi], dt),
+                    ex.gate_up_proj.shape[0])
+            if self.ep is not None:
+                return data_parallel_experts(x, *args, self.ep, activation="swiglu", swiglu_limit=self.limit)
+            return expert_parallel_experts(copy_to_ranks(x, tp), *args, tp, activation="swiglu", swiglu_limit=self.limit)
 
         def shared(x):
             return V4.clamped_swiglu(self.gate, self.up, self.down, copy_to_ranks(x, tp), self.limit)
@@ -143,10 +146,13 @@ class DeepseekV4Shard:
         return out + [self.lm_head.module.weight]
 
 
-def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = None) -> DeepseekV4Shard:
+def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
+                      data_parallel_experts: TPGroup | None = None) -> DeepseekV4Shard:
     """This rank's ``DeepseekV4Shard`` of a DeepSeek-V4 HF causal LM (heads by whole output groups,
     experts EP = TP, the rest replicated; see the module docstring). Invariance: ``forward_hidden`` /
-    ``compute_logits`` / ``parallel.token_logprobs`` give every rank TP = 1's bits."""
+    ``compute_logits`` / ``parallel.token_logprobs`` give every rank TP = 1's bits.
+    ``data_parallel_experts`` (``tp`` of one rank): each rank its own tokens, the routed experts over
+    that group's ranks (``enable_expert_parallel``)."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("shard_deepseek_v4: the model runs tensor parallel already; "
@@ -164,7 +170,17 @@ def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     # whole output groups per rank, so o_a never sums across ranks; with the heads split evenly too, the
     # rank's groups read exactly its heads' columns of the attention output (o_groups % N, heads % N)
     g = _even(spec.o_groups, n, "o_groups")
-    e = _even(spec.num_experts, n, "n_routed_experts")
+    ep = data_parallel_experts
+    if ep is not None and n != 1:
+        raise ValueError("shard_deepseek_v4: data_parallel_experts needs tp of one rank (data-parallel "
+                         "attention); tensor parallel attention with experts over another group is not built")
+    if ep is not None and spec.num_experts % ep.world:
+        raise ValueError(f"enable_expert_parallel: n_routed_experts = {spec.num_experts} is not divisible by the "
+                         f"EP degree {ep.world}; use a degree that divides it")
+    if ep is None:
+        e_rank, e = r, _even(spec.num_experts, n, "n_routed_experts")
+    else:
+        e_rank, e = ep.rank, spec.num_experts // ep.world
     hidden = _even(spec.hidden_size, n, "hidden_size")
     vocab = _even(spec.vocab_size, n, "vocab_size")
     d = spec.head_dim
@@ -178,10 +194,10 @@ def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
                            spec.num_heads * d // spec.o_groups,
                            q_b=ColumnShard(a.q_b_proj, r * hq * d, (r + 1) * hq * d, dt),
                            o_b=GatherRowShard(a.o_b_proj, r * hidden, (r + 1) * hidden, dt, tp=tp), dtype=dt, tp=tp),
-            MoeShard(m, r * e, (r + 1) * e,
+            MoeShard(m, e_rank * e, (e_rank + 1) * e,
                      gate=ColumnShard(m.shared_experts.gate_proj, r * inter, (r + 1) * inter, dt),
                      up=ColumnShard(m.shared_experts.up_proj, r * inter, (r + 1) * inter, dt),
                      down=GatherRowShard(m.shared_experts.down_proj, r * hidden, (r + 1) * hidden, dt, tp=tp),
-                     limit=spec.swiglu_limit, dtype=dt, tp=tp)))
+                     limit=spec.swiglu_limit, dtype=dt, tp=tp, ep=ep)))
     return DeepseekV4Shard(tp=tp, spec=spec, dtype=dt, model=lm, layers=layers,
                            lm_head=ColumnShard(lm.lm_head, r * vocab, (r + 1) * vocab, dt))

@@ -38,7 +38,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import expert_parallel_experts
+from .expert_parallel import data_parallel_experts, expert_parallel_experts
 from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
@@ -103,14 +103,18 @@ class MoeShard:
     dtype: torch.dtype
     tp: TPGroup
     shared: MlpShard
+    data_parallel: bool = False  # each rank its own tokens (enable_expert_parallel): data_parallel_experts
 
     def __call__(self, x, ctx=None, i=None):
         m, ex, dt = self.module, self.module.experts, self.dtype
         w, ids = NH.route(m, x)
-        y = expert_parallel_experts(copy_to_ranks(NH.latent(m.fc1_latent_proj, x, dt), self.tp), ids, w,
-                                    cast_param(ex.up_proj[self.lo:self.hi], dt),
-                                    cast_param(ex.down_proj[self.lo:self.hi], dt), ex.up_proj.shape[0], self.tp,
-                                    activation="relu2")
+        h = NH.latent(m.fc1_latent_proj, x, dt)
+        args = (ids, w, cast_param(ex.up_proj[self.lo:self.hi], dt), cast_param(ex.down_proj[self.lo:self.hi], dt),
+                ex.up_proj.shape[0], self.tp)
+        if self.data_parallel:
+            y = data_parallel_experts(h, *args, activation="relu2")
+        else:
+            y = expert_parallel_experts(copy_to_ranks(h, self.tp), *args, activation="relu2")
         return NH.latent(m.fc2_latent_proj, y, dt) + self.shared(x)
 
 
@@ -236,13 +240,15 @@ def _mlp(mod, tp: TPGroup, dt, hidden: int, p: str, row_parallel: str) -> MlpSha
 
 
 def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
-                     row_parallel: str = "gather") -> NemotronHShard:
+                     row_parallel: str = "gather", data_parallel_experts: TPGroup | None = None) -> NemotronHShard:
     """This rank's ``NemotronHShard`` of a Nemotron-H causal LM (layout: module docstring). Refuses,
     naming every config field at once, a TP degree that does not divide hidden_size, vocab_size,
     mamba_num_heads, n_groups, num_attention_heads, intermediate_size, n_routed_experts or
     moe_shared_expert_intermediate_size, or that num_key_value_heads and it do not divide one another.
     Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` and the engine on the
-    shard give every rank TP = 1's bits (``row_parallel="allreduce"``: the stock layout, which does not)."""
+    shard give every rank TP = 1's bits (``row_parallel="allreduce"``: the stock layout, which does not).
+    ``data_parallel_experts`` (``tp`` of one rank): each rank its own tokens, the routed experts over
+    that group's ranks (``enable_expert_parallel``)."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("shard_nemotron_h: the model runs tensor parallel already; "
@@ -253,6 +259,15 @@ def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = Non
     if fam.name != "nemotron_h":
         raise ValueError(f"shard_nemotron_h: family {fam.name!r} is not nemotron_h")
     n, r = tp.world, tp.rank
+    dp_ep = data_parallel_experts
+    if dp_ep is not None:
+        if n != 1:
+            raise ValueError("shard_nemotron_h: data_parallel_experts needs tp of one rank (data-parallel "
+                             "attention); tensor parallel attention with experts over another group is not built")
+        total = lm.config.n_routed_experts
+        if total % dp_ep.world:
+            raise ValueError(f"enable_expert_parallel: n_routed_experts = {total} is not divisible by the EP "
+                             f"degree {dp_ep.world}; use a degree that divides it")
     bad = divisibility_problems(lm.config, n)
     if bad:
         raise ValueError(f"shard_nemotron_h: cannot shard at TP = {n}: " + "; ".join(bad)
@@ -277,9 +292,13 @@ def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = Non
                 o=_row(m.o_proj, tp, hidden, hq * d, dt, f"{p}.o_proj", row_parallel),
                 spec=rank_spec)
         elif kind == NH.MOE:
-            e = m.experts.up_proj.shape[0] // n
             shared = _mlp(m.shared_experts, tp, dt, hidden, f"{p}.shared_experts", row_parallel)
-            mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, shared)
+            if dp_ep is None:
+                e = m.experts.up_proj.shape[0] // n
+                mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, shared)
+            else:
+                e = m.experts.up_proj.shape[0] // dp_ep.world
+                mixer = MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, shared, data_parallel=True)
         else:
             mixer = _mlp(m, tp, dt, hidden, p, row_parallel)
         layers.append((layer.norm, mixer))
