@@ -17,7 +17,7 @@ import torch
 import bitmatch
 from bitmatch import Engine, SamplingParams
 from bitmatch.parallel import TPGroup, allreduce_expert_parallel, all_gather_cat, data_parallel_experts
-from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel
+from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel, idle_step, step_data_parallel
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model
 from tp_ranks import FakeTP, ranks_fixture
@@ -54,6 +54,26 @@ def _engine_run(lm, prompts):
     params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=31 + i) for i in range(len(prompts))]
     outs = Engine(lm, block_size=4, num_gpu_blocks=64).generate(prompts, params, use_tqdm=False)
     return [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs)) for o in outs]
+
+
+def _uneven_prompts(rank):
+    """Rank r: r + 1 prompts of 3 + 2 r new tokens, so the ranks run out of work at different steps."""
+    g = torch.Generator().manual_seed(300 + rank)
+    return [torch.randint(3, 99, (4 + i,), generator=g).tolist() for i in range(rank + 1)], 3 + 2 * rank
+
+
+def _uneven_engine(lm, ep):
+    """The ranks' engines stepped together by step_data_parallel until no rank has a request left."""
+    prompts, n = _uneven_prompts(ep.rank)
+    eng = Engine(lm, block_size=4, num_gpu_blocks=64)
+    ids = [eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=41 + i))
+           for i, p in enumerate(prompts)]
+    done, steps = {}, 0
+    while (finished := step_data_parallel(eng, ep)) is not None:
+        steps += 1
+        for o in finished:
+            done[o.request_id] = (torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs))
+    return [done[i] for i in ids], steps
 
 
 def _control(lm, ep, ids):
@@ -95,6 +115,13 @@ def _worker(ep):
         with torch.no_grad():
             res[f"{name}/logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
         res[f"{name}/engine"] = _engine_run(lm, _prompts(ep.rank))
+        res[f"{name}/uneven"] = _uneven_engine(lm, ep)
+        with torch.no_grad():  # the trainer: rank 0 scores two batches, the others one and an idle step
+            ids1, mask1 = _batch(ep.rank + 10)
+            if ep.rank == 0:
+                res[f"{name}/second"] = bitmatch.token_logprobs(lm, ids1, mask1)
+            else:
+                idle_step(lm)
         disable_tensor_parallel(lm)
         f32 = _model(name).float()
         enable_expert_parallel(f32, ep)
@@ -126,6 +153,28 @@ def test_each_rank_gets_its_own_one_process_bits(ranks, name):
             with torch.no_grad():
                 trainer = bitmatch.token_logprobs(lm, seq)[0, len(_prompts(r)[i]) - 1:]
             assert_bitwise_equal(lp, trainer, f"{where} prompt {i}: engine vs trainer")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ranks_out_of_work_step_idle(ranks, name):
+    """Ranks with fewer requests (engine) or batches (trainer) join the busy ranks' MoE collectives
+    with no tokens: the busy ranks finish with one process's bits."""
+    world, res = ranks
+    lm = _model(name)
+    steps = [got[f"{name}/uneven"][1] for got in res]
+    # every rank stepped until the busiest was done (rank 0 needs 3 steps, the last rank 3 + 2 (world - 1))
+    assert len(set(steps)) == 1 and steps[0] >= 3 + 2 * (world - 1), steps
+    for r, got in enumerate(res):
+        prompts, n = _uneven_prompts(r)
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=41 + i) for i in range(len(prompts))]
+        want = Engine(lm, block_size=4, num_gpu_blocks=64).generate(prompts, params, use_tqdm=False)
+        for i, ((t, lp), w) in enumerate(zip(got[f"{name}/uneven"][0], want)):
+            assert t.tolist() == list(w.outputs[0].token_ids), f"{name} rank {r} prompt {i}: tokens"
+            assert_bitwise_equal(lp, torch.tensor(w.outputs[0].logprobs), f"{name} rank {r} prompt {i}: logprobs")
+    ids1, mask1 = _batch(10)
+    with torch.no_grad():
+        assert_bitwise_equal(res[0][f"{name}/second"], bitmatch.token_logprobs(lm, ids1, mask1),
+                             f"{name}: rank 0's second batch beside idle ranks")
 
 
 def test_stock_expert_parallel_differs(ranks):

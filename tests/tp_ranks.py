@@ -9,6 +9,7 @@ only rank and world are read (sharding refusals), with no process group.
 """
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
@@ -22,7 +23,9 @@ from bitmatch.parallel import TPGroup
 
 def _rank(rank, world, store, folder, body):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # a collective one rank never joins fails the test after this long instead of hanging CI
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
     try:
         torch.save(body(TPGroup.current()), os.path.join(folder, f"rank{rank}.pt"))
     finally:

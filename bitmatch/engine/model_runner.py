@@ -172,6 +172,7 @@ class ModelRunner:
         self._pending = None
         self.graph_safe = graph_safe(model)
         self.num_simulated_steps = 0
+        self.num_steps = 0  # forwards run (bitmatch.parallel.step_data_parallel: did this step run one)
         if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
             self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
 
@@ -227,6 +228,7 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]):
         """Run the step; returns (sequences that sample, tokens, logprobs, sampled_logprobs)."""
+        self.num_steps += 1
         inp = StepInputs(scheduled, self.block_size)
         seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
         params, seeds, indices = [s.params for s in seqs], [s.seed for s in seqs], [s.num_completion_tokens for s in seqs]

@@ -18,13 +18,13 @@ import importlib
 _EXPORTS = {
     "TPGroup": "collectives", "all_gather_cat": "collectives", "comm_bytes_per_layer": "collectives",
     "expert_parallel_experts": "expert_parallel", "allreduce_expert_parallel": "expert_parallel",
-    "data_parallel_experts": "expert_parallel",
+    "data_parallel_experts": "expert_parallel", "data_parallel_idle": "expert_parallel",
     "fsdp_unsharded": "fsdp", "fsdp_forward": "fsdp", "fsdp_units": "fsdp",
     "shard_nemotron_h": "nemotron_h",
     "shard_deepseek_v4": "deepseek_v4",
     **{name: "tensor_parallel" for name in (
         "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "disable_tensor_parallel",
-        "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
+        "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden", "idle_step", "step_data_parallel", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
         "shard_linear", "token_logprobs")},
 }
 

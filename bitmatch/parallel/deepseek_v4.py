@@ -41,7 +41,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, expert_parallel_experts
+from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
 from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
 
 F32 = torch.float32
@@ -106,6 +106,12 @@ class MoeShard:
             return V4.clamped_swiglu(self.gate, self.up, self.down, copy_to_ranks(x, tp), self.limit)
         return V4.MoeParts(experts=experts, shared=shared)
 
+    def idle(self):
+        ex, dt = self.module.experts, self.dtype
+        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.gate_up_proj[self.lo:self.hi], dt),
+                           cast_param(ex.down_proj[self.lo:self.hi], dt), ex.gate_up_proj.shape[0], self.ep, dt,
+                           activation="swiglu", swiglu_limit=self.limit)
+
 
 @dataclass
 class DeepseekV4Shard:
@@ -130,6 +136,12 @@ class DeepseekV4Shard:
     def compute_logits(self, hidden):
         """Full logits on every rank (vocab slices all-gathered). Invariance: TP = 1's bits."""
         return compute_logits(self, hidden)
+
+    def idle_step(self) -> None:
+        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
+        for _, m in self.layers:
+            if m.ep is not None:
+                m.idle()
 
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part (``reduce_tp_gradients`` sums them):

@@ -89,6 +89,7 @@ def data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts:
     expert's rank (``expert_outputs``), and each rank combines its own tokens' rows in slot order.
     Invariance: bit for bit ``kernels.moe_experts`` of this rank's tokens in one process, whatever
     the other ranks' tokens and the EP degree. The token counts are read on the host (one sync)."""
+    ids = ids.long()  # the ranks' id rows travel as bytes: one dtype everywhere (data_parallel_idle's)
     k, H = ids.shape[1], x.shape[1]
     sizes = all_gather_cat(torch.tensor([x.shape[0]], device=x.device), ep, dim=0).tolist()
     most = max(sizes)
@@ -100,6 +101,19 @@ def data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts:
                        activation=activation, swiglu_limit=swiglu_limit, each_rank_its_own=True)
     start = sum(sizes[: ep.rank])
     return K.moe_combine(y[start:start + x.shape[0]], weights.float())
+
+
+def data_parallel_idle(top_k: int, w_in_local, w_out_local, num_experts: int, ep: TPGroup, dtype, *,
+                       activation="swiglu", swiglu_limit=None) -> None:
+    """A rank with no tokens in a MoE layer the other ranks run (an engine with no request left, a
+    trainer out of batches): ``data_parallel_experts`` on zero tokens, so it joins the layer's
+    collectives and computes its experts' rows for the others' tokens. ``dtype``: the layer input's
+    (the ranks' rows travel as bytes)."""
+    dev = w_in_local.device
+    data_parallel_experts(torch.empty(0, w_in_local.shape[-1], dtype=dtype, device=dev),
+                          torch.empty(0, top_k, dtype=torch.long, device=dev),
+                          torch.empty(0, top_k, dtype=torch.float32, device=dev), w_in_local, w_out_local,
+                          num_experts, ep, activation=activation, swiglu_limit=swiglu_limit)
 
 
 def allreduce_expert_parallel(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup) -> torch.Tensor:

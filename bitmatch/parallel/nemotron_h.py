@@ -38,7 +38,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, expert_parallel_experts
+from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
 from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
@@ -117,6 +117,12 @@ class MoeShard:
             y = expert_parallel_experts(copy_to_ranks(h, self.tp), *args, activation="relu2")
         return NH.latent(m.fc2_latent_proj, y, dt) + self.shared(x)
 
+    def idle(self):
+        ex, dt = self.module.experts, self.dtype
+        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.up_proj[self.lo:self.hi], dt),
+                           cast_param(ex.down_proj[self.lo:self.hi], dt), ex.up_proj.shape[0], self.tp, dt,
+                           activation="relu2")
+
 
 @dataclass
 class NemotronHShard:
@@ -145,6 +151,12 @@ class NemotronHShard:
     def compute_logits(self, hidden):
         """Full logits on every rank (vocab slices gathered). Invariance: TP = 1's bits."""
         return vocab_parallel_logits(self, hidden)
+
+    def idle_step(self) -> None:
+        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
+        for _, mixer in self.layers:
+            if isinstance(mixer, MoeShard) and mixer.data_parallel:
+                mixer.idle()
 
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``

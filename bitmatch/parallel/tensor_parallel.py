@@ -41,7 +41,7 @@ from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
-from .expert_parallel import data_parallel_experts, expert_parallel_experts
+from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -212,6 +212,12 @@ class MoeShard:
         return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, ex.gate_up_proj.shape[0],
                                        self.tp)
 
+    def idle(self):
+        ex = self.module.experts
+        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
+                           cast_param(ex.down_proj[self.lo:self.hi], self.dtype), ex.gate_up_proj.shape[0], self.tp,
+                           self.dtype)
+
 
 @dataclass
 class DenseShard:
@@ -236,6 +242,12 @@ class DenseShard:
 
     def compute_logits(self, hidden):
         return compute_logits(self, hidden)
+
+    def idle_step(self) -> None:
+        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
+        for L in self.layers:
+            if isinstance(L.mlp, MoeShard) and L.mlp.data_parallel:
+                L.mlp.idle()
 
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
@@ -487,6 +499,35 @@ def enable_expert_parallel(model, ep: TPGroup, compute_dtype: torch.dtype | None
     trainer: the same number of ``token_logprobs`` calls; the engine: the same number of steps).
     Invariance: each rank's tokens get the one-process bits, whatever the other ranks run."""
     return enable_tensor_parallel(model, TPGroup(0, 1), compute_dtype, data_parallel_experts=ep)
+
+
+def idle_step(model) -> None:
+    """Under ``enable_expert_parallel``, a rank with nothing to run while the others run a forward
+    (a trainer out of batches): the forward's MoE collectives with no tokens of its own, so the
+    others' step completes. ``step_data_parallel`` does this for the engine."""
+    shard = tp_shard(unwrap_causal_lm(model))
+    if shard is None or not hasattr(shard, "idle_step"):
+        raise ValueError("idle_step: the model does not run data-parallel experts; enable_expert_parallel(model, ep) "
+                         "first")
+    with torch.no_grad():
+        shard.idle_step()
+
+
+def step_data_parallel(engine, group: TPGroup):
+    """One ``engine.step()`` of every rank of ``group`` under ``enable_expert_parallel``: the ranks
+    agree first who runs a forward; a rank with no request left (or whose scheduler ran nothing)
+    joins the others' MoE collectives with no tokens. Returns this rank's finished requests, or None
+    once no rank has a request left. Every rank calls it the same number of times (loop until None)."""
+    mine = engine.has_unfinished_requests()
+    busy = all_gather_cat(torch.tensor([int(mine)]), group, dim=0)
+    if not bool(busy.any()):
+        return None
+    runner = engine.model_runner
+    before = runner.num_steps
+    out = engine.step() if mine else []
+    if runner.num_steps == before:  # no forward ran here: the busy ranks' forward still needs this one
+        idle_step(engine.model)
+    return out
 
 
 def reduce_tp_gradients(model) -> None:
