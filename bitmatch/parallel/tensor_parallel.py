@@ -519,7 +519,8 @@ def step_data_parallel(engine, group: TPGroup):
     joins the others' MoE collectives with no tokens. Returns this rank's finished requests, or None
     once no rank has a request left. Every rank calls it the same number of times (loop until None)."""
     mine = engine.has_unfinished_requests()
-    busy = all_gather_cat(torch.tensor([int(mine)]), group, dim=0)
+    dev = next(unwrap_causal_lm(engine.model).parameters()).device  # NCCL gathers device tensors
+    busy = all_gather_cat(torch.tensor([int(mine)], device=dev), group, dim=0)
     if not bool(busy.any()):
         return None
     runner = engine.model_runner
