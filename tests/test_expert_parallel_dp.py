@@ -16,7 +16,7 @@ import torch
 
 import bitmatch
 from bitmatch import Engine, SamplingParams
-from bitmatch.parallel import TPGroup, allreduce_expert_parallel, all_gather_cat, data_parallel_experts
+from bitmatch.parallel import TPGroup, data_parallel_experts
 from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel, idle_step, step_data_parallel
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model
@@ -77,28 +77,11 @@ def _uneven_engine(lm, ep):
 
 
 def _control(lm, ep, ids):
-    """Stock EP on this rank's tokens: all tokens gathered, each rank's partial combine all-reduced."""
+    """Stock EP on this rank's tokens: each rank's partial combine of every token, all-reduced."""
     from bitmatch.models import forward_hidden
-    from bitmatch.parallel.tensor_parallel import MoeShard
     from tp_ranks import packed_ctx
 
-    class StockMoe(MoeShard):
-        def __call__(self, x):
-            m, ex = self.module, self.module.experts
-            logits = bitmatch.kernels.linear(x.float(), m.gate.weight.float())
-            w, i = bitmatch.kernels.moe_route(logits, int(m.gate.top_k), scoring="softmax",
-                                              renormalize=bool(m.gate.norm_topk_prob))
-            xs = all_gather_cat(x[None], self.tp, dim=0)  # every rank the same token count here
-            ws, iss = all_gather_cat(w[None], self.tp, dim=0), all_gather_cat(i[None], self.tp, dim=0)
-            y = allreduce_expert_parallel(xs.reshape(-1, x.shape[1]), iss.reshape(-1, i.shape[1]),
-                                          ws.reshape(-1, w.shape[1]), ex.gate_up_proj[self.lo:self.hi],
-                                          ex.down_proj[self.lo:self.hi], ex.gate_up_proj.shape[0], self.tp)
-            return y[self.tp.rank * x.shape[0]:(self.tp.rank + 1) * x.shape[0]]
-
-    shard = enable_expert_parallel(lm, ep)
-    for L in shard.layers:
-        if isinstance(L.mlp, MoeShard):
-            L.mlp = StockMoe(L.mlp.module, L.mlp.lo, L.mlp.hi, L.mlp.dtype, L.mlp.tp, True)
+    enable_expert_parallel(lm, ep, row_parallel="allreduce")
     try:
         with torch.no_grad():
             return forward_hidden(lm, ids, packed_ctx(ids))
@@ -128,8 +111,7 @@ def _worker(ep):
         lp = bitmatch.token_logprobs(f32, ids, mask)
         (lp * mask[:, 1:]).sum().backward()
         res[f"{name}/grads"] = {n: p.grad for n, p in f32.named_parameters()}
-    same = torch.arange(3, 14)  # the control needs equal token counts on every rank
-    res["control"] = _control(_model(), ep, same + ep.rank)
+    res["control"] = _control(_model(), ep, torch.arange(3, 14 + ep.rank) + ep.rank)
     return res
 
 
@@ -185,7 +167,7 @@ def test_stock_expert_parallel_differs(ranks):
     lm = _model()
     differs = 0
     for r, got in enumerate(res):
-        ids = torch.arange(3, 14) + r
+        ids = torch.arange(3, 14 + r) + r
         with torch.no_grad():
             differs += int(not torch.equal(got["control"], forward_hidden(lm, ids, packed_ctx(ids))))
     assert differs > 0, f"the stock partial-combine EP gave one process's bits on every rank at EP = {world}"
@@ -211,6 +193,8 @@ def test_gradients_sum_to_the_one_process_gradient(ranks, name):
 def test_refusals(name):
     with pytest.raises(ValueError, match="experts = 8 is not divisible by the EP degree 3"):
         enable_expert_parallel(_model(name), FakeTP(0, 3))
+    with pytest.raises(ValueError, match="stock expert combine is built for qwen3_moe only"):
+        enable_expert_parallel(_model("nemotron_h"), FakeTP(0, 2), row_parallel="allreduce")
     with pytest.raises(ValueError, match="data_parallel_experts needs tp of one rank"):
         from bitmatch.parallel import shard_dense_model
         shard_dense_model(_model(), FakeTP(0, 2), data_parallel_experts=FakeTP(0, 2))

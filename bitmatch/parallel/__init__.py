@@ -19,6 +19,7 @@ _EXPORTS = {
     "TPGroup": "collectives", "all_gather_cat": "collectives", "comm_bytes_per_layer": "collectives",
     "expert_parallel_experts": "expert_parallel", "allreduce_expert_parallel": "expert_parallel",
     "data_parallel_experts": "expert_parallel", "data_parallel_idle": "expert_parallel",
+    "allreduce_data_parallel_experts": "expert_parallel",
     "fsdp_unsharded": "fsdp", "fsdp_forward": "fsdp", "fsdp_units": "fsdp",
     "shard_nemotron_h": "nemotron_h",
     "shard_deepseek_v4": "deepseek_v4",

@@ -80,6 +80,21 @@ def expert_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_expert
     return K.moe_combine(y, weights.float())
 
 
+def _gather_tokens(x, ids, ep: TPGroup, *rest):
+    """The ranks' token rows (x [T_rank, H], ids and ``rest`` [T_rank, k]) gathered in rank order as
+    bytes, padded to the largest rank's count then the padding dropped: (sizes, x_all, ids_all,
+    *rest_all). x's gather sums a row's gradient over the ranks (each rank uses the rows for its
+    experts' share only)."""
+    sizes = all_gather_cat(torch.tensor([x.shape[0]], device=x.device), ep, dim=0).tolist()
+    most, t = max(sizes), x.shape[0]
+    real = torch.cat([torch.arange(r * most, r * most + n, device=x.device) for r, n in enumerate(sizes)])
+
+    def gather(v, **kw):
+        v = torch.cat([v, v.new_zeros(most - t, *v.shape[1:])])[None]
+        return all_gather_cat(v, ep, dim=0, **kw).reshape(-1, *v.shape[2:])[real]
+    return (sizes, gather(x, reduce_grad=True), gather(ids), *(gather(v) for v in rest))
+
+
 def data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts: int, ep: TPGroup, *,
                           activation="swiglu", swiglu_limit=None) -> torch.Tensor:
     """Expert parallelism under data-parallel attention (DeepSeek's serving layout: each rank its own
@@ -90,17 +105,22 @@ def data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts:
     Invariance: bit for bit ``kernels.moe_experts`` of this rank's tokens in one process, whatever
     the other ranks' tokens and the EP degree. The token counts are read on the host (one sync)."""
     ids = ids.long()  # the ranks' id rows travel as bytes: one dtype everywhere (data_parallel_idle's)
-    k, H = ids.shape[1], x.shape[1]
-    sizes = all_gather_cat(torch.tensor([x.shape[0]], device=x.device), ep, dim=0).tolist()
-    most = max(sizes)
-    pad = most - x.shape[0]
-    xs = all_gather_cat(torch.cat([x, x.new_zeros(pad, H)])[None], ep, dim=0, reduce_grad=True)
-    idss = all_gather_cat(torch.cat([ids, ids.new_zeros(pad, k)])[None], ep, dim=0)
-    real = torch.cat([torch.arange(r * most, r * most + n, device=x.device) for r, n in enumerate(sizes)])
-    y = expert_outputs(xs.reshape(-1, H)[real], idss.reshape(-1, k)[real], w_in_local, w_out_local, num_experts, ep,
-                       activation=activation, swiglu_limit=swiglu_limit, each_rank_its_own=True)
+    sizes, xs, idss = _gather_tokens(x, ids, ep)
+    y = expert_outputs(xs, idss, w_in_local, w_out_local, num_experts, ep, activation=activation,
+                       swiglu_limit=swiglu_limit, each_rank_its_own=True)
     start = sum(sizes[: ep.rank])
     return K.moe_combine(y[start:start + x.shape[0]], weights.float())
+
+
+def allreduce_data_parallel_experts(x, ids, weights, w_in_local, w_out_local, num_experts: int,
+                                    ep: TPGroup) -> torch.Tensor:
+    """Stock expert parallelism under data-parallel attention: the ranks' tokens gathered, each rank
+    combines its own experts' share of every token, the partial outputs all-reduced, each rank takes
+    its rows. Not invariant: the control and the speed baseline (forward only)."""
+    sizes, xs, idss, ws = _gather_tokens(x, ids.long(), ep, weights.float())
+    y = allreduce_expert_parallel(xs, idss, ws, w_in_local, w_out_local, num_experts, ep)
+    start = sum(sizes[: ep.rank])
+    return y[start:start + x.shape[0]]
 
 
 def data_parallel_idle(top_k: int, w_in_local, w_out_local, num_experts: int, ep: TPGroup, dtype, *,

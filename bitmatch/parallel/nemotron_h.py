@@ -273,6 +273,9 @@ def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = Non
     n, r = tp.world, tp.rank
     dp_ep = data_parallel_experts
     if dp_ep is not None:
+        if row_parallel != "gather":
+            raise ValueError("shard_nemotron_h: row_parallel='allreduce' with data_parallel_experts: the stock "
+                             "expert combine is built for qwen3_moe only")
         if n != 1:
             raise ValueError("shard_nemotron_h: data_parallel_experts needs tp of one rank (data-parallel "
                              "attention); tensor parallel attention with experts over another group is not built")

@@ -41,7 +41,9 @@ from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
-from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
+from .expert_parallel import (
+    allreduce_data_parallel_experts, data_parallel_experts, data_parallel_idle, expert_parallel_experts,
+)
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -199,6 +201,7 @@ class MoeShard:
     dtype: torch.dtype
     tp: TPGroup
     data_parallel: bool = False
+    stock: bool = False  # with data_parallel: allreduce_data_parallel_experts (the control)
 
     def __call__(self, x):
         m, ex = self.module, self.module.experts
@@ -208,7 +211,8 @@ class MoeShard:
         w_in, w_out = (cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
                        cast_param(ex.down_proj[self.lo:self.hi], self.dtype))
         if self.data_parallel:
-            return data_parallel_experts(x, ids, w, w_in, w_out, ex.gate_up_proj.shape[0], self.tp)
+            combine = allreduce_data_parallel_experts if self.stock else data_parallel_experts
+            return combine(x, ids, w, w_in, w_out, ex.gate_up_proj.shape[0], self.tp)
         return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, ex.gate_up_proj.shape[0],
                                        self.tp)
 
@@ -310,7 +314,8 @@ def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gat
                 raise ValueError(f"enable_expert_parallel: num_experts = {total} is not divisible by the EP "
                                  f"degree {dp_ep.world}; use a degree that divides it")
             e = total // dp_ep.world
-            return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True)
+            return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True,
+                            stock=row_parallel == "allreduce")
         e = _even(m.experts.gate_up_proj.shape[0], n, "num_experts")
         return MoeShard(m, r * e, (r + 1) * e, dt, tp)
     inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
@@ -331,7 +336,8 @@ def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
     (o_proj / down_proj split over K, partials all-reduced): not invariant, the control and the
     speed baseline of benchmarks/tp_layout.py. ``data_parallel_experts`` (with ``tp`` of one
     rank): each rank runs its own tokens and the Qwen3-MoE experts spread over that group's ranks
-    (``enable_expert_parallel``).
+    (``enable_expert_parallel``); with ``row_parallel="allreduce"`` their stock combine (each rank's
+    partial all-reduced: the control).
     """
     if data_parallel_experts is not None and tp.world != 1:
         raise ValueError("shard_dense_model: data_parallel_experts needs tp of one rank (data-parallel "
@@ -490,15 +496,16 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     return shard
 
 
-def enable_expert_parallel(model, ep: TPGroup, compute_dtype: torch.dtype | None = None):
+def enable_expert_parallel(model, ep: TPGroup, compute_dtype: torch.dtype | None = None, **layout):
     """Data-parallel attention, expert-parallel MoE (how DeepSeek models are served): every rank runs
     its own tokens through the whole model except the routed experts, which are spread over ``ep``'s
     ranks (rank r holds experts [r E/N, (r + 1) E/N)); a MoE layer gathers the ranks' tokens, computes
     each (token, slot) row on its expert's rank and combines each token's rows on its own rank
     (``data_parallel_experts``). Every rank must run every MoE layer the same number of times (the
     trainer: the same number of ``token_logprobs`` calls; the engine: the same number of steps).
-    Invariance: each rank's tokens get the one-process bits, whatever the other ranks run."""
-    return enable_tensor_parallel(model, TPGroup(0, 1), compute_dtype, data_parallel_experts=ep)
+    Invariance: each rank's tokens get the one-process bits, whatever the other ranks run.
+    ``layout``: the builder's options (Qwen3-MoE's ``row_parallel="allreduce"``: stock EP, a control)."""
+    return enable_tensor_parallel(model, TPGroup(0, 1), compute_dtype, data_parallel_experts=ep, **layout)
 
 
 def idle_step(model) -> None:
