@@ -3,6 +3,7 @@
   python benchmarks/tp_layout.py --out DIR --world 2                  # 2 GPUs of one host, NCCL
   python benchmarks/tp_layout.py --out DIR --world 2 --device cpu --smoke   # gloo: the logic only
   python benchmarks/tp_layout.py --out DIR --world 1                  # one GPU: the shard linears only
+  python benchmarks/tp_layout.py --out DIR --world 2 --layout dp_ep   # Qwen3-MoE, data-parallel attention + EP
 
 Spawns ``--world`` processes (one GPU each, NCCL; gloo on CPU). Every rank builds the same seeded
 random Qwen3 (default: Qwen3-1.7B widths, fewer layers) and, on its own device:
@@ -17,6 +18,12 @@ random Qwen3 (default: Qwen3-1.7B widths, fewer layers) and, on its own device:
 The cost of the fixed-order layout is the ratio gather / allreduce at the same TP degree; the
 single-GPU kernels are unchanged (no canonical order moved), so TP = 1 speed is today's. Rank 0
 writes ``tp_layout.json``.
+
+``--layout dp_ep``: a Qwen3-MoE (hidden 2048, 128 experts top-8, fewer layers), each rank its own
+batch and prompts (``enable_expert_parallel``): every rank's trainer logprobs and rollout against
+one process holding every expert (the claim: 0 mismatches), the stock EP combine (each rank's
+partial all-reduced: the control), and the forward / rollout time of the three; written to
+``tp_dp_ep.json``.
 
 ``--world 1`` (one GPU) times what a rank's row-parallel layer computes in each layout at Qwen3-8B
 widths (o_proj 4096 x 4096, down_proj 4096 x 12288) for TP 2, 4, 8: the gather layout's
@@ -54,8 +61,26 @@ def build(a, device):
     return m.eval()
 
 
-def batch(a, vocab, device):
-    g = torch.Generator().manual_seed(a.seed + 1)
+MOE_FULL = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936)
+MOE_SMOKE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+
+
+def build_moe(a, device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=a.layers, max_position_embeddings=8192, rope_theta=1e6,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         **(MOE_SMOKE if a.smoke else MOE_FULL))
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        m = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    return m.eval()
+
+
+def batch(a, vocab, device, offset=0):
+    g = torch.Generator().manual_seed(a.seed + 1 + offset)
     ids = torch.randint(3, vocab, (a.batch, a.seq), generator=g)
     mask = torch.ones_like(ids)
     mask[1 % a.batch, : a.seq // 4] = 0  # left padding
@@ -87,6 +112,72 @@ def compare_rollouts(ref, got):
     return {"token_mismatches": int(toks), "logprob_mismatches_on_equal_tokens": int(lps)}
 
 
+def dp_rollout(model, prompts, a, ep):
+    """Every rank's engine stepped together (``step_data_parallel``) on its own prompts."""
+    import bitmatch
+    from bitmatch.parallel import step_data_parallel
+
+    eng = bitmatch.Engine(model, max_num_seqs=len(prompts))
+    ids = [eng.add_request(p, bitmatch.SamplingParams(temperature=1.0, max_tokens=a.new, ignore_eos=True,
+                                                      seed=1000 + i)) for i, p in enumerate(prompts)]
+    done = {}
+    _common.sync()
+    t0 = time.perf_counter()
+    while (finished := step_data_parallel(eng, ep)) is not None:
+        for o in finished:
+            done[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))
+    _common.sync()
+    return {"tokens_per_s": len(prompts) * a.new / (time.perf_counter() - t0)}, [done[i] for i in ids]
+
+
+def dp_ep_worker(rank, a, ep, device):
+    """--layout dp_ep on this rank: its own batch and prompts, one process vs the two EP combines."""
+    import bitmatch
+    from bitmatch.context import ForwardContext
+    from bitmatch.models import forward_hidden
+    from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel
+
+    rec = _common.Recorder(os.path.join(a.out, "tp_dp_ep.json"), a) if rank == 0 else None
+    model = build_moe(a, device)
+    ids, mask = batch(a, model.config.vocab_size, device, offset=rank)
+    flat = ids.reshape(-1)
+    t = int(flat.numel())
+    ctx = ForwardContext(positions=torch.arange(a.seq, device=device).repeat(a.batch),
+                         cu_seqlens=torch.arange(0, t + 1, a.seq, device=device, dtype=torch.int32),
+                         max_query_len=a.seq, max_seq_len=a.seq)
+    g = torch.Generator().manual_seed(a.seed + 2 + rank)
+    prompts = [torch.randint(3, model.config.vocab_size, (a.prompt_len,), generator=g).tolist()
+               for _ in range(a.rollout_batch)]
+    res = {"world": a.world, "backend": dist.get_backend(), "tokens_per_rank": t}
+    with torch.no_grad():
+        ref = bitmatch.token_logprobs(model, ids, mask)
+        res["one_process_forward_ms"] = _common.cuda_ms(lambda: forward_hidden(model, flat, ctx), iters=a.iters)
+    res["one_process_rollout"], ref_out = rollout(model, prompts, a, enforce_eager=True)
+    for layout in ("gather", "allreduce"):
+        enable_expert_parallel(model, ep, row_parallel=layout)
+        try:
+            with torch.no_grad():
+                got = bitmatch.token_logprobs(model, ids, mask)
+                dist.barrier()
+                row = {"trainer_logprob_mismatches": mismatches(got, ref), "of": int(mask[:, 1:].sum()),
+                       "forward_ms": _common.cuda_ms(lambda: forward_hidden(model, flat, ctx), iters=a.iters)}
+            dist.barrier()
+            row["rollout"], out = dp_rollout(model, prompts, a, ep)
+            row["rollout"].update(compare_rollouts(ref_out, out))
+        finally:
+            disable_tensor_parallel(model)
+        flags = [None] * a.world
+        dist.all_gather_object(flags, (row["trainer_logprob_mismatches"], row["rollout"]["token_mismatches"],
+                                       row["rollout"]["logprob_mismatches_on_equal_tokens"]))
+        row["mismatches_per_rank"] = flags
+        res["slot_order" if layout == "gather" else "stock_allreduce"] = row
+    res["forward_slot_order_over_stock_time"] = res["slot_order"]["forward_ms"] / res["stock_allreduce"]["forward_ms"]
+    res["forward_slot_order_over_one_process_time"] = res["slot_order"]["forward_ms"] / res["one_process_forward_ms"]
+    if rec is not None:
+        rec.put("dp_ep", res)
+        print(res, flush=True)
+
+
 def worker(rank, a, store):
     device = torch.device("cuda", rank) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -100,6 +191,11 @@ def worker(rank, a, store):
     from bitmatch.parallel import token_logprobs as tp_logprobs
 
     tp = TPGroup.current()
+    if a.layout == "dp_ep":
+        dp_ep_worker(rank, a, tp, device)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     rec = _common.Recorder(os.path.join(a.out, "tp_layout.json"), a) if rank == 0 else None
     res = {"world": a.world, "backend": dist.get_backend()}
     model = build(a, device)
@@ -189,6 +285,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--layout", default="tp", choices=("tp", "dp_ep"),
+                    help="tp: Qwen3 dense at TP = world; dp_ep: Qwen3-MoE, data-parallel attention + EP = world")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="tiny widths (with --device cpu: the script's logic only)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; smoke 2)")

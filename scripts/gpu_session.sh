@@ -45,7 +45,8 @@ case $STAGE in
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout
-    bench tp_layout 500 tp_layout.py --world 2
+    bench tp_layout 280 tp_layout.py --world 2
+    bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
 *)  echo "unknown stage $STAGE (1, 2 or tp)"; exit 2 ;;
 esac

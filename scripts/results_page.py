@@ -325,6 +325,23 @@ def r_tp_layout(d):
                "rollout logprobs differing", "forward ms", "rollout tokens/s (eager)"], rows)
 
 
+def r_tp_dp_ep(d):
+    """benchmarks/tp_layout.py --layout dp_ep: data-parallel attention + EP vs one process, stock EP."""
+    r = get(d, "sections", "dp_ep", default={})
+    rows = []
+    for key, label in (("slot_order", "slot-order combine (bitmatch)"), ("stock_allreduce", "stock: partials all-reduced")):
+        x = r.get(key, {})
+        per_rank = "; ".join("/".join(str(v) for v in m) for m in x.get("mismatches_per_rank") or [])
+        rows.append([label, per_rank or None, x.get("of"), x.get("forward_ms"),
+                     get(x, "rollout", "tokens_per_s")])
+    return header(d) + [f"EP = {fmt(r.get('world'))} over {fmt(r.get('backend'))}, {fmt(r.get('tokens_per_rank'))} "
+                        f"tokens per rank; one process holding every expert: forward {fmt(r.get('one_process_forward_ms'))} ms, "
+                        f"rollout {fmt(get(r, 'one_process_rollout', 'tokens_per_s'))} tokens/s (eager). Slot order / "
+                        f"stock forward time {fmt(r.get('forward_slot_order_over_stock_time'))}.", ""] + \
+        table(["EP combine", "mismatches per rank: trainer / rollout tokens / rollout logprobs", "of", "forward ms",
+               "rollout tokens/s"], rows)
+
+
 def r_tp_shard_linear(d):
     """benchmarks/tp_layout.py --world 1: a TP rank's row-parallel linear in the two layouts, one GPU."""
     rows = [[r.get("linear"), r.get("tokens"), r.get("tp"), r.get("gather_rows_ms"), r.get("stock_cols_cublas_ms"),
@@ -488,6 +505,8 @@ RENDERERS = {
     "sampler_h200": ("Sampler (`benchmarks/sampler.py`)", r_sampler),
     "tp_layout_h200": ("Tensor parallel on GPUs: gather layout vs stock all-reduce (`benchmarks/tp_layout.py`)",
                        r_tp_layout),
+    "tp_dp_ep_h200": ("Data-parallel attention + expert parallel on GPUs (`benchmarks/tp_layout.py --layout dp_ep`)",
+                      r_tp_dp_ep),
     "tp_shard_linear_h200": ("A TP rank's row-parallel linear in both layouts, one GPU (`benchmarks/tp_layout.py "
                              "--world 1`)", r_tp_shard_linear),
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),

@@ -32,3 +32,12 @@ def test_shard_linear_section_runs_both_layouts(tmp_path):
     rows = json.load(open(tmp_path / "tp_shard_linear.json"))["sections"]["shard_linear"]
     assert [(r["tokens"], r["tp"]) for r in rows] == [(t, tp) for t in (1, 8) for tp in (2, 4, 8)]
     assert all(r["gather_rows_ms"] > 0 and r["stock_cols_cublas_ms"] > 0 for r in rows)
+
+
+def test_dp_ep_layout_equals_one_process_and_stock_ep_differs(tmp_path):
+    # --layout dp_ep: each rank its own batch and prompts through data-parallel attention + EP = 2
+    tp_layout.main(["--out", str(tmp_path), "--device", "cpu", "--smoke", "--world", "2", "--layout", "dp_ep"])
+    res = json.load(open(tmp_path / "tp_dp_ep.json"))["sections"]["dp_ep"]
+    assert res["slot_order"]["of"] > 20
+    assert res["slot_order"]["mismatches_per_rank"] == [[0, 0, 0], [0, 0, 0]]
+    assert all(m[0] > 0 for m in res["stock_allreduce"]["mismatches_per_rank"])  # the control
