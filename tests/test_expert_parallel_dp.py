@@ -17,7 +17,10 @@ import torch
 import bitmatch
 from bitmatch import Engine, SamplingParams
 from bitmatch.parallel import TPGroup, data_parallel_experts
-from bitmatch.parallel import disable_tensor_parallel, enable_expert_parallel, idle_step, step_data_parallel
+from bitmatch.parallel import (
+    disable_tensor_parallel, enable_expert_parallel, enable_tensor_parallel, idle_step, keep_local_experts,
+    step_data_parallel,
+)
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model
 from tp_ranks import FakeTP, ranks_fixture
@@ -112,6 +115,23 @@ def _worker(ep):
         (lp * mask[:, 1:]).sum().backward()
         res[f"{name}/grads"] = {n: p.grad for n, p in f32.named_parameters()}
     res["control"] = _control(_model(), ep, torch.arange(3, 14 + ep.rank) + ep.rank)
+    for name in MODELS:  # only this rank's experts kept, data-parallel and tensor-parallel (EP = TP)
+        lm = _model(name)
+        enable_expert_parallel(lm, ep)
+        res[f"{name}/local/kept"] = keep_local_experts(lm)
+        with torch.no_grad():
+            res[f"{name}/local/logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
+        res[f"{name}/local/uneven"] = _uneven_engine(lm, ep)
+        try:
+            disable_tensor_parallel(lm)
+            res[f"{name}/local/disable"] = "allowed"
+        except ValueError as e:
+            res[f"{name}/local/disable"] = str(e)
+        lm = _model(name)
+        enable_tensor_parallel(lm, ep)
+        keep_local_experts(lm)
+        with torch.no_grad():
+            res[f"{name}/local/tp_logprobs"] = bitmatch.token_logprobs(lm, *_batch(0))
     return res
 
 
@@ -157,6 +177,28 @@ def test_ranks_out_of_work_step_idle(ranks, name):
     with torch.no_grad():
         assert_bitwise_equal(res[0][f"{name}/second"], bitmatch.token_logprobs(lm, ids1, mask1),
                              f"{name}: rank 0's second batch beside idle ranks")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_keep_local_experts(ranks, name):
+    """Each rank frees the experts it does not run: 1 / N of the expert parameters stay, the bits do
+    not change (data-parallel and tensor-parallel layouts), and the model refuses to run as one
+    process again."""
+    world, res = ranks
+    lm = _model(name)
+    experts = sum(p.numel() for n, p in lm.named_parameters() if ".experts." in n)
+    with torch.no_grad():
+        want_tp = bitmatch.token_logprobs(lm, *_batch(0))
+    for r, got in enumerate(res):
+        assert got[f"{name}/local/kept"] * world == experts, (got[f"{name}/local/kept"], experts)
+        ids, mask = _batch(r)
+        with torch.no_grad():
+            want = bitmatch.token_logprobs(lm, ids, mask)
+        assert_bitwise_equal(got[f"{name}/local/logprobs"], want, f"{name} rank {r}: data-parallel, local experts")
+        assert_bitwise_equal(got[f"{name}/local/tp_logprobs"], want_tp, f"{name} rank {r}: EP = TP, local experts")
+        for (t, lp), (t2, lp2) in zip(got[f"{name}/local/uneven"][0], got[f"{name}/uneven"][0]):
+            assert torch.equal(t, t2) and torch.equal(lp, lp2), f"{name} rank {r}: engine with local experts"
+        assert "holds only this rank's experts" in got[f"{name}/local/disable"]
 
 
 def test_stock_expert_parallel_differs(ranks):

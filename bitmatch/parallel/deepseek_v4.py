@@ -41,7 +41,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
+from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts, local_rows
 from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
 
 F32 = torch.float32
@@ -91,13 +91,23 @@ class MoeShard:
     dtype: torch.dtype
     tp: TPGroup
     ep: TPGroup | None = None  # data-parallel tokens, experts over ep's ranks (enable_expert_parallel)
+    num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
+    EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
+
+    def expert_weights(self):
+        ex = self.module.experts
+        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
+                     for n in self.EXPERT_TENSORS)
 
     def parts(self) -> V4.MoeParts:
-        ex, tp, dt = self.module.experts, self.tp, self.dtype
+        tp = self.tp
 
         def experts(x, ids, w):
-            args = (ids, w, cast_param(ex.gate_up_proj[self.lo:self.hi], dt), cast_param(ex.down_proj[self.lo:self.hi], dt),
-                    ex.gate_up_proj.shape[0])
+            args = (ids, w, *self.expert_weights(), self.num_experts)
             if self.ep is not None:
                 return data_parallel_experts(x, *args, self.ep, activation="swiglu", swiglu_limit=self.limit)
             return expert_parallel_experts(copy_to_ranks(x, tp), *args, tp, activation="swiglu", swiglu_limit=self.limit)
@@ -107,9 +117,7 @@ class MoeShard:
         return V4.MoeParts(experts=experts, shared=shared)
 
     def idle(self):
-        ex, dt = self.module.experts, self.dtype
-        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.gate_up_proj[self.lo:self.hi], dt),
-                           cast_param(ex.down_proj[self.lo:self.hi], dt), ex.gate_up_proj.shape[0], self.ep, dt,
+        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.ep, self.dtype,
                            activation="swiglu", swiglu_limit=self.limit)
 
 
@@ -143,6 +151,9 @@ class DeepseekV4Shard:
             if m.ep is not None:
                 m.idle()
 
+    def moe_shards(self) -> list:
+        return [m for _, m in self.layers]
+
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part (``reduce_tp_gradients`` sums them):
         q_b_proj, the sinks, o_a_proj and o_b_proj (the rank's heads, groups and output columns), the
@@ -154,7 +165,8 @@ class DeepseekV4Shard:
             mods = (att.q_b_proj, att.o_a_proj, att.o_b_proj, mlp.shared_experts.gate_proj,
                     mlp.shared_experts.up_proj, mlp.shared_experts.down_proj)
             out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
-            out += [att.sinks, mlp.experts.gate_up_proj, mlp.experts.down_proj]
+            out += [att.sinks] + [p for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj)
+                                  if p.shape[0] == m.num_experts]  # not once kept local
         return out + [self.lm_head.module.weight]
 
 
@@ -210,6 +222,6 @@ def shard_deepseek_v4(model, tp: TPGroup, compute_dtype: torch.dtype | None = No
                      gate=ColumnShard(m.shared_experts.gate_proj, r * inter, (r + 1) * inter, dt),
                      up=ColumnShard(m.shared_experts.up_proj, r * inter, (r + 1) * inter, dt),
                      down=GatherRowShard(m.shared_experts.down_proj, r * hidden, (r + 1) * hidden, dt, tp=tp),
-                     limit=spec.swiglu_limit, dtype=dt, tp=tp, ep=ep)))
+                     limit=spec.swiglu_limit, dtype=dt, tp=tp, ep=ep, num_experts=spec.num_experts)))
     return DeepseekV4Shard(tp=tp, spec=spec, dtype=dt, model=lm, layers=layers,
                            lm_head=ColumnShard(lm.lm_head, r * vocab, (r + 1) * vocab, dt))

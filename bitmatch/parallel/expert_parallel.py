@@ -24,6 +24,24 @@ import bitmatch.kernels as K
 from .collectives import TPGroup, all_gather_cat
 
 
+def local_rows(param, lo: int, hi: int, num_experts: int):
+    """A layer's expert tensor rows [lo, hi) of this rank: a slice of the whole [num_experts, ...]
+    tensor, or the tensor itself once ``keep_local_experts`` left only those rows in the model."""
+    return param[lo:hi] if param.shape[0] == num_experts else param
+
+
+def keep_only_rows(module, names, lo: int, hi: int, num_experts: int) -> bool:
+    """Replace ``module``'s expert tensors ``names`` by their rows [lo, hi) (new parameters; the whole
+    tensors are freed once nothing else holds them). Returns whether anything was replaced."""
+    done = False
+    for name in names:
+        p = getattr(module, name)
+        if p.shape[0] == num_experts and hi - lo != num_experts:
+            setattr(module, name, torch.nn.Parameter(p.data[lo:hi].clone(), requires_grad=p.requires_grad))
+            done = True
+    return done
+
+
 def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:
     if num_experts % ep.world:
         raise ValueError(f"expert_parallel: num_experts = {num_experts} is not divisible by the EP degree "

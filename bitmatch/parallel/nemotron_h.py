@@ -38,7 +38,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts
+from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts, local_rows
 from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
@@ -104,13 +104,23 @@ class MoeShard:
     tp: TPGroup
     shared: MlpShard
     data_parallel: bool = False  # each rank its own tokens (enable_expert_parallel): data_parallel_experts
+    num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
+    EXPERT_TENSORS = ("up_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
+
+    def expert_weights(self):
+        ex = self.module.experts
+        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
+                     for n in self.EXPERT_TENSORS)
 
     def __call__(self, x, ctx=None, i=None):
-        m, ex, dt = self.module, self.module.experts, self.dtype
+        m, dt = self.module, self.dtype
         w, ids = NH.route(m, x)
         h = NH.latent(m.fc1_latent_proj, x, dt)
-        args = (ids, w, cast_param(ex.up_proj[self.lo:self.hi], dt), cast_param(ex.down_proj[self.lo:self.hi], dt),
-                ex.up_proj.shape[0], self.tp)
+        args = (ids, w, *self.expert_weights(), self.num_experts, self.tp)
         if self.data_parallel:
             y = data_parallel_experts(h, *args, activation="relu2")
         else:
@@ -118,9 +128,7 @@ class MoeShard:
         return NH.latent(m.fc2_latent_proj, y, dt) + self.shared(x)
 
     def idle(self):
-        ex, dt = self.module.experts, self.dtype
-        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.up_proj[self.lo:self.hi], dt),
-                           cast_param(ex.down_proj[self.lo:self.hi], dt), ex.up_proj.shape[0], self.tp, dt,
+        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.tp, self.dtype,
                            activation="relu2")
 
 
@@ -158,6 +166,9 @@ class NemotronHShard:
             if isinstance(mixer, MoeShard) and mixer.data_parallel:
                 mixer.idle()
 
+    def moe_shards(self) -> list:
+        return [mixer for _, mixer in self.layers if isinstance(mixer, MoeShard)]
+
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
         sums them): every sliced linear (KV heads replicated over ranks: each rank's queries' share),
@@ -175,8 +186,9 @@ class NemotronHShard:
             else:
                 mlp = m.shared if isinstance(m, MoeShard) else m
                 mods += [mlp.up.module, mlp.down.module]
-                if isinstance(m, MoeShard):
-                    out += [m.module.experts.up_proj, m.module.experts.down_proj]
+                if isinstance(m, MoeShard):  # this rank's rows of the whole tensors (not once kept local)
+                    out += [p for p in (m.module.experts.up_proj, m.module.experts.down_proj)
+                            if p.shape[0] == m.num_experts]
         out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
         return list({id(p): p for p in out}.values())
 
@@ -308,12 +320,14 @@ def shard_nemotron_h(model, tp: TPGroup, compute_dtype: torch.dtype | None = Non
                 spec=rank_spec)
         elif kind == NH.MOE:
             shared = _mlp(m.shared_experts, tp, dt, hidden, f"{p}.shared_experts", row_parallel)
+            total = m.experts.up_proj.shape[0]
             if dp_ep is None:
-                e = m.experts.up_proj.shape[0] // n
-                mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, shared)
+                e = total // n
+                mixer = MoeShard(m, r * e, (r + 1) * e, dt, tp, shared, num_experts=total)
             else:
-                e = m.experts.up_proj.shape[0] // dp_ep.world
-                mixer = MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, shared, data_parallel=True)
+                e = total // dp_ep.world
+                mixer = MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, shared, data_parallel=True,
+                                 num_experts=total)
         else:
             mixer = _mlp(m, tp, dt, hidden, p, row_parallel)
         layers.append((layer.norm, mixer))

@@ -43,6 +43,7 @@ from bitmatch.precision import cast_param
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
 from .expert_parallel import (
     allreduce_data_parallel_experts, data_parallel_experts, data_parallel_idle, expert_parallel_experts,
+    keep_only_rows, local_rows,
 )
 
 
@@ -202,25 +203,31 @@ class MoeShard:
     tp: TPGroup
     data_parallel: bool = False
     stock: bool = False  # with data_parallel: allreduce_data_parallel_experts (the control)
+    num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
+    EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
+
+    def expert_weights(self):
+        ex = self.module.experts
+        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
+                     for n in self.EXPERT_TENSORS)
 
     def __call__(self, x):
-        m, ex = self.module, self.module.experts
+        m = self.module
         # qwen3_moe._moe_block's routing: fp32 router logits, softmax top-k
         logits = K.linear(x.float(), cast_param(m.gate.weight, torch.float32))
         w, ids = K.moe_route(logits, int(m.gate.top_k), scoring="softmax", renormalize=bool(m.gate.norm_topk_prob))
-        w_in, w_out = (cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
-                       cast_param(ex.down_proj[self.lo:self.hi], self.dtype))
+        w_in, w_out = self.expert_weights()
         if self.data_parallel:
             combine = allreduce_data_parallel_experts if self.stock else data_parallel_experts
-            return combine(x, ids, w, w_in, w_out, ex.gate_up_proj.shape[0], self.tp)
-        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, ex.gate_up_proj.shape[0],
-                                       self.tp)
+            return combine(x, ids, w, w_in, w_out, self.num_experts, self.tp)
+        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, self.num_experts, self.tp)
 
     def idle(self):
-        ex = self.module.experts
-        data_parallel_idle(int(self.module.gate.top_k), cast_param(ex.gate_up_proj[self.lo:self.hi], self.dtype),
-                           cast_param(ex.down_proj[self.lo:self.hi], self.dtype), ex.gate_up_proj.shape[0], self.tp,
-                           self.dtype)
+        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.tp, self.dtype)
 
 
 @dataclass
@@ -253,6 +260,9 @@ class DenseShard:
             if isinstance(L.mlp, MoeShard) and L.mlp.data_parallel:
                 L.mlp.idle()
 
+    def moe_shards(self) -> list:
+        return [L.mlp for L in self.layers if isinstance(L.mlp, MoeShard)]
+
     def partial_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
         sums them): every sliced linear (its rows; KV heads replicated over ranks: each rank's
@@ -272,10 +282,11 @@ class DenseShard:
             add(L.q.module, L.k.module, L.v.module, L.o.module)
             if L.q_norm is not None:
                 add(L.q_norm.module, L.k_norm.module)
-            if isinstance(L.mlp, MoeShard):
+            if isinstance(L.mlp, MoeShard):  # this rank's rows of the whole tensors (not once kept local)
                 for p in (L.mlp.module.experts.gate_up_proj, L.mlp.module.experts.down_proj):
-                    seen.add(id(p))
-                    out.append(p)
+                    if p.shape[0] == L.mlp.num_experts:
+                        seen.add(id(p))
+                        out.append(p)
             else:
                 add(L.mlp.gate.module, L.mlp.up.module, L.mlp.down.module)
         add(self.lm_head.module)
@@ -315,9 +326,10 @@ def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gat
                                  f"degree {dp_ep.world}; use a degree that divides it")
             e = total // dp_ep.world
             return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True,
-                            stock=row_parallel == "allreduce")
-        e = _even(m.experts.gate_up_proj.shape[0], n, "num_experts")
-        return MoeShard(m, r * e, (r + 1) * e, dt, tp)
+                            stock=row_parallel == "allreduce", num_experts=total)
+        total = m.experts.gate_up_proj.shape[0]
+        e = _even(total, n, "num_experts")
+        return MoeShard(m, r * e, (r + 1) * e, dt, tp, num_experts=total)
     inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
     return GatedMlpShard(gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
                          up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
@@ -570,9 +582,35 @@ def reduce_tp_gradients(model) -> None:
         p.grad.copy_(acc)
 
 
-def disable_tensor_parallel(model) -> None:
-    """Back to the one-process forward."""
+def keep_local_experts(model) -> int:
+    """Free the routed experts this rank does not run: each MoE layer's expert tensors replaced by
+    this rank's rows (EP = TP, or ``enable_expert_parallel``), which is what makes a model whose
+    experts do not fit one GPU (DeepSeek-V4-Flash: 277 B of its 284 B parameters) fit N. Load the
+    model where it fits (CPU memory), enable the layout, call this, then move it to the GPU. The
+    model then runs only in this layout: ``disable_tensor_parallel`` refuses it, and a weight sync
+    must send this rank's rows. Returns the number of expert parameters this rank keeps. Bits
+    unchanged: the shard reads the same rows."""
     lm = unwrap_causal_lm(model)
+    shard = tp_shard(lm)
+    if shard is None or not hasattr(shard, "moe_shards"):
+        raise ValueError("keep_local_experts: the model runs no expert-parallel layout; enable_tensor_parallel or "
+                         "enable_expert_parallel first")
+    kept = 0
+    for m in shard.moe_shards():
+        ex = m.module.experts
+        keep_only_rows(ex, m.EXPERT_TENSORS, m.lo, m.hi, m.num_experts)
+        kept += sum(getattr(ex, n).numel() for n in m.EXPERT_TENSORS)
+    return kept
+
+
+def disable_tensor_parallel(model) -> None:
+    """Back to the one-process forward (refused once ``keep_local_experts`` dropped other ranks' experts)."""
+    lm = unwrap_causal_lm(model)
+    shard = tp_shard(lm)
+    for m in getattr(shard, "moe_shards", list)():
+        if getattr(m.module.experts, m.EXPERT_TENSORS[0]).shape[0] != m.num_experts:
+            raise ValueError("disable_tensor_parallel: the model holds only this rank's experts (keep_local_experts); "
+                             "load it again to run it as one process")
     drop_state(lm, "tp")
     forget_spec(lm)
 
