@@ -19,7 +19,7 @@ from bitmatch import Engine, SamplingParams
 from bitmatch.parallel import TPGroup, data_parallel_experts
 from bitmatch.parallel import (
     disable_tensor_parallel, enable_expert_parallel, enable_tensor_parallel, idle_step, keep_local_experts,
-    step_data_parallel,
+    reduce_data_parallel_gradients, step_data_parallel,
 )
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model
@@ -92,6 +92,29 @@ def _control(lm, ep, ids):
         disable_tensor_parallel(lm)
 
 
+TRAIN = [("qwen3moe", False), ("deepseek_v4", False), ("nemotron_h", False), ("qwen3moe", True)]
+
+
+def _train(name, local, ep, steps=2):
+    """``steps`` SGD steps (fp32) under data-parallel experts, each rank its own batch, the gradients
+    summed by ``reduce_data_parallel_gradients`` (``local``: only this rank's experts kept); the
+    rank's weights and its logprobs on them."""
+    lm = _model(name).float()
+    enable_expert_parallel(lm, ep)
+    if local:
+        keep_local_experts(lm)
+    opt = torch.optim.SGD(lm.parameters(), lr=0.1)
+    ids, mask = _batch(ep.rank)
+    for _ in range(steps):
+        (-(bitmatch.token_logprobs(lm, ids, mask) * mask[:, 1:]).sum()).backward()
+        reduce_data_parallel_gradients(lm)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        lp = bitmatch.token_logprobs(lm, ids, mask)
+    return {"weights": {n: p.detach().clone() for n, p in lm.named_parameters()}, "logprobs": lp}
+
+
 def _worker(ep):
     res = {}
     ids, mask = _batch(ep.rank)
@@ -115,6 +138,8 @@ def _worker(ep):
         (lp * mask[:, 1:]).sum().backward()
         res[f"{name}/grads"] = {n: p.grad for n, p in f32.named_parameters()}
     res["control"] = _control(_model(), ep, torch.arange(3, 14 + ep.rank) + ep.rank)
+    for name, local in TRAIN:
+        res[f"train/{name}/{local}"] = _train(name, local, ep)
     for name in MODELS:  # only this rank's experts kept, data-parallel and tensor-parallel (EP = TP)
         lm = _model(name)
         enable_expert_parallel(lm, ep)
@@ -199,6 +224,43 @@ def test_keep_local_experts(ranks, name):
         for (t, lp), (t2, lp2) in zip(got[f"{name}/local/uneven"][0], got[f"{name}/uneven"][0]):
             assert torch.equal(t, t2) and torch.equal(lp, lp2), f"{name} rank {r}: engine with local experts"
         assert "holds only this rank's experts" in got[f"{name}/local/disable"]
+
+
+@pytest.mark.parametrize("name,local", TRAIN)
+def test_training_under_data_parallel_experts(ranks, name, local):
+    """Two SGD steps, each rank its own batch, gradients summed by ``reduce_data_parallel_gradients``:
+    the ranks' shared weights stay bit for bit equal, the whole model (the ranks' kept experts put
+    together when trimmed) is one process's training on the summed loss within fp32 rounding, and
+    each rank's logprobs on it are one process's on that model, bit for bit."""
+    world, res = ranks
+    runs = [got[f"train/{name}/{local}"] for got in res]
+    whole = {}
+    for n in runs[0]["weights"]:
+        parts = [run["weights"][n] for run in runs]
+        if local and ".experts." in n:
+            whole[n] = torch.cat(parts)  # rank order = expert order
+        else:
+            for r, p in enumerate(parts[1:], 1):
+                assert torch.equal(p, parts[0]), f"{name}: {n} differs on rank {r}"
+            whole[n] = parts[0]
+    ref = _model(name).float()  # one process: the same steps on the summed loss of every rank's batch
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for r in range(world):
+            ids, mask = _batch(r)
+            (-(bitmatch.token_logprobs(ref, ids, mask) * mask[:, 1:]).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    init = dict(_model(name).float().named_parameters())
+    assert sum(not torch.equal(whole[n], init[n]) for n in whole) > 10, f"{name}: the steps moved too little"
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(whole[n], p.detach(), rtol=1e-4, atol=1e-4 * p.abs().max().item(),
+                                   msg=lambda m, n=n: f"{name} {n}: {m}")
+    with torch.no_grad():
+        ref.load_state_dict(whole, strict=False)
+        for r, run in enumerate(runs):
+            assert_bitwise_equal(run["logprobs"], bitmatch.token_logprobs(ref, *_batch(r)),
+                                 f"{name} rank {r}: logprobs after training")
 
 
 def test_stock_expert_parallel_differs(ranks):

@@ -25,7 +25,7 @@ _EXPORTS = {
     "shard_deepseek_v4": "deepseek_v4",
     **{name: "tensor_parallel" for name in (
         "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "disable_tensor_parallel",
-        "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden", "idle_step", "keep_local_experts", "step_data_parallel", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
+        "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden", "idle_step", "keep_local_experts", "reduce_data_parallel_gradients", "step_data_parallel", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
         "shard_linear", "token_logprobs")},
 }
 

@@ -603,6 +603,36 @@ def keep_local_experts(model) -> int:
     return kept
 
 
+def reduce_data_parallel_gradients(model) -> None:
+    """After a backward under ``enable_expert_parallel`` (each rank its own batch): every gradient
+    replaced by the sum over the ranks, gathered as bytes and added in rank order on every rank, so
+    each rank holds the gradient one process computes for the summed loss of all the ranks' batches
+    (within fp32 rounding) with the same bits everywhere, and an optimizer keeps the copies equal.
+    A rank's gradient of a shared weight is its batch's part; of a whole expert tensor, the rows of
+    its own experts (every rank's tokens' share, gathered in the MoE layers) and zeros elsewhere; a
+    tensor ``keep_local_experts`` trimmed holds only the rank's experts and is left as it is. Sum,
+    not mean: scale the loss for a mean."""
+    lm = unwrap_causal_lm(model)
+    shard = tp_shard(lm)
+    moe = getattr(shard, "moe_shards", list)()
+    if shard is None or not moe or shard.tp.world != 1:
+        raise ValueError("reduce_data_parallel_gradients: the model does not run data-parallel experts; "
+                         "enable_expert_parallel(model, ep) first (tensor parallel: reduce_tp_gradients)")
+    ep = getattr(moe[0], "ep", None) or moe[0].tp  # DeepSeek-V4's shard names its EP group ep
+    if ep.world == 1:
+        return
+    local = {id(getattr(m.module.experts, n)) for m in moe for n in m.EXPERT_TENSORS
+             if getattr(m.module.experts, n).shape[0] != m.num_experts}
+    for p in lm.parameters():
+        if p.grad is None or id(p) in local:
+            continue
+        whole = all_gather_cat(p.grad.detach().unsqueeze(0), ep, dim=0)
+        acc = whole[0].clone()
+        for r in range(1, ep.world):
+            acc += whole[r]
+        p.grad.copy_(acc)
+
+
 def disable_tensor_parallel(model) -> None:
     """Back to the one-process forward (refused once ``keep_local_experts`` dropped other ranks' experts)."""
     lm = unwrap_causal_lm(model)
