@@ -41,7 +41,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts, local_rows
+from .expert_parallel import ExpertRows, data_parallel_experts, data_parallel_idle, expert_parallel_experts
 from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
 
 F32 = torch.float32
@@ -79,7 +79,7 @@ class AttentionShard:
 
 
 @dataclass
-class MoeShard:
+class MoeShard(ExpertRows):
     """A rank's routed experts [lo, hi) (EP = TP) and its shared-expert intermediate columns."""
     module: torch.nn.Module  # the layer's mlp
     lo: int
@@ -92,16 +92,6 @@ class MoeShard:
     tp: TPGroup
     ep: TPGroup | None = None  # data-parallel tokens, experts over ep's ranks (enable_expert_parallel)
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
-    EXPERT_TENSORS = ("gate_up_proj", "down_proj")
-
-    def __post_init__(self):
-        if self.num_experts < 1:
-            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
-
-    def expert_weights(self):
-        ex = self.module.experts
-        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
-                     for n in self.EXPERT_TENSORS)
 
     def parts(self) -> V4.MoeParts:
         tp = self.tp
@@ -165,8 +155,7 @@ class DeepseekV4Shard:
             mods = (att.q_b_proj, att.o_a_proj, att.o_b_proj, mlp.shared_experts.gate_proj,
                     mlp.shared_experts.up_proj, mlp.shared_experts.down_proj)
             out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
-            out += [att.sinks] + [p for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj)
-                                  if p.shape[0] == m.num_experts]  # not once kept local
+            out += [att.sinks] + m.partial_expert_tensors()
         return out + [self.lm_head.module.weight]
 
 

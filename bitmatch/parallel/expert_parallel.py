@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import bitmatch.kernels as K
+from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat
 
@@ -28,6 +29,31 @@ def local_rows(param, lo: int, hi: int, num_experts: int):
     """A layer's expert tensor rows [lo, hi) of this rank: a slice of the whole [num_experts, ...]
     tensor, or the tensor itself once ``keep_local_experts`` left only those rows in the model."""
     return param[lo:hi] if param.shape[0] == num_experts else param
+
+
+class ExpertRows:
+    """What a MoE layer's shard (a dataclass with ``module``, ``lo``, ``hi``, ``dtype`` and
+    ``num_experts``) reads of ``module.experts``: its rows [lo, hi) of the tensors named in
+    ``EXPERT_TENSORS``, cast at use, whether the tensors are whole or ``keep_local_experts`` trimmed
+    them."""
+    EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError(f"{type(self).__name__}: num_experts (the layer's routed experts) is required")
+
+    def expert_weights(self) -> tuple:
+        ex = self.module.experts
+        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
+                     for n in self.EXPERT_TENSORS)
+
+    def experts_trimmed(self) -> bool:
+        return getattr(self.module.experts, self.EXPERT_TENSORS[0]).shape[0] != self.num_experts
+
+    def partial_expert_tensors(self) -> list:
+        """The expert tensors whose gradient on this rank covers its rows only (whole tensors; a
+        trimmed tensor's gradient is whole)."""
+        return [] if self.experts_trimmed() else [getattr(self.module.experts, n) for n in self.EXPERT_TENSORS]
 
 
 def keep_only_rows(module, names, lo: int, hi: int, num_experts: int) -> bool:

@@ -35,10 +35,9 @@ import torch
 from bitmatch.models import compute_dtype_of, family_of, lora, unwrap_causal_lm
 from bitmatch.models import nemotron_h as NH
 from bitmatch.models.registry import tp_shard
-from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import data_parallel_experts, data_parallel_idle, expert_parallel_experts, local_rows
+from .expert_parallel import ExpertRows, data_parallel_experts, data_parallel_idle, expert_parallel_experts
 from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
@@ -94,7 +93,7 @@ class MlpShard:
 
 
 @dataclass
-class MoeShard:
+class MoeShard(ExpertRows):
     """A Nemotron-H MoE block with experts [lo, hi) on this rank: routing and latent projections
     replicated (every rank picks the same experts), the experts through ``expert_parallel_experts``."""
     module: torch.nn.Module
@@ -107,14 +106,6 @@ class MoeShard:
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
     EXPERT_TENSORS = ("up_proj", "down_proj")
 
-    def __post_init__(self):
-        if self.num_experts < 1:
-            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
-
-    def expert_weights(self):
-        ex = self.module.experts
-        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
-                     for n in self.EXPERT_TENSORS)
 
     def __call__(self, x, ctx=None, i=None):
         m, dt = self.module, self.dtype
@@ -186,9 +177,8 @@ class NemotronHShard:
             else:
                 mlp = m.shared if isinstance(m, MoeShard) else m
                 mods += [mlp.up.module, mlp.down.module]
-                if isinstance(m, MoeShard):  # this rank's rows of the whole tensors (not once kept local)
-                    out += [p for p in (m.module.experts.up_proj, m.module.experts.down_proj)
-                            if p.shape[0] == m.num_experts]
+                if isinstance(m, MoeShard):
+                    out += m.partial_expert_tensors()
         out += [p for mod in mods for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
         return list({id(p): p for p in out}.values())
 

@@ -42,8 +42,8 @@ from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
 from .expert_parallel import (
-    allreduce_data_parallel_experts, data_parallel_experts, data_parallel_idle, expert_parallel_experts,
-    keep_only_rows, local_rows,
+    ExpertRows, allreduce_data_parallel_experts, data_parallel_experts, data_parallel_idle, expert_parallel_experts,
+    keep_only_rows,
 )
 
 
@@ -190,7 +190,7 @@ class GatedMlpShard:
 
 
 @dataclass
-class MoeShard:
+class MoeShard(ExpertRows):
     """A Qwen3-MoE block with the experts spread over the ranks of ``tp``: the router runs on the
     rank's rows (the same bits wherever a row is, so a row's experts do not depend on the layout),
     the experts through ``expert_parallel_experts`` (every rank holds every token: EP = TP) or, with
@@ -204,16 +204,6 @@ class MoeShard:
     data_parallel: bool = False
     stock: bool = False  # with data_parallel: allreduce_data_parallel_experts (the control)
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
-    EXPERT_TENSORS = ("gate_up_proj", "down_proj")
-
-    def __post_init__(self):
-        if self.num_experts < 1:
-            raise ValueError("MoeShard: num_experts (the layer's routed experts) is required")
-
-    def expert_weights(self):
-        ex = self.module.experts
-        return tuple(cast_param(local_rows(getattr(ex, n), self.lo, self.hi, self.num_experts), self.dtype)
-                     for n in self.EXPERT_TENSORS)
 
     def __call__(self, x):
         m = self.module
@@ -282,11 +272,10 @@ class DenseShard:
             add(L.q.module, L.k.module, L.v.module, L.o.module)
             if L.q_norm is not None:
                 add(L.q_norm.module, L.k_norm.module)
-            if isinstance(L.mlp, MoeShard):  # this rank's rows of the whole tensors (not once kept local)
-                for p in (L.mlp.module.experts.gate_up_proj, L.mlp.module.experts.down_proj):
-                    if p.shape[0] == L.mlp.num_experts:
-                        seen.add(id(p))
-                        out.append(p)
+            if isinstance(L.mlp, MoeShard):
+                for p in L.mlp.partial_expert_tensors():
+                    seen.add(id(p))
+                    out.append(p)
             else:
                 add(L.mlp.gate.module, L.mlp.up.module, L.mlp.down.module)
         add(self.lm_head.module)
@@ -571,13 +560,20 @@ def reduce_tp_gradients(model) -> None:
     if emb is not None and emb.weight is lm.lm_head.weight:
         raise ValueError("reduce_tp_gradients: tie_word_embeddings=True (the shared tensor's gradient is whole "
                          "from the embedding and partial from the vocab-parallel head); train an untied model")
-    tp = shard.tp
-    for p in parts():
-        if p.grad is None or tp.world == 1:
+    _sum_over_ranks(parts(), shard.tp)
+
+
+def _sum_over_ranks(params, group: TPGroup) -> None:
+    """Each parameter's gradient replaced by the ranks' gradients gathered as bytes and added in rank
+    order: the same bits on every rank."""
+    if group.world == 1:
+        return
+    for p in params:
+        if p.grad is None:
             continue
-        whole = all_gather_cat(p.grad.detach().unsqueeze(0), tp, dim=0)
+        whole = all_gather_cat(p.grad.detach().unsqueeze(0), group, dim=0)
         acc = whole[0].clone()
-        for r in range(1, tp.world):
+        for r in range(1, group.world):
             acc += whole[r]
         p.grad.copy_(acc)
 
@@ -621,16 +617,8 @@ def reduce_data_parallel_gradients(model) -> None:
     ep = getattr(moe[0], "ep", None) or moe[0].tp  # DeepSeek-V4's shard names its EP group ep
     if ep.world == 1:
         return
-    local = {id(getattr(m.module.experts, n)) for m in moe for n in m.EXPERT_TENSORS
-             if getattr(m.module.experts, n).shape[0] != m.num_experts}
-    for p in lm.parameters():
-        if p.grad is None or id(p) in local:
-            continue
-        whole = all_gather_cat(p.grad.detach().unsqueeze(0), ep, dim=0)
-        acc = whole[0].clone()
-        for r in range(1, ep.world):
-            acc += whole[r]
-        p.grad.copy_(acc)
+    local = {id(getattr(m.module.experts, n)) for m in moe if m.experts_trimmed() for n in m.EXPERT_TENSORS}
+    _sum_over_ranks([p for p in lm.parameters() if id(p) not in local], ep)
 
 
 def disable_tensor_parallel(model) -> None:
@@ -638,7 +626,7 @@ def disable_tensor_parallel(model) -> None:
     lm = unwrap_causal_lm(model)
     shard = tp_shard(lm)
     for m in getattr(shard, "moe_shards", list)():
-        if getattr(m.module.experts, m.EXPERT_TENSORS[0]).shape[0] != m.num_experts:
+        if m.experts_trimmed():
             raise ValueError("disable_tensor_parallel: the model holds only this rank's experts (keep_local_experts); "
                              "load it again to run it as one process")
     drop_state(lm, "tp")
