@@ -125,6 +125,12 @@ def _worker(ep):
             res[f"{name}/logprobs"] = bitmatch.token_logprobs(lm, ids, mask)
         res[f"{name}/engine"] = _engine_run(lm, _prompts(ep.rank))
         res[f"{name}/uneven"] = _uneven_engine(lm, ep)
+        prompts, n = _uneven_prompts(ep.rank)  # Engine.generate steps the ranks together by itself
+        outs = Engine(lm, block_size=4, num_gpu_blocks=64).generate(
+            prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=41 + i)
+                      for i in range(len(prompts))], use_tqdm=False)
+        res[f"{name}/uneven_generate"] = [(torch.tensor(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs))
+                                          for o in outs]
         with torch.no_grad():  # the trainer: rank 0 scores two batches, the others one and an idle step
             ids1, mask1 = _batch(ep.rank + 10)
             if ep.rank == 0:
@@ -184,8 +190,9 @@ def test_each_rank_gets_its_own_one_process_bits(ranks, name):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_ranks_out_of_work_step_idle(ranks, name):
-    """Ranks with fewer requests (engine) or batches (trainer) join the busy ranks' MoE collectives
-    with no tokens: the busy ranks finish with one process's bits."""
+    """Ranks with fewer requests (engine: ``step_data_parallel``, or ``Engine.generate``, which steps
+    the ranks together by itself) or batches (trainer: ``idle_step``) join the busy ranks' MoE
+    collectives with no tokens: the busy ranks finish with one process's bits."""
     world, res = ranks
     lm = _model(name)
     steps = [got[f"{name}/uneven"][1] for got in res]
@@ -198,6 +205,8 @@ def test_ranks_out_of_work_step_idle(ranks, name):
         for i, ((t, lp), w) in enumerate(zip(got[f"{name}/uneven"][0], want)):
             assert t.tolist() == list(w.outputs[0].token_ids), f"{name} rank {r} prompt {i}: tokens"
             assert_bitwise_equal(lp, torch.tensor(w.outputs[0].logprobs), f"{name} rank {r} prompt {i}: logprobs")
+        for (t, lp), (t2, lp2) in zip(got[f"{name}/uneven_generate"], got[f"{name}/uneven"][0]):
+            assert torch.equal(t, t2) and torch.equal(lp, lp2), f"{name} rank {r}: Engine.generate vs step_data_parallel"
     ids1, mask1 = _batch(10)
     with torch.no_grad():
         assert_bitwise_equal(res[0][f"{name}/second"], bitmatch.token_logprobs(lm, ids1, mask1),

@@ -27,6 +27,7 @@ from bitmatch.engine.sequence import RequestOutput, Sequence
 from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
 from bitmatch.models.registry import patch_state
+from bitmatch.parallel.tensor_parallel import data_parallel_group, step_data_parallel
 from bitmatch.patching import unsupported_param_dtypes
 from bitmatch.sync import WeightsNotReadyError, WeightVersionError, weight_state
 
@@ -387,9 +388,15 @@ class Engine:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids), desc="bitmatch generate", disable=not (use_tqdm and len(ids) > 1))
         done: dict[str, RequestOutput] = {}
+        # data-parallel experts (bitmatch.parallel.enable_expert_parallel): every rank's engine runs each
+        # MoE layer's collectives, so the ranks step together until none has a request left
+        together = data_parallel_group(self._lm)
         try:
-            while self.has_unfinished_requests():
-                for out in self.step():
+            while together is not None or self.has_unfinished_requests():
+                outs = self.step() if together is None else step_data_parallel(self, together)
+                if outs is None:
+                    break
+                for out in outs:
                     done[out.request_id] = out
                     bar.update(1)
         except BaseException:  # weights not ready / switched mid-request / interrupted: leave no request behind

@@ -50,6 +50,13 @@ class ExpertRows:
     def experts_trimmed(self) -> bool:
         return getattr(self.module.experts, self.EXPERT_TENSORS[0]).shape[0] != self.num_experts
 
+    def data_parallel_group(self):
+        """The EP group when each rank runs its own tokens (``enable_expert_parallel``), else None."""
+        ep = getattr(self, "ep", None)  # DeepSeek-V4's shard keeps its EP group apart from its TP group
+        if ep is not None:
+            return ep
+        return self.tp if getattr(self, "data_parallel", False) else None
+
     def partial_expert_tensors(self) -> list:
         """The expert tensors whose gradient on this rank covers its rows only (whole tensors; a
         trimmed tensor's gradient is whole)."""

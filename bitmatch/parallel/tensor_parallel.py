@@ -521,6 +521,15 @@ def idle_step(model) -> None:
         shard.idle_step()
 
 
+def data_parallel_group(model) -> TPGroup | None:
+    """The group whose ranks must step together (``enable_expert_parallel``), or None."""
+    shard = tp_shard(unwrap_causal_lm(model))
+    for m in getattr(shard, "moe_shards", list)():
+        if m.data_parallel_group() is not None:
+            return m.data_parallel_group()
+    return None
+
+
 def step_data_parallel(engine, group: TPGroup):
     """One ``engine.step()`` of every rank of ``group`` under ``enable_expert_parallel``: the ranks
     agree first who runs a forward; a rank with no request left (or whose scheduler ran nothing)
