@@ -12,6 +12,7 @@ from bitmatch.context import ForwardContext
 from bitmatch.kernels import check_on_device, host_readable
 from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causal_lm
 from bitmatch.models import compute_dtype_of as default_compute_dtype
+from bitmatch.parallel.ddp import ddp_forward, ddp_wrapper
 from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
 
 # fp32 logits elements per chunk (1 GiB): each chunk pays its own launches (the head GEMM, the
@@ -195,9 +196,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
     An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
     layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``): the same bits on
-    every rank, gradients reduce-scattered into the shards as FSDP2's own forward has them.
+    every rank, gradients reduce-scattered into the shards as FSDP2's own forward has them; a
+    ``DistributedDataParallel`` model inside DDP's own forward (``bitmatch.parallel.ddp``), so the
+    backward all-reduces the gradients as DDP's forward has it.
     Invariance: each token's value depends only on its own row's tokens, T, k and p.
     """
+    ddp = ddp_wrapper(model)
+    if ddp is not None:
+        return ddp_forward(ddp, _token_logprobs, ddp.module, input_ids, attention_mask, temperature, top_k, top_p,
+                           chunk_rows, compute_dtype, return_entropy)
     units = fsdp_units(model)
     if units:
         return fsdp_forward(units, _token_logprobs, model, input_ids, attention_mask, temperature, top_k, top_p,

@@ -40,6 +40,10 @@ def main(argv=None):
     ap.add_argument("--use-vllm", action="store_true", help="roll out with vLLM colocate (needs BITMATCH=1 and "
                     "the bitmatch vLLM plugin)")
     ap.add_argument("--no-bitmatch", action="store_true", help="run stock TRL (no check), for comparison")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="a tiny Qwen3-MoE (8 experts) with its experts spread over the torchrun ranks, each rank "
+                         "its own prompts and only its experts (bitmatch.parallel.enable_expert_parallel, "
+                         "keep_local_experts)")
     ap.add_argument("--on-mismatch", default="raise", choices=("raise", "warn", "log"))
     ap.add_argument("--output-dir", default="/tmp/bitmatch-trl-grpo")
     ap.add_argument("--lr", type=float, default=None)
@@ -74,6 +78,11 @@ def main(argv=None):
         use_cpu = not torch.cuda.is_available()
         args = toy_config(a.output_dir, a.steps, use_cpu=use_cpu, bf16=not use_cpu,
                           **{"learning_rate": 1e-6, "max_completion_length": 256, **over})
+    elif a.expert_parallel:
+        from bitmatch.testing_models import tiny_model
+        model = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, seed=0, hidden_size=64).train()
+        tokenizer = char_tokenizer()
+        args = toy_config(a.output_dir, a.steps, **{"router_aux_loss_coef": 0.0, **over})
     else:
         model, tokenizer = tiny_policy(), char_tokenizer()
         if a.use_vllm:   # vLLM loads the model from a path: save the tiny one (bf16, vLLM's CPU dtype)
@@ -107,6 +116,13 @@ def main(argv=None):
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
+    if a.expert_parallel:   # after the trainer: accelerate has set up torch.distributed
+        from bitmatch.parallel import TPGroup, enable_expert_parallel, keep_local_experts
+        ep = TPGroup.current()
+        enable_expert_parallel(trainer.model, ep)
+        keep_local_experts(trainer.model, ddp=True)   # this rank keeps (and trains) only its experts; DDP averages
+        print(f"bitmatch: rank {ep.rank} of {ep.world} holds experts {ep.rank * 8 // ep.world}-"
+              f"{(ep.rank + 1) * 8 // ep.world - 1} of 8")
     if not a.no_bitmatch:
         trainer = bitmatch.adapters.trl.attach(trainer, on_mismatch=a.on_mismatch)   # the one line
 

@@ -587,14 +587,20 @@ def _sum_over_ranks(params, group: TPGroup) -> None:
         p.grad.copy_(acc)
 
 
-def keep_local_experts(model) -> int:
+def keep_local_experts(model, *, ddp: bool = False) -> int:
     """Free the routed experts this rank does not run: each MoE layer's expert tensors replaced by
     this rank's rows (EP = TP, or ``enable_expert_parallel``), which is what makes a model whose
     experts do not fit one GPU (DeepSeek-V4-Flash: 277 B of its 284 B parameters) fit N. Load the
     model where it fits (CPU memory), enable the layout, call this, then move it to the GPU. The
     model then runs only in this layout: ``disable_tensor_parallel`` refuses it, and a weight sync
-    must send this rank's rows. Returns the number of expert parameters this rank keeps. Bits
-    unchanged: the shard reads the same rows."""
+    must send this rank's rows. The trimmed tensors are named to DDP as parameters to ignore
+    (``model`` and the causal LM inside): each rank's differ, so DDP must neither broadcast nor
+    average them. ``ddp=True`` when a DistributedDataParallel wrapper (accelerate, TRL, torchrun
+    data parallel) averages the other gradients: the trimmed tensors' gradients (whole on their rank:
+    every rank's tokens' share) are divided by the world size to match; ``ddp=False`` for
+    ``reduce_data_parallel_gradients`` (sums) or inference, and a DDP forward then refuses the model.
+    Returns the number of expert parameters this rank keeps. Bits unchanged: the shard reads the
+    same rows."""
     lm = unwrap_causal_lm(model)
     shard = tp_shard(lm)
     if shard is None or not hasattr(shard, "moe_shards"):
@@ -605,6 +611,17 @@ def keep_local_experts(model) -> int:
         ex = m.module.experts
         keep_only_rows(ex, m.EXPERT_TENSORS, m.lo, m.hi, m.num_experts)
         kept += sum(getattr(ex, n).numel() for n in m.EXPERT_TENSORS)
+    trimmed = {id(getattr(m.module.experts, n)) for m in shard.moe_shards() if m.experts_trimmed()
+               for n in m.EXPERT_TENSORS}
+    for root in {id(model): model, id(lm): lm}.values():
+        names = [n for n, p in root.named_parameters() if id(p) in trimmed]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, names)
+    if ddp and not getattr(shard, "trimmed_for_ddp", False):
+        world = shard.moe_shards()[0].data_parallel_group() or shard.tp
+        for p in lm.parameters():
+            if id(p) in trimmed:
+                p.register_hook(lambda g, n=world.world: g / n)
+    shard.trimmed_for_ddp = bool(ddp) or getattr(shard, "trimmed_for_ddp", False)
     return kept
 
 
@@ -624,6 +641,9 @@ def reduce_data_parallel_gradients(model) -> None:
         raise ValueError("reduce_data_parallel_gradients: the model does not run data-parallel experts; "
                          "enable_expert_parallel(model, ep) first (tensor parallel: reduce_tp_gradients)")
     ep = getattr(moe[0], "ep", None) or moe[0].tp  # DeepSeek-V4's shard names its EP group ep
+    if getattr(shard, "trimmed_for_ddp", False):
+        raise ValueError("reduce_data_parallel_gradients: keep_local_experts(ddp=True) set the model up for a "
+                         "DistributedDataParallel wrapper, which reduces the gradients itself")
     if ep.world == 1:
         return
     local = {id(getattr(m.module.experts, n)) for m in moe if m.experts_trimmed() for n in m.EXPERT_TENSORS}

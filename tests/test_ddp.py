@@ -1,0 +1,111 @@
+"""``bitmatch.token_logprobs`` on a DistributedDataParallel model (what accelerate, TRL and torchrun data
+parallel hand it), CPU gloo, 2 ranks, each rank its own batch.
+
+DDP all-reduces gradients only for a backward its own forward prepared; the trainer must run inside
+it (``bitmatch.parallel.ddp``). Checked: the logprobs are one process's bits, every rank ends with the
+same gradient, the average of the ranks' one-process gradients; the control (the module inside the
+wrapper called directly, as before the fix) leaves each rank its own gradient. With data-parallel
+experts trimmed to each rank's own (``keep_local_experts(ddp=True)``) the experts' gradients match
+DDP's average too, and a model trimmed without ``ddp=True`` is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bitmatch
+from bitmatch.parallel import enable_expert_parallel, keep_local_experts
+from bitmatch.testing import assert_bitwise_equal
+from bitmatch.testing_models import tiny_model
+from tp_ranks import ranks_fixture
+
+
+def _dense():
+    return tiny_model("qwen3", dtype=torch.float32)
+
+
+def _moe():
+    return tiny_model("qwen3moe-e8-k2", dtype=torch.float32, seed=0, hidden_size=64)
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randint(3, 99, (2, 9 + rank), generator=g)
+
+
+def _grads(m):
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _worker(ep):
+    res, ids = {}, _batch(ep.rank)
+    m = _dense()
+    wrapped = DDP(m)  # held through the backward, as a trainer holds it: its reducer does the all-reduce
+    lp = bitmatch.token_logprobs(wrapped, ids)
+    lp.sum().backward()
+    res["dense/logprobs"], res["dense/grads"] = lp.detach(), _grads(m)
+    m = _dense()
+    wrapped = DDP(m)
+    bitmatch.token_logprobs(wrapped.module, ids).sum().backward()  # the control: DDP's forward bypassed
+    res["control/grads"] = _grads(m)
+    m = _moe()
+    enable_expert_parallel(m, ep)
+    keep_local_experts(m, ddp=True)
+    wrapped = DDP(m)
+    lp = bitmatch.token_logprobs(wrapped, ids)
+    lp.sum().backward()
+    res["moe/logprobs"], res["moe/grads"] = lp.detach(), _grads(m)
+    m = _moe()
+    enable_expert_parallel(m, ep)
+    keep_local_experts(m)
+    try:
+        bitmatch.token_logprobs(DDP(m), ids)
+        res["moe/refused"] = ""
+    except ValueError as e:
+        res["moe/refused"] = str(e)
+    return res
+
+
+ranks = ranks_fixture(_worker, "ddp", worlds=(2,))
+
+
+def _reference(make, world):
+    """One process: the logprobs of each rank's batch and the gradient of the ranks' mean loss."""
+    m = make()
+    lps = []
+    for r in range(world):
+        lp = bitmatch.token_logprobs(m, _batch(r))
+        (lp.sum() / world).backward()
+        lps.append(lp.detach())
+    return lps, _grads(m)
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=lambda m: f"{what}: {m}")
+
+
+def test_dense_gradients_are_synchronized(ranks):
+    world, res = ranks
+    lps, want = _reference(_dense, world)
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["dense/logprobs"], lps[r], f"rank {r} logprobs through DDP")
+        for n, g in want.items():
+            assert torch.equal(got["dense/grads"][n], res[0]["dense/grads"][n]), f"rank {r}: {n} not synchronized"
+            _close(got["dense/grads"][n], g, f"rank {r} {n}")
+    differ = sum(not torch.equal(res[0]["control/grads"][n], res[1]["control/grads"][n]) for n in want)
+    assert differ > 0, "control: DDP's forward bypassed should leave each rank its own gradient"
+
+
+def test_data_parallel_experts_under_ddp(ranks):
+    world, res = ranks
+    lps, want = _reference(_moe, world)
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got["moe/logprobs"], lps[r], f"rank {r} logprobs, local experts, DDP")
+        for n, g in want.items():
+            if ".experts." in n:  # this rank's rows, whole on it, scaled to DDP's average
+                e = g.shape[0] // world
+                _close(got["moe/grads"][n], g[r * e:(r + 1) * e], f"rank {r} {n}")
+            else:
+                _close(got["moe/grads"][n], g, f"rank {r} {n}")
+        assert "keep_local_experts(model, ddp=True)" in got["moe/refused"]
