@@ -24,9 +24,10 @@ _EXPORTS = {
     "shard_nemotron_h": "nemotron_h",
     "shard_deepseek_v4": "deepseek_v4",
     **{name: "tensor_parallel" for name in (
-        "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "disable_tensor_parallel",
-        "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden", "idle_step", "keep_local_experts", "reduce_data_parallel_gradients", "step_data_parallel", "reduce_tp_gradients", "gathered_row_parallel_linear", "shard_dense_model",
-        "shard_linear", "token_logprobs")},
+        "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "data_parallel_group",
+        "disable_tensor_parallel", "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden",
+        "gathered_row_parallel_linear", "idle_step", "keep_local_experts", "reduce_data_parallel_gradients",
+        "reduce_tp_gradients", "shard_dense_model", "shard_linear", "step_data_parallel", "token_logprobs")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -41,7 +41,7 @@ from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import ExpertRows, data_parallel_experts, data_parallel_idle, expert_parallel_experts
+from .expert_parallel import ExpertRows, data_parallel_experts, expert_parallel_experts
 from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
 
 F32 = torch.float32
@@ -106,10 +106,6 @@ class MoeShard(ExpertRows):
             return V4.clamped_swiglu(self.gate, self.up, self.down, copy_to_ranks(x, tp), self.limit)
         return V4.MoeParts(experts=experts, shared=shared)
 
-    def idle(self):
-        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.ep, self.dtype,
-                           activation="swiglu", swiglu_limit=self.limit)
-
 
 @dataclass
 class DeepseekV4Shard:
@@ -134,12 +130,6 @@ class DeepseekV4Shard:
     def compute_logits(self, hidden):
         """Full logits on every rank (vocab slices all-gathered). Invariance: TP = 1's bits."""
         return compute_logits(self, hidden)
-
-    def idle_step(self) -> None:
-        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
-        for _, m in self.layers:
-            if m.ep is not None:
-                m.idle()
 
     def moe_shards(self) -> list:
         return [m for _, m in self.layers]

@@ -35,8 +35,9 @@ class ExpertRows:
     """What a MoE layer's shard (a dataclass with ``module``, ``lo``, ``hi``, ``dtype`` and
     ``num_experts``) reads of ``module.experts``: its rows [lo, hi) of the tensors named in
     ``EXPERT_TENSORS``, cast at use, whether the tensors are whole or ``keep_local_experts`` trimmed
-    them."""
+    them; and, under data-parallel experts, its part of a forward it has no tokens for (``idle``)."""
     EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+    ACTIVATION = "swiglu"
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -57,22 +58,25 @@ class ExpertRows:
             return ep
         return self.tp if getattr(self, "data_parallel", False) else None
 
+    def idle(self) -> None:
+        """This layer's collectives with no tokens of this rank's own (``data_parallel_idle``)."""
+        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts,
+                           self.data_parallel_group(), self.dtype, activation=self.ACTIVATION,
+                           swiglu_limit=getattr(self, "limit", None))
+
     def partial_expert_tensors(self) -> list:
         """The expert tensors whose gradient on this rank covers its rows only (whole tensors; a
         trimmed tensor's gradient is whole)."""
         return [] if self.experts_trimmed() else [getattr(self.module.experts, n) for n in self.EXPERT_TENSORS]
 
 
-def keep_only_rows(module, names, lo: int, hi: int, num_experts: int) -> bool:
+def keep_only_rows(module, names, lo: int, hi: int, num_experts: int) -> None:
     """Replace ``module``'s expert tensors ``names`` by their rows [lo, hi) (new parameters; the whole
-    tensors are freed once nothing else holds them). Returns whether anything was replaced."""
-    done = False
+    tensors are freed once nothing else holds them)."""
     for name in names:
         p = getattr(module, name)
         if p.shape[0] == num_experts and hi - lo != num_experts:
             setattr(module, name, torch.nn.Parameter(p.data[lo:hi].clone(), requires_grad=p.requires_grad))
-            done = True
-    return done
 
 
 def _check(ids, num_experts: int, ep: TPGroup, w_in_local) -> int:

@@ -37,7 +37,7 @@ from bitmatch.models import nemotron_h as NH
 from bitmatch.models.registry import tp_shard
 
 from .collectives import TPGroup, copy_to_ranks
-from .expert_parallel import ExpertRows, data_parallel_experts, data_parallel_idle, expert_parallel_experts
+from .expert_parallel import ExpertRows, data_parallel_experts, expert_parallel_experts
 from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
 from .tensor_parallel import compute_logits as vocab_parallel_logits
 
@@ -105,6 +105,7 @@ class MoeShard(ExpertRows):
     data_parallel: bool = False  # each rank its own tokens (enable_expert_parallel): data_parallel_experts
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
     EXPERT_TENSORS = ("up_proj", "down_proj")
+    ACTIVATION = "relu2"
 
 
     def __call__(self, x, ctx=None, i=None):
@@ -117,10 +118,6 @@ class MoeShard(ExpertRows):
         else:
             y = expert_parallel_experts(copy_to_ranks(h, self.tp), *args, activation="relu2")
         return NH.latent(m.fc2_latent_proj, y, dt) + self.shared(x)
-
-    def idle(self):
-        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.tp, self.dtype,
-                           activation="relu2")
 
 
 @dataclass
@@ -150,12 +147,6 @@ class NemotronHShard:
     def compute_logits(self, hidden):
         """Full logits on every rank (vocab slices gathered). Invariance: TP = 1's bits."""
         return vocab_parallel_logits(self, hidden)
-
-    def idle_step(self) -> None:
-        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
-        for _, mixer in self.layers:
-            if isinstance(mixer, MoeShard) and mixer.data_parallel:
-                mixer.idle()
 
     def moe_shards(self) -> list:
         return [mixer for _, mixer in self.layers if isinstance(mixer, MoeShard)]

@@ -42,8 +42,7 @@ from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
 from .expert_parallel import (
-    ExpertRows, allreduce_data_parallel_experts, data_parallel_experts, data_parallel_idle, expert_parallel_experts,
-    keep_only_rows,
+    ExpertRows, allreduce_data_parallel_experts, data_parallel_experts, expert_parallel_experts, keep_only_rows,
 )
 
 
@@ -216,9 +215,6 @@ class MoeShard(ExpertRows):
             return combine(x, ids, w, w_in, w_out, self.num_experts, self.tp)
         return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, self.num_experts, self.tp)
 
-    def idle(self):
-        data_parallel_idle(int(self.module.gate.top_k), *self.expert_weights(), self.num_experts, self.tp, self.dtype)
-
 
 @dataclass
 class DenseShard:
@@ -243,12 +239,6 @@ class DenseShard:
 
     def compute_logits(self, hidden):
         return compute_logits(self, hidden)
-
-    def idle_step(self) -> None:
-        """Under data-parallel experts: join one forward's MoE collectives with no tokens."""
-        for L in self.layers:
-            if isinstance(L.mlp, MoeShard) and L.mlp.data_parallel:
-                L.mlp.idle()
 
     def moe_shards(self) -> list:
         return [L.mlp for L in self.layers if isinstance(L.mlp, MoeShard)]
@@ -308,15 +298,14 @@ def _row_shard(mod, tp: TPGroup, rows: int, kcols: int, dt, what: str, row_paral
 def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gather", dp_ep: TPGroup | None = None):
     n, r = tp.world, tp.rank
     if hasattr(m, "experts"):
+        total = m.experts.gate_up_proj.shape[0]
         if dp_ep is not None:  # data-parallel tokens, experts over dp_ep's ranks
-            total = m.experts.gate_up_proj.shape[0]
             if total % dp_ep.world:
                 raise ValueError(f"enable_expert_parallel: num_experts = {total} is not divisible by the EP "
                                  f"degree {dp_ep.world}; use a degree that divides it")
             e = total // dp_ep.world
             return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True,
                             stock=row_parallel == "allreduce", num_experts=total)
-        total = m.experts.gate_up_proj.shape[0]
         e = _even(total, n, "num_experts")
         return MoeShard(m, r * e, (r + 1) * e, dt, tp, num_experts=total)
     inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
@@ -513,20 +502,22 @@ def idle_step(model) -> None:
     """Under ``enable_expert_parallel``, a rank with nothing to run while the others run a forward
     (a trainer out of batches): the forward's MoE collectives with no tokens of its own, so the
     others' step completes. ``step_data_parallel`` does this for the engine."""
-    shard = tp_shard(unwrap_causal_lm(model))
-    if shard is None or not hasattr(shard, "idle_step"):
+    moe = [m for m in getattr(tp_shard(unwrap_causal_lm(model)), "moe_shards", list)()
+           if m.data_parallel_group() is not None]
+    if not moe:
         raise ValueError("idle_step: the model does not run data-parallel experts; enable_expert_parallel(model, ep) "
                          "first")
     with torch.no_grad():
-        shard.idle_step()
+        for m in moe:  # in layer order, as a forward reaches them
+            m.idle()
 
 
 def data_parallel_group(model) -> TPGroup | None:
     """The group whose ranks must step together (``enable_expert_parallel``), or None."""
-    shard = tp_shard(unwrap_causal_lm(model))
-    for m in getattr(shard, "moe_shards", list)():
-        if m.data_parallel_group() is not None:
-            return m.data_parallel_group()
+    for m in getattr(tp_shard(unwrap_causal_lm(model)), "moe_shards", list)():
+        group = m.data_parallel_group()
+        if group is not None:
+            return group
     return None
 
 
