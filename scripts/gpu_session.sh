@@ -5,7 +5,7 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
 #   run(command="cd .clean && bash scripts/gpu_session.sh 1", carry=[".clean", ".whl"])
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
-# a benchmark that runs out of time loses only its own rows.
+# a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
 STAGE=${1:?usage: gpu_session.sh 1|2|tp}
 R=$(pwd)
@@ -27,21 +27,21 @@ bench() {  # name seconds script args...
 }
 
 case $STAGE in
-1)  # V4 training and decode at flash4 (issue 21), MoE training host profile (22), dense vs HF + Liger
-    # (22), Nemotron-H against HF with mamba_ssm's Triton kernels (27)
+1)  # a TP rank's row-parallel linear in both layouts on one GPU (28), V4 training and decode at flash4
+    # (21), MoE training host profile (22), Nemotron-H against HF with mamba_ssm's Triton kernels (27)
+    bench tp_shard_linear 60 tp_layout.py --world 1
     bench v4_train 120 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2 --profile
     bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
-    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
     bench nemotron_h 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --budget-s 120
     ;;
 2)  # V4 at the mid config and flash4 rollout (21), the golden bits, the Mamba layer against mamba_ssm (27),
-    # a TP rank's row-parallel linear in both layouts on one GPU (28)
+    # dense training vs HF + Liger (22)
     bench v4_mid 190 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
     bench v4_rollout 90 deepseek_v4_layer.py --device cuda --config flash4 --sections rollout --batch 16 --seq 256 --new 32
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
-    bench tp_shard_linear 60 tp_layout.py --world 1
+    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout
@@ -50,3 +50,6 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     ;;
 *)  echo "unknown stage $STAGE (1, 2 or tp)"; exit 2 ;;
 esac
+# the device tool brings back at most 8 files: one archive of every JSON and log
+cd "$OUT" && tar -czf "stage$STAGE.tgz" --exclude="stage$STAGE.tgz" . && find . -mindepth 1 ! -name "stage$STAGE.tgz" -delete
+ls -la "$OUT"
