@@ -51,5 +51,5 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
 *)  echo "unknown stage $STAGE (1, 2 or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
-cd "$OUT" && tar -czf "stage$STAGE.tgz" --exclude="stage$STAGE.tgz" . && find . -mindepth 1 ! -name "stage$STAGE.tgz" -delete
+tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
 ls -la "$OUT"
