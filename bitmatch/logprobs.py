@@ -19,6 +19,11 @@ from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
 # logprob kernel, the checkpointed recompute and backward GEMMs); at 2**25 a TRL micro-batch of
 # 64 x 50 tokens at vocab 151,936 ran 15 chunks and its fwd + bwd took 1.5x stock's time
 DEFAULT_LOGIT_ELEMENTS = 1 << 28
+# With autograd on, logits up to this many bytes (in the compute dtype, all chunks together) are kept
+# for backward; beyond it each chunk is recomputed in backward (checkpointed). Keeping them saves one
+# head GEMM and one logprob pass per chunk: the head is half the forward FLOPs of a model with few
+# layers and a 150k vocabulary. Stock HF keeps its logits and an fp32 copy: several times this.
+KEEP_LOGITS_BYTES = 4 << 30
 # The kernels divide fp32 logits by T stored in fp32: below the smallest normal fp32 (2**-126) T's
 # reciprocal overflows, so logits / T is +-inf (log_softmax NaN, the sampler's weights garbage);
 # above the largest fp32 T is inf and -inf / T (a masked logit) is NaN.
@@ -180,7 +185,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                    chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
-                   return_entropy: bool = False):
+                   return_entropy: bool = False, recompute_logits: bool | None = None):
     """fp32 [B, L-1]: logprob of ``input_ids[:, 1:]`` given its prefix (0 where the token is padding
     or the first real token of its row), ``log_softmax(logits.float() / T)`` over the full
     vocabulary, or, with ``top_k`` / ``top_p``, over the tokens ``kernels.top_k_top_p_mask`` keeps
@@ -190,9 +195,11 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     Left or right padding (both at once too); a 0 between 1s in a row of ``attention_mask`` is
     refused (ValueError naming the row and column). The real tokens are packed (positions from 0 at the first real
     token) and run through ``bitmatch.models.forward_hidden``; logits are computed over row
-    chunks of ``chunk_rows`` (default: about 2**28 logits per chunk) and, with autograd on,
-    recomputed in backward (checkpointed), so the whole [B, L, V] never exists. The bits do
-    not depend on ``chunk_rows``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
+    chunks of ``chunk_rows`` (default: about 2**28 logits per chunk). With autograd on, the
+    logits are kept for backward while all of them fit in ``KEEP_LOGITS_BYTES`` (4 GiB), and
+    beyond that recomputed in backward chunk by chunk (checkpointed), so the whole [B, L, V] never
+    exists; ``recompute_logits`` True / False forces either. The bits of the logprobs and of their
+    gradients depend on neither ``chunk_rows`` nor ``recompute_logits``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
     the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
     An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
     layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``): the same bits on
@@ -204,19 +211,22 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ddp = ddp_wrapper(model)
     if ddp is not None:
         return ddp_forward(ddp, _token_logprobs, ddp.module, input_ids, attention_mask, temperature, top_k, top_p,
-                           chunk_rows, compute_dtype, return_entropy)
+                           chunk_rows, compute_dtype, return_entropy, recompute_logits)
     units = fsdp_units(model)
     if units:
         return fsdp_forward(units, _token_logprobs, model, input_ids, attention_mask, temperature, top_k, top_p,
-                            chunk_rows, compute_dtype, return_entropy)
+                            chunk_rows, compute_dtype, return_entropy, recompute_logits)
     return _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
-                           return_entropy)
+                           return_entropy, recompute_logits)
 
 
 def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
-                    return_entropy):
+                    return_entropy, recompute_logits=None):
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
+    if recompute_logits not in (None, True, False):
+        raise ValueError(f"token_logprobs: recompute_logits must be None (by size), True or False, "
+                         f"got {recompute_logits!r}")
     lm = unwrap_causal_lm(model)
     if isinstance(attention_mask, torch.Tensor):
         # the packed layout is host metadata: a device mask costs the step's one host read here,
@@ -254,10 +264,12 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
     targets = p.input_ids[tgt]
     h = hidden[src]
     rows = chunk_rows or max(1, DEFAULT_LOGIT_ELEMENTS // V)
+    if recompute_logits is None:
+        recompute_logits = n_src * V * dtype.itemsize > KEEP_LOGITS_BYTES
     pieces = []
     for a in range(0, h.shape[0], rows):
         hc, tc = h[a:a + rows], targets[a:a + rows]
-        if torch.is_grad_enabled() and hc.requires_grad:
+        if recompute_logits and torch.is_grad_enabled() and hc.requires_grad:
             pieces.append(checkpoint(_chunk_logprobs, lm, dtype, temperature, top_k, top_p, hc, tc, return_entropy,
                                      use_reentrant=False))
         else:

@@ -81,6 +81,36 @@ def test_chunk_rows_do_not_change_bits(bf16_model):
         assert bits_equal(token_logprobs(bf16_model, ids, mask, temperature=1.3, chunk_rows=rows), base)
 
 
+def test_kept_or_recomputed_logits_same_bits_and_gradients(bf16_model, monkeypatch):
+    """Keeping the logits for backward (small batches) or recomputing them per chunk (checkpointed)
+    changes the work, not the bits: logprobs and every parameter gradient equal bit for bit."""
+    import bitmatch.logprobs as lpmod
+    ids, mask = pad_batch(SEQS, "right")
+    w = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(2))
+    heads = []
+    real = lpmod.compute_logits
+    monkeypatch.setattr(lpmod, "compute_logits", lambda *a, **k: heads.append(1) or real(*a, **k))
+
+    def run(**kw):
+        m = copy.deepcopy(bf16_model)
+        heads.clear()
+        lp = token_logprobs(m, ids, mask, temperature=0.8, chunk_rows=16, **kw)
+        (lp * w).sum().backward()
+        return lp, [p.grad.clone() for p in m.parameters()], len(heads)
+    lp_keep, g_keep, n_keep = run(recompute_logits=False)
+    lp_re, g_re, n_re = run(recompute_logits=True)
+    n_chunks = -(-int(((mask[:, 1:] != 0) & (mask[:, :-1] != 0)).sum()) // 16)
+    assert (n_keep, n_re) == (n_chunks, 2 * n_chunks)  # the recompute ran the head again per chunk
+    assert bits_equal(lp_keep, lp_re)
+    assert all(bits_equal(a, b) for a, b in zip(g_keep, g_re))
+    # by size: the default keeps these few logits; a zero budget recomputes
+    assert run()[2] == n_chunks
+    monkeypatch.setattr(lpmod, "KEEP_LOGITS_BYTES", 0)
+    assert run()[2] == 2 * n_chunks
+    with pytest.raises(ValueError, match="recompute_logits"):
+        token_logprobs(bf16_model, ids, mask, recompute_logits="yes")
+
+
 @torch.no_grad()
 def test_fp32_master_bf16_compute_equals_bf16_copy():
     m32 = tiny_model("qwen2-hd64-gqa1-bias-sw", dtype=torch.float32, seed=3)
