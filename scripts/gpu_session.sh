@@ -27,21 +27,22 @@ bench() {  # name seconds script args...
 }
 
 case $STAGE in
-1)  # a TP rank's row-parallel linear in both layouts on one GPU (28), V4 training and decode at flash4
-    # (21), MoE training host profile (22), Nemotron-H against HF with mamba_ssm's Triton kernels (27)
+1)  # a TP rank's row-parallel linear in both layouts on one GPU (28), dense training vs HF + Liger and
+    # the MoE training host profile (22), V4 training at flash4 (21), Nemotron-H against HF with
+    # mamba_ssm's Triton kernels (27)
     bench tp_shard_linear 60 tp_layout.py --world 1
     bench v4_train 120 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2 --profile
-    bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
+    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
     bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
     bench nemotron_h 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --budget-s 120
     ;;
-2)  # V4 at the mid config and flash4 rollout (21), the golden bits, the Mamba layer against mamba_ssm (27),
-    # dense training vs HF + Liger (22)
+2)  # V4 at the mid config, flash4 rollout and decode (21), the golden bits, the Mamba layer against
+    # mamba_ssm (27)
     bench v4_mid 190 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
     bench v4_rollout 90 deepseek_v4_layer.py --device cuda --config flash4 --sections rollout --batch 16 --seq 256 --new 32
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
-    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
+    bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout
