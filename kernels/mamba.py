@@ -257,32 +257,56 @@ def scan_reference(x, dt, A, B, C, D, Q, cu, seq_start, cache, slots):
 
 
 def scan_plain(x, dt, A, B, C, D, Q, cu):
-    """Differentiable fp32 SSD in torch (per sequence, per chunk, the same recurrence; dt after
-    softplus): the backward, and a device-side parity reference for benchmarks. Not invariant."""
+    """Differentiable fp32 SSD in torch (dt after softplus): the backward, and a device-side parity
+    reference for benchmarks. Not invariant. Every chunk of every sequence at once (chunks padded
+    to Q with dt = 0, x = 0: no decay, no input), then the states entering the chunks, one step per
+    chunk index across all sequences: a few dozen launches per call, not a few per chunk."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     rep = H // G
-    outs = []
-    for s, e in _seqs(cu):
-        S = x.new_zeros(H, P, N, dtype=torch.float32)
-        for c in range(s, e, Q):
-            ce = min(c + Q, e)
-            xs, dts = x[c:ce].float(), dt[c:ce].float()
-            Bs = B[c:ce].float().repeat_interleave(rep, 1)
-            Cs = C[c:ce].float().repeat_interleave(rep, 1)
-            acum = torch.cumsum(dts * A.float(), 0)                    # [n, H]
-            seg = acum.unsqueeze(1) - acum.unsqueeze(0)                 # [l, s, H]
-            mask = torch.tril(torch.ones(ce - c, ce - c, dtype=torch.bool, device=x.device)).unsqueeze(-1)
-            L = torch.where(mask, torch.exp(torch.where(mask, seg, torch.zeros_like(seg))), torch.zeros_like(seg))
-            xdt = xs * dts.unsqueeze(-1)
-            Gm = torch.einsum("lhn,shn->lsh", Cs, Bs) * L
-            yd = torch.einsum("lsh,shp->lhp", Gm, xdt)
-            yo = torch.einsum("lhn,hpn->lhp", Cs, S) * torch.exp(acum).unsqueeze(-1)
-            y = yd + yo + (0.0 if D is None else D.float().view(1, -1, 1) * xs)
-            outs.append(y)
-            w = torch.exp(acum[-1].unsqueeze(0) - acum)                 # [n, H]
-            S = torch.exp(acum[-1]).view(-1, 1, 1) * S + torch.einsum("sh,shp,shn->hpn", w, xdt, Bs)
-    return torch.cat(outs)
+    dev = x.device
+    starts, lens, seq, pos = [], [], [], []  # each chunk: first token, length, sequence, index in it
+    for b, (s, e) in enumerate(_seqs(cu)):
+        for j, c in enumerate(range(s, e, Q)):
+            starts.append(c)
+            lens.append(min(Q, e - c))
+            seq.append(b)
+            pos.append(j)
+    nc = len(starts)
+    if nc == 0:
+        return x.new_zeros(T, H, P, dtype=torch.float32)
+    q = torch.arange(Q, device=dev)
+    valid = q[None, :] < torch.tensor(lens, device=dev)[:, None]                 # [nc, Q]
+    idx = (torch.tensor(starts, device=dev)[:, None] + q[None, :]).clamp(max=T - 1)
+
+    def rows(t):  # [T, ...] -> [nc, Q, ...] fp32, zeros past each chunk's end
+        v = t[idx].float()
+        return torch.where(valid.view(nc, Q, *([1] * (t.dim() - 1))), v, torch.zeros_like(v))
+    xs, dts = rows(x), rows(dt)
+    Bs, Cs = rows(B).repeat_interleave(rep, 2), rows(C).repeat_interleave(rep, 2)  # [nc, Q, H, N]
+    acum = torch.cumsum(dts * A.float(), 1)                                       # [nc, Q, H]
+    seg = acum.unsqueeze(2) - acum.unsqueeze(1)                                   # [nc, l, s, H]
+    tri = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=dev)).view(1, Q, Q, 1)
+    L = torch.where(tri, torch.exp(torch.where(tri, seg, torch.zeros_like(seg))), torch.zeros_like(seg))
+    xdt = xs * dts.unsqueeze(-1)                                                  # [nc, Q, H, P]
+    yd = torch.einsum("clsh,cshp->clhp", torch.einsum("clhn,cshn->clsh", Cs, Bs) * L, xdt)
+    last = acum[:, -1]                                                            # [nc, H]
+    own = torch.einsum("csh,cshp,cshn->chpn", torch.exp(last.unsqueeze(1) - acum), xdt, Bs)
+    # the state entering chunk j of a sequence: 0 for j = 0, else decay * state + own of chunk j - 1;
+    # on a [sequence, chunk index] grid, one step per chunk index for all sequences at once
+    nseq, width = max(seq) + 1, max(pos) + 1
+    grid = [[0] * width for _ in range(nseq)]  # a chunk id per cell (cells past a sequence's end: 0)
+    for i, (b, j) in enumerate(zip(seq, pos)):
+        grid[b][j] = i
+    grid = torch.tensor(grid, device=dev)                                         # [nseq, width]
+    enter = [x.new_zeros(nseq, H, P, N, dtype=torch.float32)]
+    for j in range(1, width):
+        prev = grid[:, j - 1]
+        enter.append(torch.exp(last[prev]).view(nseq, H, 1, 1) * enter[-1] + own[prev])
+    S_in = torch.stack(enter, 1).flatten(0, 1)[torch.tensor(seq, device=dev) * width + torch.tensor(pos, device=dev)]
+    yo = torch.einsum("clhn,chpn->clhp", Cs, S_in) * torch.exp(acum).unsqueeze(-1)
+    y = yd + yo + (0.0 if D is None else D.float().view(1, 1, -1, 1) * xs)
+    return y[valid]  # chunks in sequence order, positions ascending: the packed rows in order
 
 
 def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache, slots):
