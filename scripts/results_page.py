@@ -499,6 +499,8 @@ RENDERERS = {
                        r_gpu_train),
     "deepseek_v4_flash4_h200": ("DeepSeek-V4, 4-layer Flash truncation (`benchmarks/deepseek_v4_layer.py`)",
                                 r_deepseek_v4),
+    "deepseek_v4_mid_h200": ("DeepSeek-V4, mid-size config (`benchmarks/deepseek_v4_layer.py --config mid`)",
+                             r_deepseek_v4),
     "mamba_h200": ("Mamba2 SSM scan, one layer (`benchmarks/mamba_layer.py`)", r_mamba),
     "mamba_ssd_h200": ("Mamba2 chunked-SSD scan vs mamba_ssm's Triton kernels (`benchmarks/mamba_layer.py`)",
                        r_mamba_ssd),
