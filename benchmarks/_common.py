@@ -306,17 +306,18 @@ def engine_diff(model, hf, prompts, device, temperature, n_new):
             ids, mask = ids.to(device), mask.to(device)
             with torch.no_grad():
                 lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
-                stock = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
+                stock = (None if hf is None else
+                         torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1))
             for b, i in enumerate(idx):
                 o = outs[i]
                 p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
                 got = torch.tensor(o.outputs[0].logprobs, device=device)
-                st = stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]
                 mism += int((got != lp[b, p - 1:p + c - 1]).sum())
-                ctrl += int((got != st).sum())
+                if stock is not None:
+                    ctrl += int((got != stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]).sum())
                 tot += c
         rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
-                     "control_stock_hf_mismatches": ctrl, **graph_use(eng)})
+                     "control_stock_hf_mismatches": ctrl if hf is not None else None, **graph_use(eng)})
         print("diff", rows[-1], flush=True)
         del eng
     return rows

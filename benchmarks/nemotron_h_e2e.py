@@ -17,6 +17,10 @@ Sections (the JSON is rewritten after each; ``--budget-s`` skips what would star
   configs vs bitmatch.token_logprobs on the same tokens; control: HF's own forward (want > 0).
 - rollout: B in --batches, --prompt-len random tokens, --new-tokens sampled at T = 1: the engine
   with graphs, the same engine eager, HF ``generate`` (its hybrid cache and Mamba kernels).
+- diff_blocks: the diff on one-block models of each block type in --diff-blocks (same widths):
+  which block type's ops differ between the engine and the trainer.
+- locate: ``bitmatch.verify.locate_pair("engine")`` on the whole model (a few prompts, the first
+  diff config's step budget): the first op whose bits differ, as a table.
 - train: fwd + bwd of token_logprobs on the patched model vs HF's own forward + backward (training
   mode: the fused split-conv1d scan when HF has it), --train-shape tokens: step time, tokens/s,
   peak memory above the weights, top kernels.
@@ -167,6 +171,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="32,64")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--train-shape", default="4x512")
+    ap.add_argument("--diff-blocks", default="M,E,*,-", help="diff_blocks: the block types, one model each")
     ap.add_argument("--budget-s", type=float, default=400, help="no new section or batch after this many s")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -202,6 +207,23 @@ def main(argv=None):
             if name == "diff":
                 prompts = random_prompts(a.prompts, 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
                 rec.put("diff", _common.engine_diff(model, hf, prompts, dev, 0.9, a.diff_tokens))
+            elif name == "diff_blocks":
+                prompts = random_prompts(a.prompts, 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
+                out = {}
+                for blk in a.diff_blocks.split(","):
+                    one = build(argparse.Namespace(**{**vars(a), "blocks": blk}), dev)
+                    # no stock control: HF's cache needs an attention layer in the model
+                    out[blk] = _common.engine_diff(bitmatch.patch(one), None, prompts, dev, 0.9, a.diff_tokens)
+                    del one
+                    rec.put("diff_blocks", out)
+            elif name == "locate":
+                from bitmatch.verify import format_table, locate_pair
+                prompts = random_prompts(min(a.prompts, 6), 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
+                res = locate_pair("engine", model, prompts, temperature=0.9, max_tokens=a.diff_tokens,
+                                  engine_kw=dict(_common.DIFF_CONFIGS[0][1]))
+                table = format_table(res)
+                print(table, flush=True)
+                rec.put("locate", table)
             elif name == "rollout":
                 rollout(model, hf, a, dev, rec, deadline)
             elif name == "train":

@@ -7,7 +7,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|nh|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -44,12 +44,16 @@ case $STAGE in
     bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
     bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     ;;
+nh) # Nemotron-H on the GPU (27): which block type's ops differ between engine and trainer, the first
+    # differing op, the whole-model diff, and training with the vectorized Mamba backward
+    bench nh_locate 300 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff_blocks,locate,diff,train --budget-s 250
+    ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2 or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, nh or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
