@@ -33,6 +33,7 @@ no host read in a decode step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -420,6 +421,12 @@ def main(argv=None):
         except Exception as exc:
             res["rollout_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         save()
+        # the engine holds its KV cache (90% of the free memory): the decode section builds its own
+        eng = None
+        del model, eng
+        gc.collect()  # the engine's parts refer to one another: free them now, not at the next collection
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
     if "decode" in sections:
         try:
             decode_section(a, out)
