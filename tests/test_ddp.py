@@ -10,7 +10,6 @@ DDP's average too, and a model trimmed without ``ddp=True`` is refused.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -85,14 +84,25 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=lambda m: f"{what}: {m}")
 
 
+def _check_ranks(res, key, lps, want, world, what):
+    """Each rank's logprobs equal the one-process reference bit for bit and its gradients are close
+    to the reference's (a routed expert's: this rank's rows, whole on it, scaled to DDP's average)."""
+    for r, got in enumerate(res):
+        assert_bitwise_equal(got[f"{key}/logprobs"], lps[r], f"rank {r} logprobs, {what}")
+        for n, g in want.items():
+            if ".experts." in n:
+                e = g.shape[0] // world
+                g = g[r * e:(r + 1) * e]
+            _close(got[f"{key}/grads"][n], g, f"rank {r} {n}")
+
+
 def test_dense_gradients_are_synchronized(ranks):
     world, res = ranks
     lps, want = _reference(_dense, world)
+    _check_ranks(res, "dense", lps, want, world, "through DDP")
     for r, got in enumerate(res):
-        assert_bitwise_equal(got["dense/logprobs"], lps[r], f"rank {r} logprobs through DDP")
-        for n, g in want.items():
+        for n in want:
             assert torch.equal(got["dense/grads"][n], res[0]["dense/grads"][n]), f"rank {r}: {n} not synchronized"
-            _close(got["dense/grads"][n], g, f"rank {r} {n}")
     differ = sum(not torch.equal(res[0]["control/grads"][n], res[1]["control/grads"][n]) for n in want)
     assert differ > 0, "control: DDP's forward bypassed should leave each rank its own gradient"
 
@@ -100,12 +110,6 @@ def test_dense_gradients_are_synchronized(ranks):
 def test_data_parallel_experts_under_ddp(ranks):
     world, res = ranks
     lps, want = _reference(_moe, world)
-    for r, got in enumerate(res):
-        assert_bitwise_equal(got["moe/logprobs"], lps[r], f"rank {r} logprobs, local experts, DDP")
-        for n, g in want.items():
-            if ".experts." in n:  # this rank's rows, whole on it, scaled to DDP's average
-                e = g.shape[0] // world
-                _close(got["moe/grads"][n], g[r * e:(r + 1) * e], f"rank {r} {n}")
-            else:
-                _close(got["moe/grads"][n], g, f"rank {r} {n}")
+    _check_ranks(res, "moe", lps, want, world, "local experts, DDP")
+    for got in res:
         assert "keep_local_experts(model, ddp=True)" in got["moe/refused"]
