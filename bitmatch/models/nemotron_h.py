@@ -356,8 +356,10 @@ class NemotronHFamily(Family):
         check_packed_starts(spec, ctx)
         h = embed(lm, input_ids, dtype)
         _rec(recorder, "embeddings", h)
-        for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-            h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
+        # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
+        with lora.kept_weights(ctx.paged):
+            for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
+                h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
         out = rms_norm(lm.model.norm_f, h, dtype)
         _rec(recorder, "norm_f", out)
         return out
@@ -372,11 +374,17 @@ class NemotronHFamily(Family):
         per-sequence state through ``ctx.state_slots`` and each row's start from ``ctx.positions``
         on the device; attention gets the context's host bounds; the MoE routing is sync-free;
         tests/test_engine_graphs_nemotron.py probes it), and padded graph rows decode in the
-        runner's scratch block and scratch state slot. A subclass overriding the forward must opt
-        in again; LoRA layers keep the model eager (their forward here is not declared sync-free)."""
+        runner's scratch block and scratch state slot. LoRA layers on the projections run through
+        ``dense.linear``, whose engine forward reads the kept merged weight (``lora.graph_capturable``;
+        ``refresh_derived_weights`` updates it in place before a replay). A subclass overriding the
+        forward must opt in again."""
         cls = type(self)
         return (cls.forward_hidden is NemotronHFamily.forward_hidden and tp_shard(lm) is None
-                and not any(lora.is_lora_layer(m) for m in lm.modules()))
+                and lora.graph_capturable(lm))
+
+    def refresh_derived_weights(self, lm, force: bool = False) -> None:
+        """LoRA layers' kept merged weights brought up to date in place (before a graph replay)."""
+        lora.refresh_rollout_weights(lm, force)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm_f, _norm_forward)]
