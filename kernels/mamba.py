@@ -259,8 +259,8 @@ def scan_reference(x, dt, A, B, C, D, Q, cu, seq_start, cache, slots):
 def scan_plain(x, dt, A, B, C, D, Q, cu):
     """Differentiable fp32 SSD in torch (dt after softplus): the backward, and a device-side parity
     reference for benchmarks. Not invariant. Every chunk of every sequence at once (chunks padded
-    to Q with dt = 0, x = 0: no decay, no input), then the states entering the chunks, one step per
-    chunk index across all sequences: a few dozen launches per call, not a few per chunk."""
+    to Q with dt = 0, x = 0: no decay, no input), then the states entering the chunks as one
+    decay-weighted sum over earlier chunks: the same few dozen launches per call at any length."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     rep = H // G
@@ -292,18 +292,23 @@ def scan_plain(x, dt, A, B, C, D, Q, cu):
     yd = torch.einsum("clsh,cshp->clhp", torch.einsum("clhn,cshn->clsh", Cs, Bs) * L, xdt)
     last = acum[:, -1]                                                            # [nc, H]
     own = torch.einsum("csh,cshp,cshn->chpn", torch.exp(last.unsqueeze(1) - acum), xdt, Bs)
-    # the state entering chunk j of a sequence: 0 for j = 0, else decay * state + own of chunk j - 1;
-    # on a [sequence, chunk index] grid, one step per chunk index for all sequences at once
+    # the state entering chunk j of a sequence: sum over its chunks i < j of own_i decayed by the
+    # chunks strictly between them, exp(sum_{i<m<j} last_m). On a [sequence, chunk index] grid, the
+    # segment sums are cumulative sums of masked copies (each its own sum, no difference of two
+    # long cumulative sums), so one product covers every chunk: no step per chunk index
     nseq, width = max(seq) + 1, max(pos) + 1
-    grid = [[0] * width for _ in range(nseq)]  # a chunk id per cell (cells past a sequence's end: 0)
-    for i, (b, j) in enumerate(zip(seq, pos)):
-        grid[b][j] = i
-    grid = torch.tensor(grid, device=dev)                                         # [nseq, width]
-    enter = [x.new_zeros(nseq, H, P, N, dtype=torch.float32)]
-    for j in range(1, width):
-        prev = grid[:, j - 1]
-        enter.append(torch.exp(last[prev]).view(nseq, H, 1, 1) * enter[-1] + own[prev])
-    S_in = torch.stack(enter, 1).flatten(0, 1)[torch.tensor(seq, device=dev) * width + torch.tensor(pos, device=dev)]
+    flat = torch.tensor(seq, device=dev) * width + torch.tensor(pos, device=dev)  # chunk -> grid cell
+    lastg = last.new_zeros(nseq * width, H).index_copy(0, flat, last).view(nseq, width, H)
+    ownv = own.view(nc, H * P * N)
+    owng = ownv.new_zeros(nseq * width, H * P * N).index_copy(0, flat, ownv).view(nseq, width, H, P, N)
+    w = torch.arange(width, device=dev)
+    later = (w.view(-1, 1) > w.view(1, -1)).view(1, width, width, 1)              # [m, i]: m > i
+    segs = torch.cumsum(torch.where(later, lastg.unsqueeze(2), torch.zeros((), device=dev)), 1)  # [nseq, j, i, H]
+    done = (w.view(-1, 1) >= w.view(1, -1)).view(1, width, width, 1)               # i <= j
+    decay = torch.where(done, torch.exp(torch.where(done, segs, torch.zeros_like(segs))), torch.zeros_like(segs))
+    after = torch.einsum("bjih,bihpn->bjhpn", decay, owng)                          # state after chunk j
+    enter = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], 1)           # state entering chunk j
+    S_in = enter.flatten(0, 1)[flat]
     yo = torch.einsum("clhn,chpn->clhp", Cs, S_in) * torch.exp(acum).unsqueeze(-1)
     y = yd + yo + (0.0 if D is None else D.float().view(1, 1, -1, 1) * xs)
     return y[valid]  # chunks in sequence order, positions ascending: the packed rows in order

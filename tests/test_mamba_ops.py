@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.kernels.mamba import scan_plain, scan_reference
 from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -215,6 +216,49 @@ def test_packed_gradients_match_each_sequence_through_hf():
             acc += t.grad
     for name, a, b in zip("A D dt_bias".split(), leaves[4:], shared):
         torch.testing.assert_close(a.grad, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad {name}: {m}")
+
+
+def _ops_of(fn):
+    """Dispatched torch ops of fn() (forward and backward): the host cost a GPU step pays per op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
+def _backward_ops(impl, per_seq_chunks):
+    lens = [per_seq_chunks * Q + 3, per_seq_chunks * Q - 1]
+    x, dt, B, C = _inputs(sum(lens), seed=4)
+    A, D, _ = _params()
+    dt = dt.abs() * 0.1  # dt after softplus: positive
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    leaves = [t.float().clone().requires_grad_(True) for t in (x, dt, A, B, C, D)]
+
+    def step():
+        if impl == "plain":
+            y = scan_plain(*leaves, Q, cu)
+            torch.autograd.grad(y.sum(), leaves)
+        else:
+            scan_reference(*[t.detach() for t in leaves], Q, cu, None, None, None)
+    return _ops_of(step)
+
+
+def test_backward_ops_do_not_grow_with_chunks():
+    # the training backward (scan_plain forward + autograd) launches the same ops for 2 or 12
+    # chunks per sequence: the chunk states come from one decay-weighted sum, no step per chunk
+    assert _backward_ops("plain", 2) == _backward_ops("plain", 12)
+
+
+def test_control_op_count_sees_a_loop_per_chunk():
+    # the counter's control: the reference scan walks chunk by chunk, and its count grows
+    assert _backward_ops("reference", 12) > _backward_ops("reference", 2)
 
 
 def test_input_errors_are_named():
