@@ -227,6 +227,11 @@ def backward_rows(K, TMB, cfg, conf, blk, ours, gmm, hf_block, T):
     if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         sides["ours_experts_bwd_kernels"] = lambda: TMB.moe_experts_backward(
             gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None)
+        # what autograd runs: the forward's saved pre-activations instead of recomputing x W_in
+        from bitmatch.kernels.triton import moe as TM  # main imports it after the device setup
+        _, h_kept = TM.moe_experts(x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, keep_h=True)
+        sides["ours_experts_bwd_kernels_saved_h"] = lambda: TMB.moe_experts_backward(
+            gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, h=h_kept)
     for name, fn in sides.items():
         ms[name] = bench(fn, cfg.rep, dev)
         mem[name] = peak_mem(fn, dev)

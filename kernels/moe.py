@@ -230,8 +230,14 @@ class ExpertsFunction(torch.autograd.Function):
         # the backward thread does not see use_backend: keep the forward's choice
         ctx.backend = backend_for(x)
         if ctx.backend == "reference":
+            ctx.h = None
             return experts_reference(x, ids, weights, w_in, w_out, activation, limit)
-        return triton_impl("moe", "moe_experts")(x, ids, weights, w_in, w_out, activation, limit)
+        # with a backward to come, the pre-activations too (same forward bits, one kernel binary):
+        # the backward then skips recomputing x W_in
+        keep = any(ctx.needs_input_grad[:4])
+        res = triton_impl("moe", "moe_experts")(x, ids, weights, w_in, w_out, activation, limit, keep_h=keep)
+        out, ctx.h = res if keep else (res, None)
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -242,7 +248,8 @@ class ExpertsFunction(torch.autograd.Function):
             grads = experts_backward_reference(g.to(x.dtype), x, ids, weights, w_in, w_out, activation, limit)
         else:
             grads = triton_impl("moe_bwd", "moe_experts_backward")(
-                g.to(x.dtype).contiguous(), x, ids, weights, w_in, w_out, activation, limit, needs)
+                g.to(x.dtype).contiguous(), x, ids, weights, w_in, w_out, activation, limit, needs, h=ctx.h)
+            ctx.h = None
         return (*(gr if n else None for gr, n in zip(grads, needs)), None, None, None)
 
 

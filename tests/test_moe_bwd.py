@@ -20,6 +20,7 @@ pytestmark = pytest.mark.interpreter
 F32, BF = torch.float32, torch.bfloat16
 H, I = 40, 24                                           # neither a multiple of the 16-wide tiles
 CFG = ((16, 16, 16, 4, 3), (16, 16, 16, 4, 3))          # small tiles: many tiles, masked tails
+FWD_CFG = (16, 16, 16, 16, 4, 3)                        # the forward's (BM, BN_in, BN_out, BK, warps, stages)
 NAMES = ("dx", "d_weights", "d_w_in", "d_w_out")
 
 
@@ -69,9 +70,17 @@ def _assert_close(got, want, dtype, bf16_tol=0.02):
         assert ok, f"{name}: max |diff| {float(err.max()):.3g} at {divmod(int(err.argmax()), b.shape[-1])}"
 
 
-def _triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, config=CFG):
+def _triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, config=CFG, h=None):
     from bitmatch.kernels.triton.moe_bwd import moe_experts_backward
-    return moe_experts_backward(g, x, ids, w, w_in, w_out, activation, limit, config=config)
+    return moe_experts_backward(g, x, ids, w, w_in, w_out, activation, limit, config=config, h=h)
+
+
+def _saved_h(x, ids, w, w_in, w_out, activation, limit):
+    """(out, h) of the Triton forward asked to keep the pre-activations, and its plain out."""
+    from bitmatch.kernels.triton.moe import moe_experts
+    kept = moe_experts(x, ids, w, w_in, w_out, activation, limit, config=FWD_CFG, keep_h=True)
+    plain = moe_experts(x, ids, w, w_in, w_out, activation, limit, config=FWD_CFG)
+    return kept, plain
 
 
 CASES = [("swiglu", None, 4, 1), ("swiglu", None, 8, 2), ("swiglu", 0.3, 16, 4), ("swiglu", 0.3, 4, 2),
@@ -82,6 +91,31 @@ CASES = [("swiglu", None, 4, 1), ("swiglu", None, 8, 2), ("swiglu", 0.3, 16, 4),
 def test_triton_backward_matches_float64(activation, limit, E, k):
     case = _case(activation, E, k, seed=E + k)
     _assert_close(_triton_bwd(*case, activation, limit), _grads64(*case, activation, limit), F32)
+
+
+@pytest.mark.parametrize("activation,limit,E,k", CASES)
+def test_triton_backward_from_saved_h_matches_float64(activation, limit, E, k):
+    """The backward reading the forward's saved pre-activations h (what autograd does) instead of
+    recomputing x W_in: the same gradients within the same tolerance; keeping h does not change
+    the forward's output bits (one kernel, a runtime flag), and h is the rounded x W_in."""
+    x, ids, w, w_in, w_out, g = _case(activation, E, k, seed=E + k)
+    (out, h), plain = _saved_h(x, ids, w, w_in, w_out, activation, limit)
+    assert torch.equal(out, plain)
+    order = torch.sort(ids.reshape(-1), stable=True).indices
+    tok, eid = order // k, ids.reshape(-1)[order]
+    h64 = torch.einsum("sh,snh->sn", x[tok].double(), w_in[eid].double())
+    torch.testing.assert_close(h.double(), h64, rtol=1e-5, atol=1e-5)
+    want = _grads64(x, ids, w, w_in, w_out, g, activation, limit)
+    _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, h=h), want, F32)
+
+
+def test_control_a_wrong_saved_h_fails():
+    """The backward reads h: a perturbed h moves the gradients past the tolerance."""
+    x, ids, w, w_in, w_out, g = _case("relu2", 8, 2, seed=10)
+    (_, h), _ = _saved_h(x, ids, w, w_in, w_out, "relu2", None)
+    with pytest.raises(AssertionError):
+        _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, "relu2", None, h=h * 1.01),
+                      _grads64(x, ids, w, w_in, w_out, g, "relu2", None), F32)
 
 
 @pytest.mark.parametrize("activation,limit,E,k", CASES[1:3] + CASES[4:5])

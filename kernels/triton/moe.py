@@ -7,7 +7,8 @@ kernels/moe.py).
   owns BM rows of ONE expert and BN output columns. Every row's dot runs through linear.py's
   chunk_acc with linear's split_for(N, K): the K order of kernels.linear, so a row's bits are
   linear's for that row whatever the tile shape or how many rows its expert got. GEMM 1 fuses
-  the activation with silu_and_mul's rounding points (gate and up in two accumulators); GEMM 2
+  the activation with silu_and_mul's rounding points (gate and up in two accumulators) and, for
+  training, also stores the rounded pre-activations h for the backward (a runtime flag); GEMM 2
   writes y[t, r] back in token order; the combine adds w * y over ranks 0..k-1 in fp32 with
   fused multiply-add disabled (the CPU reference rounds the product, then adds).
 No host synchronisation: the tile grid is sized by its upper bound cdiv(T*k, BM) + min(E, T*k)
@@ -100,9 +101,9 @@ def expert_tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM: tl.constexpr, BL
     return e, e_c, m0, m_end
 
 
-@triton.jit
-def _gemm_in_kernel(x_ptr, w_ptr, tok_ptr, a_ptr, tile_end_ptr, counts_ptr, row_start_ptr,
-                    T, H, I, E, K_CHUNK, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+@triton.jit(do_not_specialize=["store_h"])
+def _gemm_in_kernel(x_ptr, w_ptr, tok_ptr, a_ptr, h_ptr, tile_end_ptr, counts_ptr, row_start_ptr,
+                    T, H, I, E, K_CHUNK, limit, store_h, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
                     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr,
                     PREC: tl.constexpr):
@@ -121,23 +122,35 @@ def _gemm_in_kernel(x_ptr, w_ptr, tok_ptr, a_ptr, tile_end_ptr, counts_ptr, row_
         acc = acc + chunk_acc(x_ptr, w_e, tok, offs_n, T, I, H, s * K_CHUNK, K_CHUNK, H, H,
                                BM, BN, BK, EVEN_K, INTERP, PREC)
     dt = a_ptr.dtype.element_ty
+    omask = rmask[:, None] & (offs_n[None, :] < I)
     if ACT == 0:
         up = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             up = up + chunk_acc(x_ptr, w_e + I * H, tok, offs_n, T, I, H, s * K_CHUNK,
                                  K_CHUNK, H, H, BM, BN, BK, EVEN_K, INTERP, PREC)
-        g = acc.to(dt).to(tl.float32)            # linear's output rounding
-        u = up.to(dt).to(tl.float32)
+        gb = acc.to(dt)                          # linear's output rounding
+        ub = up.to(dt)
+        # the pre-activations for the backward; a runtime flag, not a variant: the trainer's call
+        # runs the engine's binary
+        if store_h != 0:
+            hp = h_ptr + rows[:, None].to(tl.int64) * n_in + offs_n[None, :]
+            tl.store(hp, gb, mask=omask)
+            tl.store(hp + I, ub, mask=omask)
+        g = gb.to(tl.float32)
+        u = ub.to(tl.float32)
         if HAS_LIMIT:                            # DeepSeek-V4: clamp as torch.clamp on x.dtype
             g = tl.minimum(g, limit).to(dt).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
         sl = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu_and_mul's formula
         a = (sl * u).to(dt)
     else:
-        h = tl.maximum(acc.to(dt).to(tl.float32), 0.0)
+        hb = acc.to(dt)
+        if store_h != 0:
+            tl.store(h_ptr + rows[:, None].to(tl.int64) * n_in + offs_n[None, :], hb, mask=omask)
+        h = tl.maximum(hb.to(tl.float32), 0.0)
         a = (h * h).to(dt)                       # relu(h)^2: exact square for bf16, one rounding
     out = a_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(out, a, mask=rmask[:, None] & (offs_n[None, :] < I))
+    tl.store(out, a, mask=omask)
 
 
 @triton.jit
@@ -215,16 +228,20 @@ def expert_layout(ids, E, BM):
     return order, tok, counts, row_start, tile_end, triton.cdiv(S, BM) + min(E, S)
 
 
-def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
+def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, keep_h=False):
     """x [T, H], ids int64 [T, k], weights fp32 [T, k], w_in [E, N_in, H], w_out [E, H, I]
-    (all contiguous) -> [T, H] in x.dtype. ``config`` overrides the table (benchmarks)."""
+    (all contiguous) -> [T, H] in x.dtype. ``config`` overrides the table (benchmarks).
+
+    ``keep_h``: return (out, h) with h [T * k, N_in] the rounded pre-activations of the sorted
+    rows (gate then up for swiglu, unclamped), which the backward reads instead of recomputing
+    x W_in; the same kernel binary either way (a runtime flag), so out's bits do not change."""
     T, H = x.shape
     k = ids.shape[1]
     E, n_in, _ = w_in.shape
     I = w_out.shape[2]
     out = torch.empty((T, H), device=x.device, dtype=x.dtype)
     if T == 0:
-        return out
+        return (out, torch.empty((0, n_in), device=x.device, dtype=x.dtype)) if keep_h else out
     S = T * k
     BM, BN1, BN2, BK, warps, stages = config or config_for(S, E)
     interp = interpreting(x)
@@ -233,10 +250,11 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
     block_e = triton.next_power_of_2(E)
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
     a = torch.empty((S, I), device=x.device, dtype=x.dtype)
+    h = torch.empty((S, n_in), device=x.device, dtype=x.dtype) if keep_h else a  # a: never written
     split1, kc1, even1 = _k_chunk(n_in, H, BK)              # linear(x_t, w_in[e]) is (N=n_in, K=H)
     _gemm_in_kernel[(grid_m, triton.cdiv(I, BN1))](
-        x, w_in, tok, a, tile_end, counts, row_start, T, H, I, E, kc1,
-        float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation], HAS_LIMIT=limit is not None,
+        x, w_in, tok, a, h, tile_end, counts, row_start, T, H, I, E, kc1,
+        float(limit) if limit is not None else 0.0, int(keep_h), ACT=ACT_CODE[activation], HAS_LIMIT=limit is not None,
         SPLIT=split1, BM=BM, BN=BN1, BK=BK, BLOCK_E=block_e, EVEN_K=even1, INTERP=interp, PREC=prec, **kw)
     y = torch.empty((S, H), device=x.device, dtype=x.dtype)
     split2, kc2, even2 = _k_chunk(H, I, BK)
@@ -244,7 +262,7 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None):
         a, w_out, order, y, tile_end, counts, row_start, H, I, E, kc2, SPLIT=split2, BM=BM, BN=BN2,
         BK=BK, BLOCK_E=block_e, EVEN_K=even2, INTERP=interp, PREC=prec, **kw)
     _launch_combine(y, weights, out, T, k, H, interp)
-    return out
+    return (out, h) if keep_h else out
 
 
 def _launch_combine(y, weights, out, T, k, H, interp):

@@ -2,8 +2,10 @@
 forward's layout, kernels/triton/moe.py expert_layout), no per-expert host loop, no host sync.
 
 With g = dL/dout [T, H], rows sorted by expert e and G = g_t W_out[e] (unscaled by the weight):
-- _act_bwd_kernel (row tiles of one expert x BN columns of I): three dots over K = H recompute
-  gate/up = x_t W_in[e]^T and G; rounds h and a at the forward's points; dA = w[t, r] * G (fp32);
+- _act_bwd_kernel (row tiles of one expert x BN columns of I): G by a dot over K = H; gate/up
+  read from the forward's rounded pre-activations h (moe_experts(keep_h=True): what autograd
+  saves) or, without them, recomputed by two more dots; a at the forward's rounding points;
+  dA = w[t, r] * G (fp32);
   the activation backward (swiglu with the optional DeepSeek-V4 clamps, relu2) gives dH, stored
   in the compute dtype; stores a * w[t, r] (for dW_out) and the partial <G, a> of its columns
   (d weights[t, r] = <g_t, y[t, r]> = <G, a>, summed over column tiles in a fixed order).
@@ -14,9 +16,9 @@ With g = dL/dout [T, H], rows sorted by expert e and G = g_t W_out[e] (unscaled 
   at the flat (token, rank) position; dx = the sum over ranks 0..k-1 (torch, fixed order).
 
 Gradients need to be correct, not invariant: tiles are launch knobs (BWD_CONFIG), no atomics, so
-a backward is deterministic run to run for a given launch shape. The recomputed h uses a plain
-sequential K walk, not linear's SPLIT chunks: it can differ from the forward's h in the last bit,
-which moves a gradient by one rounding, far inside the tolerance that gradients are held to.
+a backward is deterministic run to run for a given launch shape. A recomputed h (no saved h) uses
+a plain sequential K walk, not linear's SPLIT chunks: it can differ from the forward's h in the
+last bit, which moves a gradient by one rounding, far inside the tolerance gradients are held to.
 """
 import torch
 import triton
@@ -44,9 +46,10 @@ def bwd_config_for(rows, n_experts):
 
 @triton.jit
 def _act_bwd_kernel(x_ptr, g_ptr, w_in_ptr, w_out_ptr, wflat_ptr, tok_ptr, order_ptr, aw_ptr, dh_ptr,
-                    dwp_ptr, tile_end_ptr, counts_ptr, row_start_ptr, H, I, E, S, limit,
-                    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                    h_ptr, dwp_ptr, tile_end_ptr, counts_ptr, row_start_ptr, H, I, E, S, limit,
+                    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_H: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
+                    PREC: tl.constexpr):
     e, e_c, m0, m_end = expert_tile(tile_end_ptr, counts_ptr, row_start_ptr, E, BM, BLOCK_E)
     if e >= E:
         return
@@ -66,12 +69,13 @@ def _act_bwd_kernel(x_ptr, g_ptr, w_in_ptr, w_out_ptr, wflat_ptr, tok_ptr, order
         kk = k0 + offs_k
         am = rmask[:, None] & (kk[None, :] < H)
         bm = nmask[None, :] & (kk[:, None] < H)
-        xt = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=am, other=0.0)
-        gate = dot(xt, tl.load(w_e + offs_n[None, :] * H + kk[:, None], mask=bm, other=0.0), gate,
-                    INTERP, PREC)
-        if ACT == 0:
-            up = dot(xt, tl.load(w_e + (I + offs_n)[None, :] * H + kk[:, None], mask=bm, other=0.0),
-                      up, INTERP, PREC)
+        if not HAS_H:
+            xt = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=am, other=0.0)
+            gate = dot(xt, tl.load(w_e + offs_n[None, :] * H + kk[:, None], mask=bm, other=0.0), gate,
+                        INTERP, PREC)
+            if ACT == 0:
+                up = dot(xt, tl.load(w_e + (I + offs_n)[None, :] * H + kk[:, None], mask=bm, other=0.0),
+                          up, INTERP, PREC)
         gt = tl.load(g_ptr + tok[:, None] * H + kk[None, :], mask=am, other=0.0)
         gw = dot(gt, tl.load(wo_e + kk[:, None] * I + offs_n[None, :], mask=bm, other=0.0), gw,
                   INTERP, PREC)
@@ -81,6 +85,11 @@ def _act_bwd_kernel(x_ptr, g_ptr, w_in_ptr, w_out_ptr, wflat_ptr, tok_ptr, order
     da = gw * wr
     out_mask = rmask[:, None] & nmask[None, :]
     dh_rows = dh_ptr + rows[:, None].to(tl.int64) * n_in + offs_n[None, :]
+    if HAS_H:  # the forward's rounded values: exact in fp32, the roundings below leave them as they are
+        h_rows = h_ptr + rows[:, None].to(tl.int64) * n_in + offs_n[None, :]
+        gate = tl.load(h_rows, mask=out_mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            up = tl.load(h_rows + I, mask=out_mask, other=0.0).to(tl.float32)
     if ACT == 0:
         g = gate.to(dt).to(tl.float32)           # the forward's rounding points
         u = up.to(dt).to(tl.float32)
@@ -167,10 +176,12 @@ def _dx_kernel(dh_ptr, w_in_ptr, order_ptr, dxr_ptr, tile_end_ptr, counts_ptr, r
     tl.store(dxr_ptr + dst[:, None].to(tl.int64) * H + offs_n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
-def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, needs=(True,) * 4, config=None):
+def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, needs=(True,) * 4, config=None,
+                         h=None):
     """Gradients (dx, d weights, d w_in, d w_out) of moe_experts for dL/dout = g [T, H] (all
     contiguous; entries of ``needs`` False come back None). fp32 accumulation; dx, dw_in, dw_out
     in the parameters' dtype, d weights in fp32. ``config`` overrides bwd_config_for (benchmarks).
+    ``h``: the forward's pre-activations (moe_experts(keep_h=True)); None: recomputed.
 
     Invariance: none promised (a backward needs correct gradients); deterministic run to run.
     """
@@ -195,10 +206,12 @@ def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, nee
     dh = torch.empty((S, n_in), device=dev, dtype=dt)       # dL/dh, sorted rows
     tiles_i = triton.cdiv(I, BN)
     dwp = torch.empty((tiles_i, S), device=dev, dtype=torch.float32)
+    if h is not None and h.shape != (S, n_in):
+        raise ValueError(f"moe_experts_backward: h must be [T*k={S}, N_in={n_in}], got {tuple(h.shape)}")
     _act_bwd_kernel[(grid_m, tiles_i)](
-        x, g, w_in, w_out, weights, tok, order, aw, dh, dwp, tile_end, counts, row_start, H, I, E, S,
-        float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation], HAS_LIMIT=limit is not None,
-        BM=BM, BN=BN, BK=BK, BLOCK_E=block_e, INTERP=interp, PREC=prec, **kw)
+        x, g, w_in, w_out, weights, tok, order, aw, dh, dh if h is None else h, dwp, tile_end, counts, row_start,
+        H, I, E, S, float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation],
+        HAS_LIMIT=limit is not None, HAS_H=h is not None, BM=BM, BN=BN, BK=BK, BLOCK_E=block_e, INTERP=interp, PREC=prec, **kw)
     d_weights = None
     if need_w:  # column-tile partials summed in tile order, then back to (token, rank) order
         d_weights = torch.empty(S, device=dev, dtype=torch.float32).index_copy_(0, order, dwp.sum(0))
