@@ -260,20 +260,27 @@ def backward_rows(K, TMB, cfg, conf, blk, ours, gmm, hf_block, T):
     return r
 
 
+# (64, 64, 64, 8, 3): the activation backward without register spills on sm_90 (4 warps spill
+# ~100 bytes with swiglu; scripts/sm90_resources.py moe)
 BWD_VARIANTS = [((128, 64, 64, 8, 3), (128, 128, 64, 8, 3)), ((64, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
-                ((64, 64, 64, 4, 4), (128, 256, 64, 8, 3)), ((32, 64, 64, 4, 3), (64, 128, 64, 4, 3))]
+                ((64, 64, 64, 4, 4), (128, 256, 64, 8, 3)), ((32, 64, 64, 4, 3), (64, 128, 64, 4, 3)),
+                ((64, 64, 64, 8, 3), (128, 128, 64, 8, 3))]
 
 
 def bwd_variants(TMB, cfg, *args):
-    """Backward launch configs: kernel time and each gradient's max relative difference from the
-    table's config (tiles are free in the backward; this run picks the table's entries)."""
-    base = TMB.moe_experts_backward(*args, "swiglu", None)
+    """Backward launch configs with the forward's saved pre-activations (what autograd runs):
+    kernel time and each gradient's max relative difference from the table's config (tiles are
+    free in the backward; this run picks the table's entries)."""
+    from bitmatch.kernels.triton import moe as TM
+    g, x, ids, w, w_in, w_out = args
+    h = TM.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, keep_h=True)[1]
+    base = TMB.moe_experts_backward(*args, "swiglu", None, h=h)
     out = {"table": list(TMB.bwd_config_for(args[2].numel(), cfg.experts))}
     for c in BWD_VARIANTS:
         try:
-            got = TMB.moe_experts_backward(*args, "swiglu", None, config=c)
-            out[str(c)] = {"ms": bench(lambda: TMB.moe_experts_backward(*args, "swiglu", None, config=c), cfg.rep,
-                                       cfg.device),
+            got = TMB.moe_experts_backward(*args, "swiglu", None, config=c, h=h)
+            out[str(c)] = {"ms": bench(lambda: TMB.moe_experts_backward(*args, "swiglu", None, config=c, h=h),
+                                       cfg.rep, cfg.device),
                            "max_rel_diff_vs_table": max(float((a.float() - b.float()).abs().max() /
                                                               b.float().abs().max()) for a, b in zip(got, base))}
         except Exception:  # e.g. out of shared memory: the other configs still report

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows the open speed issues (21, 22, 27) still lack, in two device-tool calls of < 600 s each.
+# The GPU rows the open speed issues (21, 22, 27) still lack, in device-tool calls of < 600 s each:
+# nh first (the Nemotron-H mismatch), then 1 and 2.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -27,14 +28,13 @@ bench() {  # name seconds script args...
 }
 
 case $STAGE in
-1)  # a TP rank's row-parallel linear in both layouts on one GPU (28), dense training vs HF + Liger and
-    # the MoE training host profile (22), V4 training at flash4 (21), Nemotron-H against HF with
-    # mamba_ssm's Triton kernels (27)
-    bench tp_shard_linear 60 tp_layout.py --world 1
+1)  # training: V4 at flash4 (21) and the MoE layer's backward with the forward's saved
+    # pre-activations, its launch variants, the forward's bits with autograd on vs off (22), the MoE
+    # training step with its host profile (22), dense 1.7B and 8B vs HF + Liger (22)
     bench v4_train 120 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2 --profile
-    bench dense_train 100 gpu_train.py --sections train --models 1.7b --budget-s 80
+    bench moe_layer_bwd 100 moe_layer.py --tokens 512 --backward --bwd-variants
     bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
-    bench nemotron_h 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --budget-s 120
+    bench dense_train 170 gpu_train.py --sections train --models 1.7b,8b --budget-s 150
     ;;
 2)  # V4 at the mid config, flash4 rollout and decode (21), the golden bits, the Mamba layer against
     # mamba_ssm (27)
