@@ -8,6 +8,9 @@ is rewritten after every measurement, so a run cut short keeps what it measured)
 - train: benchmarks/gpu_train.py's fwd+bwd of token_logprobs, patched vs stock HF (1.7B 8x1024,
   8B 4x1024); backward_ops: its backward kernels vs float64 and vs stock eager.
 - controls: the CUDA control rows of `bitmatch check` (bitmatch/cli.py), each must mismatch.
+- lora[:SIZE]: the engine on a PEFT LoRA model (every linear projection) vs the same engine on the
+  model merged into plain weights, graphs on, at the largest --batches; the LoRA engine eager; Diff
+  of the LoRA rollout vs token_logprobs (issue 27's LoRA row).
 - rollout: random-weight Qwen3-1.7B / 8B (bf16), prompts of --prompt-len random tokens,
   --new-tokens sampled at T = 1, B in --batches: rollout tokens/s and median decode step of the
   engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: the op table's stock
@@ -152,7 +155,7 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
     res["total_mismatches"] = sum(v["mismatches_vs_token_logprobs"] for v in cfgs)
     res["total_control_mismatches"] = sum(v["control_mismatches_vs_stock_trainer"] for v in cfgs)
     res["configs_failed"] = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
-    del model
+    model = None  # free the weights before the next section
     _common.empty_cache()
     return res
 
@@ -320,6 +323,63 @@ def rollout(size, batches, prompt_len, n_new, tbps, rec, deadline):
     return out
 
 
+def lora_rollout(size, B, prompt_len, n_new, rank=16, n_check=8):
+    """Issue 27's LoRA row: the engine (CUDA graphs) on a PEFT LoRA model (rank ``rank`` on every
+    linear projection, non-zero adapters) against the same engine on that model merged into plain
+    weights (``merge_and_unload`` of a copy), same prompts and seeds, the merged first; plus the LoRA
+    engine eager, and Diff of the LoRA rollout vs token_logprobs on the LoRA model (the trainer
+    re-merges in its forward) over the first ``n_check`` requests."""
+    import copy
+
+    import peft
+
+    import bitmatch
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(gpu_train.build_model(size), peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)).eval()
+    merged = copy.deepcopy(pm).merge_and_unload().eval()
+    pm = bitmatch.patch(pm)
+    V = pm.config.vocab_size
+    per_tok = 2 * pm.config.num_hidden_layers * pm.config.num_key_value_heads * pm.config.head_dim * 2
+    kw = dict(max_num_seqs=B, max_num_batched_tokens=B * prompt_len + B,
+              kv_cache_bytes=int(B * (prompt_len + n_new + 32) * per_tok * 1.1))
+    prompts = torch.randint(0, V, (B, prompt_len), generator=torch.Generator().manual_seed(B)).tolist()
+
+    def params(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
+
+    def warm(i):
+        return bitmatch.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i)
+    r = {"B": B, "rank": rank, "targets": targets, "lora_parameters": sum(p.numel() for n, p in pm.named_parameters()
+                                                                           if "lora_" in n)}
+    with torch.no_grad():
+        for name, model, extra in (("merged", merged, {}), ("lora", pm, {}), ("lora_eager", pm, dict(enforce_eager=True))):
+            eng = bitmatch.Engine(model, **kw, **extra)
+            _engine_run(eng, prompts, warm)
+            _engine_run(eng, prompts, warm)
+            wall, steps, _ = _engine_run(eng, prompts, params)
+            r[f"{name}_wall_s"], r[f"{name}_decode_ms"] = wall, _decode_ms(steps, n_new)
+            g = eng.model_runner.graphs
+            r[f"{name}_graphs"] = None if g is None else {"captures": g.num_captures, "replays": g.num_replays}
+            if name == "lora":
+                n = min(n_check, B)
+                outs = eng.generate(prompts[:n], [params(i) for i in range(n)], use_tqdm=False)
+            del eng
+    got = [torch.tensor(o.outputs[0].logprobs, dtype=torch.float32) for o in outs]
+    with torch.no_grad():
+        tr = _trainer_lps(pm, outs, lambda ids, mask: bitmatch.token_logprobs(pm, ids, mask, temperature=1.0))
+    r.update(diff_tokens=sum(len(x) for x in got), diff_mismatches=sum(_mismatch(a, b) for a, b in zip(got, tr)),
+             tokens_per_s_lora_vs_merged=r["merged_wall_s"] / r["lora_wall_s"],
+             decode_step_lora_vs_merged=r["merged_decode_ms"] / r["lora_decode_ms"],
+             tokens_per_s_lora_graphs_vs_eager=r["lora_eager_wall_s"] / r["lora_wall_s"])
+    pm = merged = None  # free the weights before the next section
+    import gc
+    gc.collect()
+    _common.empty_cache()
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -339,9 +399,9 @@ def main():
     deadline = t0 + a.budget_s
     secs = a.sections.split(",")
     bad = [n for n in secs if n.split(":")[0] not in ("diff", "controls", "rollout", "train", "backward_ops",
-                                                       "cuda_controls")]
+                                                       "cuda_controls", "lora")]
     if bad:
-        ap.error(f"--sections: unknown {bad} (diff, controls, rollout[:SIZE], train, backward_ops)")
+        ap.error(f"--sections: unknown {bad} (diff, controls, rollout[:SIZE], lora[:SIZE], train, backward_ops)")
     for name in secs:
         if time.time() > deadline:
             rec.data.setdefault("skipped_for_time", []).append(name)
@@ -364,6 +424,12 @@ def main():
                     tr[size] = gpu_train.train(size)
                     rec.put("train", tr)
 
+            elif name.startswith("lora"):
+                lo = {}
+                for size in (name.split(":")[1:] or a.models.split(",")):
+                    lo[size] = lora_rollout(size, max(int(b) for b in a.batches.split(",")), a.prompt_len,
+                                            a.new_tokens)
+                    rec.put("lora", lo)
             elif name.startswith("rollout"):
                 for size in (name.split(":")[1:] or a.models.split(",")):
                     if time.time() > deadline:

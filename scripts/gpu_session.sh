@@ -44,9 +44,11 @@ case $STAGE in
     bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
     bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     ;;
-nh) # Nemotron-H on the GPU (27): which block type's ops differ between engine and trainer, the first
-    # differing op, the whole-model diff, and training with the vectorized Mamba backward
+nh) # issue 27 on the GPU: which Nemotron-H block type's ops differ between engine and trainer, the
+    # first differing op, the whole-model diff, training with the vectorized Mamba backward; then the
+    # LoRA rollout (8B shapes, graphs on) vs the same model merged, with its Diff
     bench nh_locate 300 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff_blocks,locate,diff,train --budget-s 250
+    bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout

@@ -142,7 +142,7 @@ def _latest_runs_by_section(runs: dict) -> dict:
 def r_gpu_e2e(d):
     runs = d.get("runs", {})
     latest = {k: v for k, v in _latest_runs_by_section(runs).items()
-              if k in ("diff", "train", "cuda_controls") or k.startswith("rollout")}
+              if k in ("diff", "train", "cuda_controls", "lora") or k.startswith("rollout")}
     out = ["Ratios: stock time / bitmatch time unless named otherwise; each section from the latest run holding it.",
            ""]
     used = sorted(set(latest.values()))
@@ -175,6 +175,17 @@ def r_gpu_e2e(d):
             out += table(["B", "decode step / roofline", "tokens/s vs same engine on stock ops",
                           "tokens/s vs HF generate", "decode step vs HF's", "graphs vs eager decode"], rows)
             out.append("")
+    lora = get(runs, latest.get("lora"), "sections", "lora")
+    if isinstance(lora, dict):
+        out.append(f"**LoRA rollout vs the same model merged** (`{latest['lora']}`)")
+        out.append("")
+        out += table(["size", "B", "rank", "tokens/s LoRA / merged", "decode speed LoRA / merged",
+                      "LoRA graphs vs eager", "Diff (mismatches / tokens)"],
+                     [[k, v.get("B"), v.get("rank"), v.get("tokens_per_s_lora_vs_merged"),
+                       v.get("decode_step_lora_vs_merged"), v.get("tokens_per_s_lora_graphs_vs_eager"),
+                       f"{fmt(v.get('diff_mismatches'))} / {fmt(v.get('diff_tokens'))}"]
+                      for k, v in lora.items() if isinstance(v, dict)])
+        out.append("")
     train = get(runs, latest.get("train"), "sections", "train")
     if isinstance(train, dict):
         out.append(f"**Training, `token_logprobs` fwd+bwd vs stock HF** (`{latest['train']}`)")
