@@ -20,8 +20,9 @@ Every reduction is a fixed-order fold over one token's own values: a token's bit
 that token alone. Sinkhorn runs in a fixed iteration order (column first, as HF).
 
 Reference backend (CPU): the order above, exactly (exp64, the K order of ``kernels.linear``'s
-reference, an exact tree for the sum of squares). Backward (both backends): a plain fp32 torch
-recompute (gradients are held to float64 within tolerance, not to bits).
+reference, an exact tree for the sum of squares). Backward: a plain fp32 torch recompute
+(gradients are held to float64 within tolerance, not to bits); hc_pre's on the Triton backend runs
+the gates and Sinkhorn steps of every token in one launch (kernels/triton/mhc.py hc_pre_backward).
 
 Triton backend (CUDA; kernels/triton/mhc.py): hc_pre / hc_head in two launches, hc_post in one,
 one token's values per fold. Its canonical order differs from the reference's where a fused
@@ -117,14 +118,19 @@ class HcPreFunction(torch.autograd.Function):
     def forward(ctx, x, fn, base, scale, iters, eps, norm_eps):
         ctx.save_for_backward(x, fn, base, scale)
         ctx.args = (iters, eps, norm_eps)
+        ctx.backend = backend_for(x)  # the backward thread does not see use_backend
         out = _pre_forward(x, fn, base, scale, iters, eps, norm_eps)
         return out
 
     @staticmethod
     def backward(ctx, gpost, gcomb, gcol):
         x, fn, base, scale = ctx.saved_tensors
-        grads = recompute_grads(lambda a, b, c, d: _hc_pre_plain(a, b, c, d, *ctx.args), (x, fn, base, scale),
-                                ctx.needs_input_grad[:4], (gpost, gcomb, gcol))
+        if ctx.backend != "reference":  # one launch for the gates and Sinkhorn steps of every token
+            grads = triton_impl("mhc", "hc_pre_backward")(x, fn, base, scale, *ctx.args, gpost, gcomb, gcol)
+            grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])]
+        else:
+            grads = recompute_grads(lambda a, b, c, d: _hc_pre_plain(a, b, c, d, *ctx.args), (x, fn, base, scale),
+                                    ctx.needs_input_grad[:4], (gpost, gcomb, gcol))
         return (*grads, None, None, None)
 
 

@@ -176,6 +176,57 @@ def test_triton_mhc_grads_match_float64():
         assert rel < 1e-5, f"d{name}: {rel}"
 
 
+def _pre_grads64(x, fn, base, scale, gpost, gcomb, gcol):
+    leaves = [t.detach().double().requires_grad_() for t in (x, fn, base, scale)]
+    T, n, d = x.shape
+    f = leaves[0].reshape(T, n * d)
+    mix = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-6)) @ leaves[1].t()
+    b, s = leaves[2], leaves[3]
+    pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + 1e-6
+    post = 2 * torch.sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
+    comb = torch.softmax((mix[:, 2 * n:] * s[2] + b[2 * n:]).view(T, n, n), -1) + 1e-6
+    comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
+    for _ in range(KW["iters"] - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + 1e-6)
+        comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
+    col = (pre.unsqueeze(-1) * leaves[0]).sum(1)
+    ((post * gpost.double()).sum() + (comb * gcomb.double()).sum() + (col * gcol.double()).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("n,d", [(4, 16), (3, 24), (2, 8)])
+@pytest.mark.parametrize("which", ["post", "comb", "col", "all"])
+def test_triton_hc_pre_backward_each_output_vs_float64(n, d, which):
+    """hc_pre's Triton backward (the gates and Sinkhorn steps of every token in one launch) for a
+    gradient on each output alone and on all three: within 1e-5 of float64 autograd, at stream
+    counts that fill the power-of-two tile (4) and that leave masked rows (3)."""
+    T = 6
+    x = _x(T, n, d, F32, seed=21) * 2
+    fn, base, scale = _params(n, d, seed=22)
+    g = _g(23)
+    outs = {"post": torch.randn(T, n, generator=g), "comb": torch.randn(T, n, n, generator=g) * 3,
+            "col": torch.randn(T, d, generator=g)}
+    gs = [outs[k] if which in (k, "all") else torch.zeros_like(outs[k]) for k in ("post", "comb", "col")]
+    got = TM.hc_pre_backward(x, fn, base, scale, KW["iters"], KW["eps"], KW["norm_eps"], *gs)
+    want = _pre_grads64(x, fn, base, scale, *gs)
+    for name, a, b in zip(("x", "fn", "base", "scale"), got, want):
+        rel = (a.double() - b).norm() / b.norm().clamp_min(1e-30)
+        assert rel < 1e-5, f"d{name} ({which}, n={n}): {rel}"
+
+
+def test_control_backward_with_one_sinkhorn_step_less_fails():
+    # the float64 check sees the Sinkhorn walk: one iteration fewer in the backward moves dcomb's path
+    n, d, T = 4, 16, 6
+    x = _x(T, n, d, F32, seed=24) * 2
+    fn, base, scale = _params(n, d, seed=25)
+    gcomb = torch.randn(T, n, n, generator=_g(26)) * 3
+    gs = (torch.zeros(T, n), gcomb, torch.zeros(T, d))
+    got = TM.hc_pre_backward(x, fn, base, scale, KW["iters"] - 1, KW["eps"], KW["norm_eps"], *gs)
+    want = _pre_grads64(x, fn, base, scale, *gs)
+    rel = (got[0].double() - want[0]).norm() / want[0].norm()
+    assert rel > 1e-3, rel
+
+
 def test_bad_inputs_name_the_argument():
     fn, base, scale = _params(2, 8)
     x = _x(3, 2, 8, F32)

@@ -12,6 +12,8 @@ order is stated in kernels/mhc.py, "Triton backend").
   stream-order fold of exact one-element extractions, not a tl.sum tree), then the collapse of
   its own D block. Every D block recomputes the same gates from the same values: same bits.
 - ``_post_kernel`` (grid: tokens x D blocks): hc_post with the reference's rounding points.
+- ``_gates_bwd_kernel`` (grid: tokens): hc_pre's backward through the gates and the Sinkhorn
+  steps (``hc_pre_backward``); gradients, not bits.
 Every kernel is launched with ``enable_fp_fusion=False`` (a product is rounded, then added, as
 the reference's torch ops do), divisions and square roots IEEE (div_rn / sqrt_rn), exp is tl.exp.
 No host read: launchable inside a CUDA graph.
@@ -177,6 +179,93 @@ def _post_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D,
     expanded = _round(p[:, None] * y[None, :], dt, BF16, INTERP)
     out = _round(expanded + _round(mixed, dt, BF16, INTERP), dt, BF16, INTERP).to(dt)
     tl.store(out_ptr + t * N * D + k[:, None] * D + d[None, :], out, mask=km[:, None] & dm[None, :])
+
+
+@triton.jit
+def _gates_bwd_kernel(mix_ptr, base_ptr, scale_ptr, gpre_ptr, gpost_ptr, gcomb_ptr, gz_ptr, scratch_ptr, iters, eps,
+                      N: tl.constexpr, BN: tl.constexpr):
+    """One token: the gradient of hc_pre's gates w.r.t. their logits z = mix * scale + base, from
+    the gradients of pre, post and comb. The gates are recomputed in fp32 (sigmoid, softmax, the
+    Sinkhorn steps, each step's output kept in the token's scratch rows), then the Sinkhorn steps
+    are walked backward: for c' = c / (s + eps), s the sum over the step's axis,
+    dc = (dc' - sum_axis(dc' * c')) / (s + eps). A gradient, not bits: tl.sum's order is free."""
+    t = tl.program_id(0).to(tl.int64)
+    M = (2 + N) * N
+    i = tl.arange(0, BN)
+    nm = i < N
+    cm = nm[:, None] & nm[None, :]
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    sp = 1.0 / (1.0 + tl.exp(-(tl.load(mix_ptr + t * M + i, mask=nm, other=0.0) * s0
+                                + tl.load(base_ptr + i, mask=nm, other=0.0))))
+    gzp = tl.load(gpre_ptr + t * N + i, mask=nm, other=0.0) * sp * (1.0 - sp)
+    sq = 1.0 / (1.0 + tl.exp(-(tl.load(mix_ptr + t * M + N + i, mask=nm, other=0.0) * s1
+                                + tl.load(base_ptr + N + i, mask=nm, other=0.0))))
+    gzq = 2.0 * tl.load(gpost_ptr + t * N + i, mask=nm, other=0.0) * sq * (1.0 - sq)
+    tl.store(gz_ptr + t * M + i, gzp, mask=nm)
+    tl.store(gz_ptr + t * M + N + i, gzq, mask=nm)
+    cidx = 2 * N + i[:, None] * N + i[None, :]
+    z = tl.where(cm, tl.load(mix_ptr + t * M + cidx, mask=cm, other=0.0) * s2
+                 + tl.load(base_ptr + cidx, mask=cm, other=0.0), -float("inf"))
+    zmax = tl.where(nm, tl.max(z, 1), 0.0)             # padding rows: no -inf - -inf
+    e = tl.where(cm, tl.exp(z - zmax[:, None]), 0.0)
+    p = e / tl.where(nm, tl.sum(e, 1), 1.0)[:, None]
+    c = tl.where(cm, p + eps, 0.0)
+    steps = 2 * iters - 1      # step 0 and every even step: columns (sum over axis 0); odd: rows
+    tile = i[:, None] * BN + i[None, :]
+    sc = scratch_ptr + t * (steps + 1) * BN * BN
+    tl.store(sc + tile, c)
+    for k in range(steps):
+        den = tl.where(k % 2 == 1, tl.sum(c, 1)[:, None], tl.sum(c, 0)[None, :]) + eps
+        c = tl.where(cm, c / den, 0.0)
+        tl.store(sc + (k + 1) * BN * BN + tile, c)
+    tl.debug_barrier()         # the scratch rows, written above, are read back by other threads
+    g = tl.load(gcomb_ptr + t * N * N + i[:, None] * N + i[None, :], mask=cm, other=0.0)
+    for kk in range(steps):
+        k = steps - 1 - kk
+        c_in = tl.load(sc + k * BN * BN + tile)
+        gc = g * tl.load(sc + (k + 1) * BN * BN + tile)
+        row = k % 2 == 1
+        den = tl.where(row, tl.sum(c_in, 1)[:, None], tl.sum(c_in, 0)[None, :]) + eps
+        g = tl.where(cm, (g - tl.where(row, tl.sum(gc, 1)[:, None], tl.sum(gc, 0)[None, :])) / den, 0.0)
+    # c = softmax(z) + eps: the softmax's backward over each row
+    gzc = p * (g - tl.sum(g * p, 1)[:, None])
+    tl.store(gz_ptr + t * M + cidx, gzc, mask=cm)
+
+
+def hc_pre_backward(x, fn, base, scale, iters, eps, norm_eps, gpost, gcomb, gcol):
+    """Gradients (x, fn, base, scale) of hc_pre (the plain fp32 math of kernels/mhc.py's
+    ``_hc_pre_plain``) for the output gradients gpost [T, N], gcomb [T, N, N], gcol [T, D]: the
+    mix projection and the RMS scaling in a few torch ops, the gates and Sinkhorn steps of every
+    token in one launch (``_gates_bwd_kernel``), instead of autograd through 2 x iters torch steps."""
+    T, n, d = x.shape
+    K = n * d
+    f = x.reshape(T, K).float()
+    r = torch.rsqrt(f.square().mean(-1, keepdim=True) + norm_eps)
+    fr = f * r
+    fn32, sc32 = fn.float(), scale.float()
+    mix = (fr @ fn32.t()).contiguous()
+    b32 = base.float().contiguous()
+    pre = torch.sigmoid(mix[:, :n] * sc32[0] + b32[:n]) + eps
+    gcol32 = gcol.float()
+    gpre = torch.einsum("td,tnd->tn", gcol32, x.float()).contiguous()
+    M = mix.shape[1]
+    gz = torch.empty((T, M), device=x.device, dtype=torch.float32)
+    if T:
+        BN = triton.next_power_of_2(n)
+        scratch = torch.empty((T, 2 * iters, BN, BN), device=x.device, dtype=torch.float32)
+        _gates_bwd_kernel[(T,)](mix, b32, sc32.contiguous(), gpre, gpost.float().contiguous(),
+                                gcomb.float().contiguous(), gz, scratch, iters, float(eps), N=n, BN=BN,
+                                **({} if interpreting(x) else dict(num_warps=1)))
+    parts = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)
+    gmix = gz * sc32[parts]
+    gscale = torch.zeros(3, device=x.device, dtype=torch.float32).index_add_(0, parts, (gz * mix).sum(0))
+    gfr = gmix @ fn32
+    # fr = f * r, r = (mean(f^2) + norm_eps)^-1/2: d r / d f = -r^3 f / K
+    gf = gfr * r - f * (r ** 3 / K) * (gfr * f).sum(-1, keepdim=True)
+    gx = gf.view(T, n, d) + pre.unsqueeze(-1) * gcol32.unsqueeze(1)
+    return gx.to(x.dtype), (gmix.t() @ fr).to(fn.dtype), gz.sum(0).to(base.dtype), gscale.to(scale.dtype)
 
 
 def _kw(interp, warps=4):
