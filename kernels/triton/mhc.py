@@ -234,6 +234,18 @@ def _gates_bwd_kernel(mix_ptr, base_ptr, scale_ptr, gpre_ptr, gpost_ptr, gcomb_p
     tl.store(gz_ptr + t * M + cidx, gzc, mask=cm)
 
 
+_PARTS: dict = {}
+
+
+def _gate_parts(n, device):
+    """Which scale each of the (2 + n) * n gate logits takes (0 pre, 1 post, 2 comb), built once per
+    (n, device): a host list copied to the device on every backward would wait for the stream."""
+    key = (n, str(device))
+    if key not in _PARTS:
+        _PARTS[key] = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
+    return _PARTS[key]
+
+
 def hc_pre_backward(x, fn, base, scale, iters, eps, norm_eps, gpost, gcomb, gcol):
     """Gradients (x, fn, base, scale) of hc_pre (the plain fp32 math of kernels/mhc.py's
     ``_hc_pre_plain``) for the output gradients gpost [T, N], gcomb [T, N, N], gcol [T, D]: the
@@ -249,7 +261,7 @@ def hc_pre_backward(x, fn, base, scale, iters, eps, norm_eps, gpost, gcomb, gcol
     b32 = base.float().contiguous()
     pre = torch.sigmoid(mix[:, :n] * sc32[0] + b32[:n]) + eps
     gcol32 = gcol.float()
-    gpre = torch.einsum("td,tnd->tn", gcol32, x.float()).contiguous()
+    gpre = torch.bmm(f.view(T, n, d), gcol32.unsqueeze(2)).squeeze(2).contiguous()
     M = mix.shape[1]
     gz = torch.empty((T, M), device=x.device, dtype=torch.float32)
     if T:
@@ -258,7 +270,7 @@ def hc_pre_backward(x, fn, base, scale, iters, eps, norm_eps, gpost, gcomb, gcol
         _gates_bwd_kernel[(T,)](mix, b32, sc32.contiguous(), gpre, gpost.float().contiguous(),
                                 gcomb.float().contiguous(), gz, scratch, iters, float(eps), N=n, BN=BN,
                                 **({} if interpreting(x) else dict(num_warps=1)))
-    parts = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)
+    parts = _gate_parts(n, x.device)
     gmix = gz * sc32[parts]
     gscale = torch.zeros(3, device=x.device, dtype=torch.float32).index_add_(0, parts, (gz * mix).sum(0))
     gfr = gmix @ fn32
