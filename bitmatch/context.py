@@ -28,6 +28,7 @@ class ForwardContext:
     # host sync and can be captured in a CUDA graph. None: the kernels compute them (direct callers).
     max_query_len: int | None = None             # longest query chunk of the step
     max_seq_len: int | None = None               # longest context (seq_lens bound); positions < it
+    cu_seqlens_host: tuple | None = None         # cu_seqlens' values on the host (the trainer's pack)
     # every sequence of the step starts at position 0 (no cached prefix): attention may run on the
     # step's own contiguous K/V (attention_prefill over query_start_loc), same bits as the paged path
     fresh_prefill: bool = False

@@ -162,7 +162,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
         rows = torch.arange(B, device=dev).repeat_interleave(L)
         cols = torch.arange(L, device=dev).repeat(B)
         cu = torch.arange(B + 1 if L else 1, device=dev, dtype=torch.int32) * L
-        return Packed(input_ids.reshape(-1).to(torch.long), cols, cu, rows, cols, cols == 0, cols == L - 1), L
+        return Packed(input_ids.reshape(-1).to(torch.long), cols, cu, rows, cols, cols == 0, cols == L - 1,
+                      tuple(range(0, B * L + 1, L)) if L else (0,)), L
     m = attention_mask.detach().to("cpu") != 0
     rows, cols = m.nonzero(as_tuple=True)
     lengths = m.sum(1)
@@ -179,7 +180,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
         return t.to(dev, non_blocking=True)
     rows, cols = put(rows), put(cols)
     return Packed(input_ids[rows, cols].to(torch.long), put(positions), put(cu), rows, cols, put(positions == 0),
-                  put(end)), longest
+                  put(end), tuple(cu.tolist())), longest
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -253,7 +254,7 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
         check_on_device(((p.input_ids >= 0) & (p.input_ids < V)).all(), _bad_ids(lm, "got one outside"))
     # the host's longest sequence sizes attention's grid and bounds rope's table: nothing read back
     ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
-                         max_seq_len=longest)
+                         max_seq_len=longest, cu_seqlens_host=p.cu_host)
     hidden = forward_hidden(lm, p.input_ids, ctx, compute_dtype=dtype)
     # the tokens that predict a next one: all but each sequence's last, counted from the shapes
     n_src = p.input_ids.shape[0] - (p.cu_seqlens.shape[0] - 1)

@@ -53,9 +53,23 @@ def _silu64(v):
     return v / (1.0 + _exact.exp64(-v))
 
 
-def _seqs(cu):
-    c = cu.tolist()
+def _seqs(cu, cu_host=None):
+    """(start, end) of each packed sequence: from the host copy when the caller has one (the
+    trainer's layout: nothing read back), else read back from cu."""
+    c = list(cu_host) if cu_host is not None else cu.tolist()
     return list(zip(c[:-1], c[1:]))
+
+
+def _check_host_bounds(op, cu_host, cu_seqlens, T):
+    """The host copy of cu_seqlens: its shape and values checked on the host (never read back)."""
+    if cu_host is None:
+        return None
+    c = tuple(int(v) for v in cu_host)
+    if (len(c) != cu_seqlens.shape[0] or (c and (c[0] != 0 or c[-1] != T))
+            or any(b < a for a, b in zip(c[:-1], c[1:]))):
+        raise ValueError(f"{op}: cu_seqlens_host must be cu_seqlens' {cu_seqlens.shape[0]} values on the host "
+                         f"(0 first, T={T} last, non-decreasing), got {c[:8]}{'...' if len(c) > 8 else ''}")
+    return c
 
 
 # ---------------------------------------------------------------- causal conv1d
@@ -90,13 +104,21 @@ def conv1d_reference(x, weight, bias, cu, conv_state, slots, activation):
 
 
 def _conv_plain(x, weight, bias, cu, activation):
-    outs = []
-    for s, e in _seqs(cu):
-        xs = x[s:e].float().t().unsqueeze(0)
-        o = F.conv1d(xs, weight.float().unsqueeze(1), None if bias is None else bias.float(),
-                     padding=weight.shape[1] - 1, groups=weight.shape[0])[0, :, :e - s].t()
-        outs.append(F.silu(o) if activation == "silu" else o)
-    return torch.cat(outs) if outs else x.float()
+    """Differentiable fp32 conv over the packed tokens at once (the backward): tap j reads the
+    token K-1-j back when it is in the same sequence (its offset in the sequence >= K-1-j), a
+    zero before the sequence's start. Nothing is read back to the host."""
+    T, K = x.shape[0], weight.shape[1]
+    lens = (cu[1:] - cu[:-1]).long()
+    offset = torch.arange(T, device=x.device) - torch.repeat_interleave(cu[:-1].long(), lens, output_size=T)
+    xf, w = x.float(), weight.float()
+    acc = xf * w[:, K - 1]
+    for j in range(K - 1):
+        back = K - 1 - j
+        shifted = torch.cat([xf.new_zeros(min(back, T), xf.shape[1]), xf[:max(T - back, 0)]])
+        acc = acc + torch.where((offset >= back).unsqueeze(1), shifted, 0.0) * w[:, j]
+    if bias is not None:
+        acc = acc + bias.float()
+    return F.silu(acc) if activation == "silu" else acc
 
 
 class _ConvFunction(torch.autograd.Function):
@@ -256,28 +278,44 @@ def scan_reference(x, dt, A, B, C, D, Q, cu, seq_start, cache, slots):
     return y
 
 
-def scan_plain(x, dt, A, B, C, D, Q, cu):
+def _chunk_layout(seqs, Q, T, dev):
+    """Every chunk of every sequence, built on the host and uploaded without a stream sync: token
+    index of each chunk position [nc, Q] (clamped) and whether it is real, each chunk's cell on a
+    [sequence, chunk index] grid [nc], each packed token's flat position in the [nc * Q] chunk
+    rows [T], the grid's shape."""
+    starts, lens, cells, rows = [], [], [], []
+    width = max([(e - s + Q - 1) // Q for s, e in seqs] + [1])
+    for b, (s, e) in enumerate(seqs):
+        for j, c in enumerate(range(s, e, Q)):
+            rows.extend(range(len(starts) * Q, len(starts) * Q + min(Q, e - c)))
+            starts.append(c)
+            lens.append(min(Q, e - c))
+            cells.append(b * width + j)
+    q = torch.arange(Q)
+    idx = (torch.tensor(starts, dtype=torch.long)[:, None] + q[None, :]).clamp(max=max(T - 1, 0))
+    valid = q[None, :] < torch.tensor(lens, dtype=torch.long)[:, None]
+
+    def put(t):  # host -> device without a stream sync (pageable memory is staged at the call)
+        return t.to(dev, non_blocking=True)
+    return (put(idx), put(valid), put(torch.tensor(cells, dtype=torch.long)), put(torch.tensor(rows, dtype=torch.long)),
+            len(seqs), width)
+
+
+def scan_plain(x, dt, A, B, C, D, Q, cu, cu_host=None):
     """Differentiable fp32 SSD in torch (dt after softplus): the backward, and a device-side parity
     reference for benchmarks. Not invariant. Every chunk of every sequence at once (chunks padded
     to Q with dt = 0, x = 0: no decay, no input), then the states entering the chunks as one
-    decay-weighted sum over earlier chunks: the same few dozen launches per call at any length."""
+    decay-weighted sum over earlier chunks: the same few dozen launches per call at any length.
+    ``cu_host``: cu's values on the host (the trainer's packed layout); then nothing is read back."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     rep = H // G
     dev = x.device
-    starts, lens, seq, pos = [], [], [], []  # each chunk: first token, length, sequence, index in it
-    for b, (s, e) in enumerate(_seqs(cu)):
-        for j, c in enumerate(range(s, e, Q)):
-            starts.append(c)
-            lens.append(min(Q, e - c))
-            seq.append(b)
-            pos.append(j)
-    nc = len(starts)
-    if nc == 0:
+    seqs = [(s, e) for s, e in _seqs(cu, cu_host) if e > s]
+    if not seqs:
         return x.new_zeros(T, H, P, dtype=torch.float32)
-    q = torch.arange(Q, device=dev)
-    valid = q[None, :] < torch.tensor(lens, device=dev)[:, None]                 # [nc, Q]
-    idx = (torch.tensor(starts, device=dev)[:, None] + q[None, :]).clamp(max=T - 1)
+    idx, valid, flat, out_rows, nseq, width = _chunk_layout(seqs, Q, T, dev)
+    nc = idx.shape[0]
 
     def rows(t):  # [T, ...] -> [nc, Q, ...] fp32, zeros past each chunk's end
         v = t[idx].float()
@@ -296,8 +334,6 @@ def scan_plain(x, dt, A, B, C, D, Q, cu):
     # chunks strictly between them, exp(sum_{i<m<j} last_m). On a [sequence, chunk index] grid, the
     # segment sums are cumulative sums of masked copies (each its own sum, no difference of two
     # long cumulative sums), so one product covers every chunk: no step per chunk index
-    nseq, width = max(seq) + 1, max(pos) + 1
-    flat = torch.tensor(seq, device=dev) * width + torch.tensor(pos, device=dev)  # chunk -> grid cell
     lastg = last.new_zeros(nseq * width, H).index_copy(0, flat, last).view(nseq, width, H)
     ownv = own.view(nc, H * P * N)
     owng = ownv.new_zeros(nseq * width, H * P * N).index_copy(0, flat, ownv).view(nseq, width, H, P, N)
@@ -311,7 +347,8 @@ def scan_plain(x, dt, A, B, C, D, Q, cu):
     S_in = enter.flatten(0, 1)[flat]
     yo = torch.einsum("clhn,chpn->clhp", Cs, S_in) * torch.exp(acum).unsqueeze(-1)
     y = yd + yo + (0.0 if D is None else D.float().view(1, 1, -1, 1) * xs)
-    return y[valid]  # chunks in sequence order, positions ascending: the packed rows in order
+    # the packed rows in order (an index, not a boolean mask: no data-dependent shape to read back)
+    return y.reshape(nc * Q, H, P).index_select(0, out_rows)
 
 
 def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache, slots):
@@ -323,26 +360,26 @@ def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cach
 
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min):
+    def forward(ctx, x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, cu_host):
         ctx.save_for_backward(x, dt_raw, A, B, C, D, dt_bias, cu)
-        ctx.cfg = (Q, dt_min)
+        ctx.cfg = (Q, dt_min, cu_host)
         return _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, None, None, None)
 
     @staticmethod
     def backward(ctx, g):
         x, dt_raw, A, B, C, D, dt_bias, cu = ctx.saved_tensors
-        Q, dt_min = ctx.cfg
+        Q, dt_min, cu_host = ctx.cfg
 
         def plain(x_, dr, A_, B_, C_, D_, db):
             z = dr.float() + (0.0 if db is None else db.float())
             dt = F.softplus(z).clamp(min=dt_min)
-            return scan_plain(x_, dt, A_, B_, C_, D_, Q, cu)
+            return scan_plain(x_, dt, A_, B_, C_, D_, Q, cu, cu_host)
         grads = recompute_grads(plain, (x, dt_raw, A, B, C, D, dt_bias), ctx.needs_input_grad[:7], (g,))
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=None, dt_min=0.0,
-                     seq_start=None, cache=None, state_slots=None):
+                     seq_start=None, cache=None, state_slots=None, cu_seqlens_host=None):
     """Mamba2 SSD over packed sequences on the canonical chunk schedule (module docstring).
 
     x [T, H, P], dt [T, H] (raw, before dt_bias and softplus), B, C [T, G, N] (bf16|fp32, one
@@ -351,6 +388,8 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
     (ssm_state [S, H, P, N] fp32, x_buf [S, Q, H, P], B_buf [S, Q, G, N], dt_buf [S, Q, H] fp32)
     and ``state_slots`` [B], sequence b starts at position ``seq_start[b]``: its slot holds the
     state at the start of the open chunk and that chunk's earlier positions; both are updated.
+    ``cu_seqlens_host``: cu_seqlens' values as host ints (the trainer's packed layout), which the
+    backward reads instead of reading cu_seqlens back (no host sync in a training step).
     Invariance: a token's y depends only on its sequence's inputs up to it, never on the batch
     or on how the sequence was split into calls (prefill, chunked prefill, decode).
     """
@@ -372,6 +411,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"{op}: x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
     _check_total(op, cu_seqlens, T)
+    cu_host = _check_host_bounds(op, cu_seqlens_host, cu_seqlens, T)
     if not (isinstance(dt_min, (int, float)) and math.isfinite(dt_min) and dt_min >= 0):
         raise ValueError(f"{op}: dt_min must be a finite float >= 0, got {dt_min!r}")
     nb = cu_seqlens.shape[0] - 1
@@ -393,7 +433,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
                              chunk_size, cu_seqlens, float(dt_min), seq_start, cache, state_slots)
     args = (x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), Df, dt_bias)
     if needs_autograd(*args):
-        return _ScanFunction.apply(*args, chunk_size, cu_seqlens, float(dt_min))
+        return _ScanFunction.apply(*args, chunk_size, cu_seqlens, float(dt_min), cu_host)
     return _scan_forward(*args, chunk_size, cu_seqlens, float(dt_min), None, None, None)
 
 

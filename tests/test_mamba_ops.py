@@ -218,6 +218,29 @@ def test_packed_gradients_match_each_sequence_through_hf():
         torch.testing.assert_close(a.grad, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad {name}: {m}")
 
 
+def test_conv_packed_gradients_match_each_sequence_alone():
+    """The conv's backward over packed sequences (all tokens at once, taps masked at each
+    sequence's start; empty and length-1 sequences included) equals float64 autograd of a
+    per-sequence depthwise conv1d."""
+    import torch.nn.functional as F
+    lens = [5, 0, 1, 9, 3]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    g = torch.Generator().manual_seed(31)
+    x, w, b = torch.randn(sum(lens), 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    gy = torch.randn(sum(lens), 6, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    (K.causal_conv1d(*leaves, cu) * gy).sum().backward()
+    ref = [t.double().requires_grad_(True) for t in (x, w, b)]
+    outs = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if e > s:
+            o = F.conv1d(ref[0][s:e].t()[None], ref[1][:, None], ref[2], padding=3, groups=6)[0, :, :e - s].t()
+            outs.append(F.silu(o))
+    (torch.cat(outs) * gy.double()).sum().backward()
+    for name, a, r in zip("x weight bias".split(), leaves, ref):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
 def _ops_of(fn):
     """Dispatched torch ops of fn() (forward and backward): the host cost a GPU step pays per op."""
     from torch.utils._python_dispatch import TorchDispatchMode

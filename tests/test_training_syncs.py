@@ -4,7 +4,8 @@ A host read on CUDA stalls the CPU until the GPU drains, so Python's launch over
 hiding behind GPU work: a Qwen3-MoE step with a few per layer was host-bound at 0.56x HF. Here
 ``bitmatch.token_logprobs`` forward + backward runs on the Triton backend in the interpreter (the
 branch CUDA takes: ``kernels.host_readable`` is False on the Triton backend) under the host-read
-detector of tests/host_reads.py, for a tiny dense Qwen3 and a tiny Qwen3-MoE:
+detector of tests/host_reads.py, for a tiny dense Qwen3 and a tiny Qwen3-MoE (and, without a mask,
+a tiny Nemotron-H):
 - no mask: zero reads (lengths and the longest sequence come from the shape);
 - a mask: reads only on its host copy (the mask is read once, before any launch; a CPU mask not
   at all), none in the forward or the backward;
@@ -69,6 +70,37 @@ def test_training_step_reads_nothing_on_the_host(model):
     assert not reads, "host reads in the training step:\n" + "\n".join(f"{w}: {s}" for w, s in reads)
 
 
+def _hybrid():
+    # every block type; chunk 16 (the Triton scan's smallest)
+    from bitmatch.models import nemotron_h as NH
+    m = bitmatch.patch(NH.FAMILY.tiny_model(dtype=torch.float32, seed=1, chunk_size=16))
+    m.train()
+    return m
+
+
+def test_hybrid_step_reads_nothing_on_the_host():
+    # Nemotron-H: the Mamba backward builds its chunk layout from the trainer's host copy of the
+    # boundaries, attention takes the host's longest sequence, the packed-start check is an
+    # asynchronous device assert
+    ids = torch.randint(3, 60, (3, 21), generator=torch.Generator().manual_seed(2))
+    reads = _reads(_hybrid(), ids, None)
+    assert not reads, "host reads in the training step:\n" + "\n".join(f"{w}: {s}" for w, s in reads)
+
+
+def test_control_mamba_backward_without_the_host_layout_reads_back(monkeypatch):
+    # the detector's control for the hybrid: without the trainer's host copy of cu_seqlens the Mamba
+    # backward reads the boundaries back
+    from bitmatch.context import ForwardContext
+    orig = ForwardContext.__init__
+
+    def no_host_copy(self, *a, **kw):
+        orig(self, *a, **kw)
+        self.cu_seqlens_host = None
+    monkeypatch.setattr(ForwardContext, "__init__", no_host_copy)
+    reads = _reads(_hybrid(), torch.randint(3, 60, (3, 21), generator=torch.Generator().manual_seed(2)), None)
+    assert any("scan_plain" in s for _, s in reads), reads
+
+
 def test_masked_step_reads_only_the_masks_host_copy(model):
     reads = _reads(model, *_batch(masked=True))
     # _refuse_mask_holes and pack_rows read the CPU copy token_logprobs takes of the mask (on CUDA:
@@ -108,11 +140,12 @@ def test_host_layout_is_the_device_paths(rows):
     for f in ("input_ids", "positions", "cu_seqlens", "rows", "cols", "seq_start", "seq_end"):
         a, b = getattr(got, f), getattr(want, f)
         assert a.dtype == b.dtype and torch.equal(a, b), (f, a, b)
+    assert got.cu_host == tuple(want.cu_seqlens.tolist())
     lengths = mask.sum(1)
     assert longest == int(lengths.max())
     if mask.all():  # no mask: the layout from the shape alone
         full, longest = trainer.pack_rows(ids, None)
-        assert longest == mask.shape[1]
+        assert longest == mask.shape[1] and full.cu_host == tuple(want.cu_seqlens.tolist())
         for f in ("input_ids", "positions", "cu_seqlens", "rows", "cols", "seq_start", "seq_end"):
             assert torch.equal(getattr(full, f), getattr(want, f)), f
 

@@ -83,12 +83,17 @@ def embed(lm, input_ids, dtype):
 
 
 def check_packed_starts(spec: NemotronHSpec, ctx: ForwardContext) -> None:
-    """Refuse a packed (unpaged) context whose sequences do not start at position 0."""
-    if (not ctx.paged and spec.mamba_layers and ctx.cu_seqlens is not None and ctx.positions.numel()
-            and bool((ctx.positions[ctx.cu_seqlens[:-1].long()] != 0).any())):
-        raise ValueError("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at "
-                         "position 0 (chunks are aligned to absolute positions; a continuation needs "
-                         "the engine's per-sequence state)")
+    """Refuse a packed (unpaged) context whose sequences do not start at position 0 (on the
+    device, an asynchronous assert: a read back would stall the step)."""
+    if ctx.paged or not spec.mamba_layers or ctx.cu_seqlens is None or not ctx.positions.numel():
+        return
+    msg = ("bitmatch: Nemotron-H's Mamba layers need every packed sequence to start at position 0 (chunks "
+           "are aligned to absolute positions; a continuation needs the engine's per-sequence state)")
+    starts = ctx.positions[ctx.cu_seqlens[:-1].long().clamp(max=ctx.positions.numel() - 1)]
+    if not K.host_readable(starts):
+        K.check_on_device((starts == 0).all(), msg)
+    elif bool((starts != 0).any()):
+        raise ValueError(msg)
 
 
 def _rec(rec, name, v):
@@ -138,7 +143,8 @@ def attend(q, k, v, ctx: ForwardContext, spec: NemotronHSpec, i):
         kc, vc = ctx.cache("kv", i)
         K.write_kv_cache(k, v, kc, vc, ctx.slot_mapping)
         return dense.paged_attention(K, q, k, v, kc, vc, ctx, spec.scale)
-    return K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True)
+    # the host's longest sequence (pack's metadata) sizes the grid: no read of cu_seqlens back
+    return K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, max_seqlen=ctx.max_query_len)
 
 
 def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
@@ -178,13 +184,14 @@ def mamba_mixer(z, xbc, dt, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, 
         slots, start = ctx.state_slots, ctx.positions[ctx.query_start_loc[:-1].long()]
     else:
         cu, state, slots, start = ctx.cu_seqlens, None, None, None
+    scan_kw = {} if ctx.paged else dict(cu_seqlens_host=ctx.cu_seqlens_host)
     xbc = K.causal_conv1d(xbc.contiguous(), conv_weight, conv_bias, cu,
                           conv_state=None if state is None else state[0], state_slots=slots)
     _rec(rec, f"{prefix}.conv1d", xbc)
     xs, B, C = xbc.split([inter, G * N, G * N], dim=-1)
     y = K.mamba_chunk_scan(xs.reshape(T, Hm, Pm), dt.contiguous(), A, B.reshape(T, G, N), C.reshape(T, G, N),
                            spec.chunk_size, cu, D=D, dt_bias=dt_bias, dt_min=spec.dt_min, seq_start=start,
-                           cache=None if state is None else state[1:], state_slots=slots)
+                           cache=None if state is None else state[1:], state_slots=slots, **scan_kw)
     _rec(rec, f"{prefix}.scan", y)
     y = K.gated_rms_norm(y.reshape(T, inter), z.contiguous(), norm_weight, group_size, eps)
     _rec(rec, f"{prefix}.norm", y)

@@ -17,6 +17,7 @@ class Packed:
     cols: torch.Tensor         # [T] int64, column of each packed token
     seq_start: torch.Tensor    # [T] bool, first token of its sequence
     seq_end: torch.Tensor      # [T] bool, last token of its sequence
+    cu_host: tuple | None = None  # cu_seqlens' values on the host, when the layout was built there
 
     def context(self) -> ForwardContext:
         return ForwardContext(positions=self.positions, cu_seqlens=self.cu_seqlens)
