@@ -441,7 +441,7 @@ def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if p.input_ids.numel() == 0:
         return out
     ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
-                         max_seq_len=longest)
+                         max_seq_len=longest, cu_seqlens_host=p.cu_host)
     hidden = shard.forward_hidden(p.input_ids, ctx)
     src = torch.nonzero(~p.seq_end)[:, 0]
     if src.numel() == 0:
