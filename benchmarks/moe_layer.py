@@ -229,9 +229,9 @@ def backward_rows(K, TMB, cfg, conf, blk, ours, gmm, hf_block, T):
             gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None)
         # what autograd runs: the forward's saved pre-activations instead of recomputing x W_in
         from bitmatch.kernels.triton import moe as TM  # main imports it after the device setup
-        _, h_kept = TM.moe_experts(x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, keep_h=True)
+        _, kept = TM.moe_experts(x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, keep_h=True)
         sides["ours_experts_bwd_kernels_saved_h"] = lambda: TMB.moe_experts_backward(
-            gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, h=h_kept)
+            gout, x.detach(), ids, w, w_in.detach(), w_out.detach(), "swiglu", None, kept=kept)
     for name, fn in sides.items():
         ms[name] = bench(fn, cfg.rep, dev)
         mem[name] = peak_mem(fn, dev)
@@ -273,13 +273,13 @@ def bwd_variants(TMB, cfg, *args):
     free in the backward; this run picks the table's entries)."""
     from bitmatch.kernels.triton import moe as TM
     g, x, ids, w, w_in, w_out = args
-    h = TM.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, keep_h=True)[1]
-    base = TMB.moe_experts_backward(*args, "swiglu", None, h=h)
+    kept = TM.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, keep_h=True)[1]
+    base = TMB.moe_experts_backward(*args, "swiglu", None, kept=kept)
     out = {"table": list(TMB.bwd_config_for(args[2].numel(), cfg.experts))}
     for c in BWD_VARIANTS:
         try:
-            got = TMB.moe_experts_backward(*args, "swiglu", None, config=c, h=h)
-            out[str(c)] = {"ms": bench(lambda: TMB.moe_experts_backward(*args, "swiglu", None, config=c, h=h),
+            got = TMB.moe_experts_backward(*args, "swiglu", None, config=c, kept=kept)
+            out[str(c)] = {"ms": bench(lambda: TMB.moe_experts_backward(*args, "swiglu", None, config=c, kept=kept),
                                        cfg.rep, cfg.device),
                            "max_rel_diff_vs_table": max(float((a.float() - b.float()).abs().max() /
                                                               b.float().abs().max()) for a, b in zip(got, base))}

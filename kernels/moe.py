@@ -92,7 +92,10 @@ class RouteFunction(torch.autograd.Function):
         scoring, renormalize, scaling = ctx.cfg
 
         def plain(z):  # the selection is piecewise constant: gradients flow through the weights
-            return _finish_weights(_scores_plain(z, scoring).gather(1, ids), renormalize, scaling)
+            w = _scores_plain(z, scoring).gather(1, ids)
+            if renormalize:  # one sum, not the forward's rank-order fold: a gradient, not bits
+                w = w / (w.sum(1, keepdim=True) + RENORM_EPS)
+            return w * scaling
         (gl,) = recompute_grads(plain, (logits,), ctx.needs_input_grad[:1], (gw,))
         return gl, None, None, None, None, None
 
@@ -230,13 +233,13 @@ class ExpertsFunction(torch.autograd.Function):
         # the backward thread does not see use_backend: keep the forward's choice
         ctx.backend = backend_for(x)
         if ctx.backend == "reference":
-            ctx.h = None
+            ctx.kept = None
             return experts_reference(x, ids, weights, w_in, w_out, activation, limit)
         # with a backward to come, the pre-activations too (same forward bits, one kernel binary):
         # the backward then skips recomputing x W_in
         keep = any(ctx.needs_input_grad[:4])
         res = triton_impl("moe", "moe_experts")(x, ids, weights, w_in, w_out, activation, limit, keep_h=keep)
-        out, ctx.h = res if keep else (res, None)
+        out, ctx.kept = res if keep else (res, None)
         return out
 
     @staticmethod
@@ -248,8 +251,8 @@ class ExpertsFunction(torch.autograd.Function):
             grads = experts_backward_reference(g.to(x.dtype), x, ids, weights, w_in, w_out, activation, limit)
         else:
             grads = triton_impl("moe_bwd", "moe_experts_backward")(
-                g.to(x.dtype).contiguous(), x, ids, weights, w_in, w_out, activation, limit, needs, h=ctx.h)
-            ctx.h = None
+                g.to(x.dtype).contiguous(), x, ids, weights, w_in, w_out, activation, limit, needs, kept=ctx.kept)
+            ctx.kept = None
         return (*(gr if n else None for gr, n in zip(grads, needs)), None, None, None)
 
 

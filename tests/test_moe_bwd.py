@@ -70,13 +70,13 @@ def _assert_close(got, want, dtype, bf16_tol=0.02):
         assert ok, f"{name}: max |diff| {float(err.max()):.3g} at {divmod(int(err.argmax()), b.shape[-1])}"
 
 
-def _triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, config=CFG, h=None):
+def _triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, config=CFG, kept=None):
     from bitmatch.kernels.triton.moe_bwd import moe_experts_backward
-    return moe_experts_backward(g, x, ids, w, w_in, w_out, activation, limit, config=config, h=h)
+    return moe_experts_backward(g, x, ids, w, w_in, w_out, activation, limit, config=config, kept=kept)
 
 
 def _saved_h(x, ids, w, w_in, w_out, activation, limit):
-    """(out, h) of the Triton forward asked to keep the pre-activations, and its plain out."""
+    """(out, Kept) of the Triton forward asked to keep the pre-activations, and its plain out."""
     from bitmatch.kernels.triton.moe import moe_experts
     kept = moe_experts(x, ids, w, w_in, w_out, activation, limit, config=FWD_CFG, keep_h=True)
     plain = moe_experts(x, ids, w, w_in, w_out, activation, limit, config=FWD_CFG)
@@ -95,26 +95,29 @@ def test_triton_backward_matches_float64(activation, limit, E, k):
 
 @pytest.mark.parametrize("activation,limit,E,k", CASES)
 def test_triton_backward_from_saved_h_matches_float64(activation, limit, E, k):
-    """The backward reading the forward's saved pre-activations h (what autograd does) instead of
-    recomputing x W_in: the same gradients within the same tolerance; keeping h does not change
-    the forward's output bits (one kernel, a runtime flag), and h is the rounded x W_in."""
+    """The backward reading what the forward kept (what autograd does): the pre-activations h
+    instead of recomputing x W_in, and the forward's sort: the same gradients within the same
+    tolerance; keeping them does not change the forward's output bits (one kernel, a runtime
+    flag), h is the rounded x W_in and the sort is a fresh one's."""
     x, ids, w, w_in, w_out, g = _case(activation, E, k, seed=E + k)
-    (out, h), plain = _saved_h(x, ids, w, w_in, w_out, activation, limit)
+    (out, kept), plain = _saved_h(x, ids, w, w_in, w_out, activation, limit)
     assert torch.equal(out, plain)
     order = torch.sort(ids.reshape(-1), stable=True).indices
+    assert torch.equal(kept.order, order) and torch.equal(kept.tok, order // k)
+    assert torch.equal(kept.counts, torch.bincount(ids.reshape(-1), minlength=E))
     tok, eid = order // k, ids.reshape(-1)[order]
     h64 = torch.einsum("sh,snh->sn", x[tok].double(), w_in[eid].double())
-    torch.testing.assert_close(h.double(), h64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept.h.double(), h64, rtol=1e-5, atol=1e-5)
     want = _grads64(x, ids, w, w_in, w_out, g, activation, limit)
-    _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, h=h), want, F32)
+    _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, activation, limit, kept=kept), want, F32)
 
 
 def test_control_a_wrong_saved_h_fails():
     """The backward reads h: a perturbed h moves the gradients past the tolerance."""
     x, ids, w, w_in, w_out, g = _case("relu2", 8, 2, seed=10)
-    (_, h), _ = _saved_h(x, ids, w, w_in, w_out, "relu2", None)
+    (_, kept), _ = _saved_h(x, ids, w, w_in, w_out, "relu2", None)
     with pytest.raises(AssertionError):
-        _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, "relu2", None, h=h * 1.01),
+        _assert_close(_triton_bwd(x, ids, w, w_in, w_out, g, "relu2", None, kept=kept._replace(h=kept.h * 1.01)),
                       _grads64(x, ids, w, w_in, w_out, g, "relu2", None), F32)
 
 

@@ -15,6 +15,8 @@ No host synchronisation: the tile grid is sized by its upper bound cdiv(T*k, BM)
 and programs past the real tile count return at once (so the launch is CUDA-graph capturable).
 The backward (kernels/triton/moe_bwd.py) reuses expert_layout and expert_tile.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -213,35 +215,60 @@ def _k_chunk(N, K, BK):
     return split, k_chunk, (K % BK == 0) and (k_chunk % BK == 0)
 
 
-def expert_layout(ids, E, BM):
+class Kept(NamedTuple):
+    """What moe_experts(keep_h=True) keeps for the backward: the rounded pre-activations h
+    [T*k, N_in] of the sorted rows, and the sort itself (order, tok, counts, row_start: none of
+    them depends on a tile size), so the backward neither recomputes x W_in nor sorts again."""
+    h: torch.Tensor
+    order: torch.Tensor
+    tok: torch.Tensor
+    counts: torch.Tensor
+    row_start: torch.Tensor
+
+
+def sorted_rows(ids, E):
     """The (token, rank) rows sorted by expert, on the device, no host sync: order (sorted row ->
-    flat t*k + r), tok (sorted row -> token), counts and row_start per expert, tile_end (cumulative
-    BM-row tiles per expert, read by expert_tile) and grid_m, an upper bound of the tile count."""
-    S = ids.numel()
+    flat t*k + r), tok (sorted row -> token), counts and row_start per expert."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     # integer scatter-add: exact, and unlike bincount it never asks the host for max(ids)
     counts = torch.zeros(E, device=ids.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
-    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
     row_start = torch.cumsum(counts, 0) - counts
     tok = torch.div(order, ids.shape[1], rounding_mode="floor")
-    return order, tok, counts, row_start, tile_end, triton.cdiv(S, BM) + min(E, S)
+    return order, tok, counts, row_start
+
+
+def row_tiles(counts, BM, S):
+    """tile_end (cumulative BM-row tiles per expert, read by expert_tile) and grid_m, an upper
+    bound of the tile count (no host sync)."""
+    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
+    return tile_end, triton.cdiv(S, BM) + min(counts.shape[0], S)
+
+
+def expert_layout(ids, E, BM):
+    """sorted_rows and row_tiles: (order, tok, counts, row_start, tile_end, grid_m)."""
+    order, tok, counts, row_start = sorted_rows(ids, E)
+    return (order, tok, counts, row_start, *row_tiles(counts, BM, ids.numel()))
 
 
 def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, keep_h=False):
     """x [T, H], ids int64 [T, k], weights fp32 [T, k], w_in [E, N_in, H], w_out [E, H, I]
     (all contiguous) -> [T, H] in x.dtype. ``config`` overrides the table (benchmarks).
 
-    ``keep_h``: return (out, h) with h [T * k, N_in] the rounded pre-activations of the sorted
-    rows (gate then up for swiglu, unclamped), which the backward reads instead of recomputing
-    x W_in; the same kernel binary either way (a runtime flag), so out's bits do not change."""
+    ``keep_h``: return (out, Kept) with Kept.h [T * k, N_in] the rounded pre-activations of the
+    sorted rows (gate then up for swiglu, unclamped) and the sort, which the backward reads
+    instead of recomputing x W_in and sorting again; the same kernel binary either way (a
+    runtime flag), so out's bits do not change."""
     T, H = x.shape
     k = ids.shape[1]
     E, n_in, _ = w_in.shape
     I = w_out.shape[2]
     out = torch.empty((T, H), device=x.device, dtype=x.dtype)
     if T == 0:
-        return (out, torch.empty((0, n_in), device=x.device, dtype=x.dtype)) if keep_h else out
+        if not keep_h:
+            return out
+        none = ids.new_empty(0)
+        return out, Kept(x.new_empty((0, n_in)), none, none, ids.new_zeros(E), ids.new_zeros(E))
     S = T * k
     BM, BN1, BN2, BK, warps, stages = config or config_for(S, E)
     interp = interpreting(x)
@@ -262,7 +289,7 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, ke
         a, w_out, order, y, tile_end, counts, row_start, H, I, E, kc2, SPLIT=split2, BM=BM, BN=BN2,
         BK=BK, BLOCK_E=block_e, EVEN_K=even2, INTERP=interp, PREC=prec, **kw)
     _launch_combine(y, weights, out, T, k, H, interp)
-    return (out, h) if keep_h else out
+    return (out, Kept(h, order, tok, counts, row_start)) if keep_h else out
 
 
 def _launch_combine(y, weights, out, T, k, H, interp):

@@ -4,7 +4,7 @@ forward's layout, kernels/triton/moe.py expert_layout), no per-expert host loop,
 With g = dL/dout [T, H], rows sorted by expert e and G = g_t W_out[e] (unscaled by the weight):
 - _act_bwd_kernel (row tiles of one expert x BN columns of I): G by a dot over K = H; gate/up
   read from the forward's rounded pre-activations h (moe_experts(keep_h=True): what autograd
-  saves) or, without them, recomputed by two more dots; a at the forward's rounding points;
+  saves, with the forward's sort) or, without them, recomputed by two more dots; a at the forward's rounding points;
   dA = w[t, r] * G (fp32);
   the activation backward (swiglu with the optional DeepSeek-V4 clamps, relu2) gives dH, stored
   in the compute dtype; stores a * w[t, r] (for dW_out) and the partial <G, a> of its columns
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import interpreting
 from ._jit import dot
-from .moe import ACT_CODE, expert_layout, expert_tile
+from .moe import ACT_CODE, expert_layout, expert_tile, row_tiles
 
 # (max average rows per expert, (BM, BN, BK, warps, stages) for _act_bwd_kernel and _dx_kernel (2 BN),
 # (BN, BK, BM, warps, stages) for _wgrad_kernel): launch knobs, never part of any bits.
@@ -177,11 +177,12 @@ def _dx_kernel(dh_ptr, w_in_ptr, order_ptr, dxr_ptr, tile_end_ptr, counts_ptr, r
 
 
 def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, needs=(True,) * 4, config=None,
-                         h=None):
+                         kept=None):
     """Gradients (dx, d weights, d w_in, d w_out) of moe_experts for dL/dout = g [T, H] (all
     contiguous; entries of ``needs`` False come back None). fp32 accumulation; dx, dw_in, dw_out
     in the parameters' dtype, d weights in fp32. ``config`` overrides bwd_config_for (benchmarks).
-    ``h``: the forward's pre-activations (moe_experts(keep_h=True)); None: recomputed.
+    ``kept``: what the forward kept (moe_experts(keep_h=True): the pre-activations and the sort);
+    None: both recomputed.
 
     Invariance: none promised (a backward needs correct gradients); deterministic run to run.
     """
@@ -199,7 +200,12 @@ def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, nee
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
     wkw = {} if interp else dict(num_warps=wwarps, num_stages=wstages)
-    order, tok, counts, row_start, tile_end, grid_m = expert_layout(ids, E, BM)
+    if kept is None:
+        h = None
+        order, tok, counts, row_start, tile_end, grid_m = expert_layout(ids, E, BM)
+    else:
+        h, order, tok, counts, row_start = kept
+        tile_end, grid_m = row_tiles(counts, BM, S)
     block_e = triton.next_power_of_2(E)
     dev, dt = x.device, x.dtype
     aw = torch.empty((S, I), device=dev, dtype=dt)          # w[t, r] * a, sorted rows
