@@ -9,7 +9,8 @@ output, because K = V carried the key's rotation into the values.
 Rounding points (HF's): cos/sin rounded to x.dtype, then each product and the sum in fp32,
 one rounding to x.dtype. These are elementwise IEEE operations (correctly rounded on every
 code path and backend, never fused), so they are written as plain torch ops: each element's
-bits depend on its own inputs alone, and autograd differentiates them as they are.
+bits depend on its own inputs alone. The gradient is the opposite rotation of the output's
+gradient, computed by the same ops (one autograd node, not a dozen).
 """
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if cos.shape != (t_, half) or sin.shape != cos.shape or not 0 < 2 * half <= d:
         raise ValueError(f"{op}: cos/sin must be [T={t_}, R/2] with R <= D={d}, got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
+    if x.requires_grad and torch.is_grad_enabled() and not (cos.requires_grad or sin.requires_grad):
+        out = _RotaryInterleavedFunction.apply(x, cos, sin, inverse)
+    else:
+        out = _rotate(x, cos, sin, inverse)
+    return out.squeeze(1) if squeeze else out
+
+
+class _RotaryInterleavedFunction(torch.autograd.Function):
+    """The rotation's gradient is the opposite rotation of the output gradient (an orthogonal map
+    per pair; the nope channels pass through): one call of the same ops instead of autograd
+    recording and walking back a dozen (cos / sin are table rows: no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, inverse):
+        ctx.save_for_backward(cos, sin)
+        ctx.inverse = inverse
+        return _rotate(x, cos, sin, inverse)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g.contiguous(), cos, sin, not ctx.inverse), None, None, None
+
+
+def _rotate(x, cos, sin, inverse):
+    """x [T, H, D] rotated (HF's rounding points, see the module docstring)."""
+    d = x.shape[-1]
+    half = cos.shape[-1]
     dt = x.dtype
     c = cos.to(dt).float().unsqueeze(1)
     s = sin.to(dt).float().unsqueeze(1)
@@ -49,5 +78,4 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     oe = xe * c + (-xo) * s
     oo = xo * c + xe * s
     rot = torch.stack([oe, oo], dim=-1).flatten(-2).to(dt)
-    out = torch.cat([nope, rot], dim=-1)
-    return out.squeeze(1) if squeeze else out
+    return torch.cat([nope, rot], dim=-1)

@@ -312,6 +312,24 @@ def test_interleaved_rotary_is_hf_bit_for_bit_and_inverse_undoes_it(dtype):
     assert (back - x.float()).abs().max() < (1e-5 if dtype == torch.float32 else 5e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_interleaved_rotary_gradient_is_autograds_of_the_plain_ops(dtype, inverse):
+    # the op's one-node backward (the opposite rotation of the gradient) has the bits autograd
+    # gets walking back through the plain ops, 2-D inputs included
+    from bitmatch.kernels import rotary_interleaved as RI
+    cos, sin = K.rotary_cos_sin(torch.arange(6) * 5, 16, 10000.0)
+    for shape in ((6, 3, 24), (6, 24)):
+        x = torch.randn(*shape, generator=_g(41)).to(dtype)
+        g = torch.randn(*shape, generator=_g(42)).to(dtype)
+        a = x.clone().requires_grad_()
+        K.apply_rotary_interleaved(a, cos, sin, inverse=inverse).backward(g)
+        b = x.clone().requires_grad_()
+        out = RI._rotate(b if b.dim() == 3 else b.unsqueeze(1), cos, sin, inverse)
+        out.reshape(shape).backward(g)
+        assert_bitwise_equal(a.grad, b.grad, f"rotary backward {shape}")
+
+
 def test_bad_inputs_are_named():
     q, pos, kv, ent, mask, sinks = _attn_case(torch.float32)
     with pytest.raises(ValueError, match="sinks"):
