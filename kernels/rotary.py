@@ -91,14 +91,15 @@ def _angles_cos_sin(positions_cpu, inv, attn_factor, dtype):
     return cos.to(dtype), sin.to(dtype)
 
 
-def _table(key, n, inv, attn_factor, dtype, device):
+def _table(key, n, freqs, dtype, device):
     """(cos, sin) rows of positions 0..>=n-1 in ``dtype`` on ``device``, built once per rope
     config (grown by doubling): a row is the same function of its position as a direct
-    computation, so a gathered row has its bits; a forward pays no CPU math, one host sync."""
+    computation, so a gathered row has its bits; a forward pays no CPU math, one host sync.
+    ``freqs()``: (inv_freq, attn_factor), computed only when a table is built."""
     t = _TABLES.get(key)
     if t is None or t[0].shape[0] < n:
         size = max(_TABLE_MIN, 1 << (n - 1).bit_length())
-        cos, sin = _angles_cos_sin(torch.arange(size), inv, attn_factor, dtype)
+        cos, sin = _angles_cos_sin(torch.arange(size), *freqs(), dtype)
         if t is not None:
             _RETIRED.append(t)
         t = _TABLES[key] = (cos.to(device), sin.to(device))
@@ -122,7 +123,8 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling:
         raise ValueError(f"rotary_cos_sin: head_dim must be even, got {head_dim}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"rotary_cos_sin: dtype must be bfloat16 or float32, got {dtype}")
-    inv, attn_factor = _inv_freq(head_dim, base, scaling, max_position_embeddings)
+    def freqs():
+        return _inv_freq(head_dim, base, scaling, max_position_embeddings)
     pos = positions.detach().reshape(-1)
     lo = hi = None
     if max_seq_len is not None and pos.numel():
@@ -130,11 +132,12 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, scaling:
     elif pos.numel():
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(pos)).tolist())  # the one host sync
     if pos.numel() == 0 or lo < 0:   # negative positions: direct computation (no table row)
-        cos, sin = _angles_cos_sin(pos.cpu(), inv, attn_factor, dtype)
+        cos, sin = _angles_cos_sin(pos.cpu(), *freqs(), dtype)
         return cos.to(positions.device), sin.to(positions.device)
+    # the rope config is checked when its table is built (_inv_freq refuses what it cannot do)
     key = (head_dim, float(base), json.dumps(scaling, sort_keys=True, default=str), max_position_embeddings,
            dtype, str(positions.device))
-    cos_t, sin_t = _table(key, hi + 1, inv, attn_factor, dtype, positions.device)
+    cos_t, sin_t = _table(key, hi + 1, freqs, dtype, positions.device)
     idx = pos.long()
     return cos_t[idx], sin_t[idx]
 
