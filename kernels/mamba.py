@@ -321,15 +321,18 @@ def scan_plain(x, dt, A, B, C, D, Q, cu, cu_host=None):
         v = t[idx].float()
         return torch.where(valid.view(nc, Q, *([1] * (t.dim() - 1))), v, torch.zeros_like(v))
     xs, dts = rows(x), rows(dt)
-    Bs, Cs = rows(B).repeat_interleave(rep, 2), rows(C).repeat_interleave(rep, 2)  # [nc, Q, H, N]
+    Bs, Cs = rows(B), rows(C)               # [nc, Q, G, N]: a group's heads share them (never repeated)
     acum = torch.cumsum(dts * A.float(), 1)                                       # [nc, Q, H]
     seg = acum.unsqueeze(2) - acum.unsqueeze(1)                                   # [nc, l, s, H]
     tri = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=dev)).view(1, Q, Q, 1)
     L = torch.where(tri, torch.exp(torch.where(tri, seg, torch.zeros_like(seg))), torch.zeros_like(seg))
     xdt = xs * dts.unsqueeze(-1)                                                  # [nc, Q, H, P]
-    yd = torch.einsum("clsh,cshp->clhp", torch.einsum("clhn,cshn->clsh", Cs, Bs) * L, xdt)
+    CB = torch.einsum("clgn,csgn->clsg", Cs, Bs)                                  # [nc, l, s, G]
+    W = (L.view(nc, Q, Q, G, rep) * CB.unsqueeze(-1)).view(nc, Q, Q, H)
+    yd = torch.einsum("clsh,cshp->clhp", W, xdt)
     last = acum[:, -1]                                                            # [nc, H]
-    own = torch.einsum("csh,cshp,cshn->chpn", torch.exp(last.unsqueeze(1) - acum), xdt, Bs)
+    xdec = (torch.exp(last.unsqueeze(1) - acum).unsqueeze(-1) * xdt).view(nc, Q, G, rep, P)
+    own = torch.einsum("csgrp,csgn->cgrpn", xdec, Bs).reshape(nc, H, P, N)
     # the state entering chunk j of a sequence: sum over its chunks i < j of own_i decayed by the
     # chunks strictly between them, exp(sum_{i<m<j} last_m). On a [sequence, chunk index] grid, the
     # segment sums are cumulative sums of masked copies (each its own sum, no difference of two
@@ -345,7 +348,8 @@ def scan_plain(x, dt, A, B, C, D, Q, cu, cu_host=None):
     after = torch.einsum("bjih,bihpn->bjhpn", decay, owng)                          # state after chunk j
     enter = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], 1)           # state entering chunk j
     S_in = enter.flatten(0, 1)[flat]
-    yo = torch.einsum("clhn,chpn->clhp", Cs, S_in) * torch.exp(acum).unsqueeze(-1)
+    yo = torch.einsum("clgn,cgrpn->clgrp", Cs, S_in.view(nc, G, rep, P, N)).reshape(nc, Q, H, P)
+    yo = yo * torch.exp(acum).unsqueeze(-1)
     y = yd + yo + (0.0 if D is None else D.float().view(1, 1, -1, 1) * xs)
     # the packed rows in order (an index, not a boolean mask: no data-dependent shape to read back)
     return y.reshape(nc * Q, H, P).index_select(0, out_rows)
