@@ -18,7 +18,9 @@ Timed (bf16 inputs, fp32 SSM state, dt_softplus with dt_bias, D, no z):
 - causal_conv1d: ours vs the ``causal_conv1d`` package's (prefill, and the one-token update) when
   it is importable (it needs its compiled extension; the sdist alone does not give it).
 Checks on the device, bit for bit at each shape: full prefill == chunked prefill == token-by-token
-decode, sequences packed vs alone; parity (max abs error) of ours and mamba_ssm's output against
+decode, sequences packed vs alone, the engine's schedule (several sequences per call, prefill
+chunks and decodes mixed, strided model-like inputs) vs each sequence alone for the scan and the
+conv; parity (max abs error) of ours and mamba_ssm's output against
 a plain fp32 torch SSD (kernels.mamba.scan_plain). Writes DIR/mamba_layer.json (command, machine,
 versions, what ran, our config with registers / spills) after every step.
 --variants '[{"BP": 32}, {"num_warps": 8}]' also times our scan under other configs (BP: a head's
@@ -43,6 +45,7 @@ import _common  # the script's folder is on sys.path
 
 SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chunk=128),
           "small": dict(heads=32, head_dim=64, groups=2, state=64, chunk=128),
+          "nemotron_h_e2e": dict(heads=64, head_dim=64, groups=8, state=128, chunk=128),  # nemotron_h_e2e.py's
           "tiny": dict(heads=4, head_dim=16, groups=2, state=16, chunk=16)}
 
 
@@ -146,6 +149,7 @@ class Bench:
             y = torch.cat(parts)
             out[f"prefill_vs_{name}_equal"] = bool(torch.equal(y, alone[0]))
             out[f"prefill_vs_{name}_max_abs"] = float((y - alone[0]).abs().max())
+        out.update(self.engine_schedule(s, p))
         # parity against a plain fp32 torch SSD on the same bf16 inputs (kernels.mamba.scan_plain; not
         # HF's mamba2_chunk_scan, which dispatches to mamba_ssm's kernel once mamba_ssm is importable)
         from bitmatch.kernels.mamba import scan_plain
@@ -160,6 +164,66 @@ class Bench:
                                               dt_bias=db, dt_softplus=True, dt_limit=(1e-3, float("inf")))[0]
             out["mamba_ssm_vs_fp32_max_abs"] = float((y.float() - ref).abs().max())
         return out
+
+    def engine_schedule(self, s, p, seed=0):
+        """The engine's pattern, bit for bit against each sequence alone (the trainer's call): several
+        sequences per call at different positions (prefill chunks of 1 to 100 tokens and one-token
+        decodes mixed, order shuffled per step, caches in slots other than the sequence's index),
+        x / B / C as views into one [T, H*P + 2*G*N] row as the model's conv output gives them, and
+        the depthwise conv with its state over the same schedule."""
+        import random
+        torch, K = self.torch, self.K
+        rnd = random.Random(seed)
+        Q, H, P, G, N = s["chunk"], s["heads"], s["head_dim"], s["groups"], s["state"]
+        A, D, db = p
+        lens = [2 * Q + 37, Q + 1, 45, 1, Q]
+        width = H * P + 2 * G * N
+        g = torch.Generator().manual_seed(20 + seed)
+        rows = [torch.randn(n, width, generator=g).to(self.dev, self.bf) for n in lens]
+        dts = [(torch.randn(n, H, generator=g) - 2).to(self.dev, self.bf) for n in lens]
+        cw = (torch.randn(width, 4, generator=g) * 0.5).to(self.dev, self.bf)
+        cb = torch.randn(width, generator=g).to(self.dev, self.bf)
+
+        def split(r):
+            x, B, C = r.split([H * P, G * N, G * N], dim=-1)
+            return x.reshape(-1, H, P), B.reshape(-1, G, N), C.reshape(-1, G, N)
+
+        def scan(r, dt, cu, **kw):
+            x, B, C = split(r)
+            return K.mamba_chunk_scan(x, dt, A, B, C, Q, cu, D=D, dt_bias=db, dt_min=1e-3, **kw)
+
+        def cu_of(ns):
+            return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], device=self.dev, dtype=torch.int32)
+        alone = [scan(r, d, cu_of([len(r)])) for r, d in zip(rows, dts)]
+        conv_alone = [K.causal_conv1d(r, cw, cb, cu_of([len(r)])) for r in rows]
+        nslot = len(lens) + 2
+        cache = self.cache(nslot, s)
+        conv_state = torch.zeros(nslot, 3, width, device=self.dev, dtype=self.bf)
+        slot_of = [nslot - 1 - i for i in range(len(lens))]
+        pos, outs, conv_outs, steps = [0] * len(lens), [[] for _ in lens], [[] for _ in lens], 0
+        while any(q < n for q, n in zip(pos, lens)):
+            live = [i for i, n in enumerate(lens) if pos[i] < n]
+            rnd.shuffle(live)
+            take = {i: min(lens[i] - pos[i], rnd.choice([1, 1, 3, 17, 64, 100])) for i in live}
+            cu = cu_of([take[i] for i in live])
+            r = torch.cat([rows[i][pos[i]:pos[i] + take[i]] for i in live])
+            dt = torch.cat([dts[i][pos[i]:pos[i] + take[i]] for i in live])
+            kw = dict(seq_start=torch.tensor([pos[i] for i in live], device=self.dev),
+                      cache=cache, state_slots=torch.tensor([slot_of[i] for i in live], device=self.dev))
+            y = scan(r, dt, cu, **kw)
+            yc = K.causal_conv1d(r, cw, cb, cu, conv_state=conv_state,
+                                 state_slots=torch.tensor([slot_of[i] for i in live], device=self.dev))
+            for k, i in enumerate(live):
+                a, b = int(cu[k]), int(cu[k + 1])
+                outs[i].append(y[a:b])
+                conv_outs[i].append(yc[a:b])
+                pos[i] += take[i]
+            steps += 1
+        bad = [i for i in range(len(lens)) if not torch.equal(torch.cat(outs[i]), alone[i])]
+        conv_bad = [i for i in range(len(lens)) if not torch.equal(torch.cat(conv_outs[i]), conv_alone[i])]
+        return {"engine_schedule_steps": steps, "engine_schedule_vs_alone_equal": not bad,
+                "engine_schedule_sequences_differing": bad, "conv_schedule_vs_alone_equal": not conv_bad,
+                "conv_schedule_sequences_differing": conv_bad}
 
     # ------------------------------------------------------------- benches
     def prefill(self, s, T, ssd):

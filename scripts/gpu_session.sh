@@ -44,9 +44,11 @@ case $STAGE in
     bench mamba 110 mamba_layer.py --mamba-src "$MAMBA"
     bench v4_decode 80 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     ;;
-nh) # issue 27 on the GPU: which Nemotron-H block type's ops differ between engine and trainer, the
+nh) # issue 27 on the GPU: the Mamba scan and conv under the engine's schedule vs alone at the e2e
+    # model's widths, which Nemotron-H block type's ops differ between engine and trainer, the
     # first differing op, the whole-model diff, training with the vectorized Mamba backward; then the
     # LoRA rollout (8B shapes, graphs on) vs the same model merged, with its Diff
+    bench mamba_checks 90 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_e2e --prefill 2048 --batches 1
     bench nh_locate 300 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff_blocks,locate,diff,train --budget-s 250
     bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
     ;;
