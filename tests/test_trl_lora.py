@@ -115,6 +115,58 @@ def test_dora_is_refused():
         bitmatch.token_logprobs(pm, torch.tensor([[3, 4, 5]]), None)
 
 
+def _v4():
+    from bitmatch.models.deepseek_v4_tiny import tiny_model as v4_tiny
+    return v4_tiny(dtype=torch.float32)
+
+
+def _moe():
+    return tiny_model("qwen3moe-e8-k2", dtype=torch.float32)
+
+
+def _dense():
+    return tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("build,config,named", [
+    (_moe, dict(target_modules=["gate"]), r"the MoE router \(mlp.gate\)"),
+    (_moe, dict(target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]), r"the routed experts"),
+    (_v4, dict(target_modules=["o_a_proj"]), r"o_a_proj"),
+    (_v4, dict(target_modules=[], target_parameters=["attn_hc.fn"]), r"an mHC mix"),
+    (_dense, dict(target_modules=["lm_head"]), r"wraps lm_head"),
+    (_dense, dict(target_modules=["embed_tokens"]), r"the token embeddings"),
+])
+def test_adapters_on_weights_read_directly_are_refused_by_name(build, config, named):
+    # these modules' weights are read directly (routers, experts, V4's grouped o_a_proj, mHC, head,
+    # embeddings): an adapter there would be ignored, so it is refused, naming the module and the
+    # LoraConfig option. V4's o_a_proj adapter ran before, silently without its delta
+    import warnings
+    from peft import LoraConfig, get_peft_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's tied-embedding notice
+        pm = bitmatch.patch(get_peft_model(build(), LoraConfig(r=2, lora_alpha=4, **config)))
+    with pytest.raises(ValueError, match=named + r".*target_modules"):
+        bitmatch.token_logprobs(pm, torch.tensor([[3, 4, 5, 6]]), None)
+
+
+def test_control_adapters_on_the_projections_run():
+    # the refusal's control: the same models with adapters on projections bitmatch runs through its
+    # LoRA linear reproduce PEFT's forward (V4: the query and output projections, MoE: attention)
+    import copy as _copy
+    from peft import LoraConfig, get_peft_model
+    for build, targets in ((_v4, ["q_b_proj", "o_b_proj", "kv_proj"]), (_moe, ["q_proj", "o_proj"])):
+        torch.manual_seed(3)
+        pm = get_peft_model(build(), LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+        hf = _copy.deepcopy(pm)
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+            with hf.disable_adapter():
+                base = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        got = bitmatch.token_logprobs(bitmatch.patch(pm), ids, None)
+        assert (got - ref).abs().max() < 1e-4 < (ref - base).abs().max()
+
+
 def test_trl_entropies_match_stock_computation(tmp_path):
     """The adapter's entropies (TRL's entropy metric / mask / bonus) are the entropies of the same
     distribution, computed from the stock model in float64."""

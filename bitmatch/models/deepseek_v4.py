@@ -37,7 +37,7 @@ from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A
 from bitmatch.models import deepseek_v4_tiny, lora
-from bitmatch.models.dense import embed, linear, lm_head_logits, rms_norm
+from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
 
@@ -128,6 +128,7 @@ def _hc(streams, hc, spec):
     # the mHC parameters go in as stored: the kernels read them in fp32 (a bf16 copy upcasts
     # exactly in-kernel), so a bf16 model pays no cast launch per layer and step
     K = _kernels()
+    hc = plain_module(hc, "an mHC mix (attn_hc / ffn_hc)")
     return K.hc_pre(streams, hc.fn, hc.base, hc.scale, iters=spec.hc_iters, eps=spec.hc_eps,
                     norm_eps=float(hc.input_norm.eps))
 
@@ -183,7 +184,7 @@ class MoeParts:
 
 
 def all_experts(mlp, spec, dtype) -> MoeParts:
-    ex = mlp.experts
+    ex = plain_module(mlp.experts, "the routed experts (mlp.experts)")
     return MoeParts(
         experts=lambda x, ids, w: _kernels().moe_experts(
             x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype), activation="swiglu",
@@ -196,6 +197,7 @@ def route(router, x, input_ids, spec, layer_idx):
     (``tid2eid``). Row-invariant, and run replicated under tensor parallelism (every rank picks the
     same experts)."""
     K = _kernels()
+    router = plain_module(router, "the MoE router (mlp.gate)")
     logits = K.linear(x.float(), cast_param(router.weight, F32))
     if spec.mlp_layer_types[layer_idx] == "hash_moe":
         scores = _all_scores(logits, spec)
@@ -254,7 +256,7 @@ def forward_hidden(lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=Non
         heads, moe = (None, None) if shares is None else shares[i]
         bm = LayerCall(ctx, spec, i, dtype, input_ids, rope, rope_at, seqs, recorder, heads, moe)
         streams = call_layer(layer, decoder_layer, (streams,), bm)
-    head = lm.model.hc_head
+    head = plain_module(lm.model.hc_head, "the mHC head (hc_head)")
     x = K.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=float(head.eps),
                   norm_eps=float(head.input_norm.eps))
     out = rms_norm(lm.model.norm, x, dtype)

@@ -36,7 +36,7 @@ import torch
 
 import bitmatch.kernels as K
 from bitmatch.kernels import KeyRows
-from bitmatch.models.dense import linear, rms_norm
+from bitmatch.models.dense import linear, plain_module, rms_norm
 from bitmatch.precision import cast_param
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -129,7 +129,9 @@ def all_heads(attn, spec, dtype) -> QueryHeads:
     g = spec.o_groups
     return QueryHeads(q_b=lambda q_res: linear(attn.q_b_proj, q_res, dtype),
                       sinks=cast_param(attn.sinks, torch.float32),
-                      o_a=cast_param(attn.o_a_proj.weight, dtype).view(g, -1, spec.num_heads * spec.head_dim // g),
+                      o_a=cast_param(plain_module(attn.o_a_proj, "self_attn.o_a_proj (the grouped output "
+                                                        "projection)").weight, dtype).view(
+                          g, -1, spec.num_heads * spec.head_dim // g),
                       o_b=lambda y: linear(attn.o_b_proj, y, dtype))
 
 

@@ -98,12 +98,22 @@ def _layer_sliding_window(cfg, layer, i: int):
 
 # ----------------------------------------------------------------------------- primitives
 
-def _plain_linear_params(mod):
+def plain_module(mod, what: str):
+    """``mod`` when no PEFT adapter wraps it, else a ValueError naming it: the families read the
+    parameters of such modules (routers, experts, lm_head, V4's grouped o_a_proj) directly, so an
+    adapter there would be ignored, not reproduced. LoRA runs on the projections that go through
+    ``linear`` below."""
     if hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
         raise ValueError(
-            f"bitmatch: {type(mod).__name__} is a PEFT adapter layer with unmerged adapters; merge the "
-            "adapters (peft merge_adapter) before running it on bitmatch kernels"
-        )
+            f"bitmatch: a PEFT adapter wraps {what} ({type(mod).__name__}); bitmatch reads its weights "
+            "directly and would ignore the adapter: remove it from LoraConfig target_modules / "
+            "target_parameters (LoRA runs on the attention and MLP projections), or merge the adapters "
+            "(peft merge_adapter) first")
+    return mod
+
+
+def _plain_linear_params(mod, what: str = "a layer bitmatch reads directly"):
+    mod = plain_module(mod, what)
     return mod.weight, getattr(mod, "bias", None)
 
 
@@ -131,7 +141,7 @@ def fused_add_rms_norm(norm_mod, x, residual, dtype):
 
 
 def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    emb = lm.model.embed_tokens
+    emb = plain_module(lm.model.embed_tokens, "the token embeddings (embed_tokens)")
     w = emb.weight
     # exact gather (cast after gather == gather after cast); padding_idx as nn.Embedding has it:
     # the pad row gets no gradient (HF configs set it from pad_token_id)
@@ -229,7 +239,7 @@ def _fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
 def lm_head_logits(lm, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Logits [N, vocab] of ``lm.lm_head`` on kernels.linear, weights cast at use (every family's head;
     a row's bits do not depend on the other rows)."""
-    w, b = _plain_linear_params(lm.lm_head)
+    w, b = _plain_linear_params(lm.lm_head, "lm_head")
     return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
 
 

@@ -78,7 +78,8 @@ def rms_norm(mod, h, dtype):
 
 def embed(lm, input_ids, dtype):
     """Token embeddings [T, hidden] in ``dtype``: an exact gather, cast after it."""
-    emb = lm.model.embeddings  # padding_idx: no gradient into the pad row, as nn.Embedding
+    # padding_idx: no gradient into the pad row, as nn.Embedding
+    emb = dense.plain_module(lm.model.embeddings, "the token embeddings (embeddings)")
     return cast_param(F.embedding(input_ids, emb.weight, padding_idx=getattr(emb, "padding_idx", None)), dtype)
 
 
@@ -114,7 +115,7 @@ def mlp(mod, x, dtype, rec=None, prefix="mixer"):
 
 def route(mod, x):
     """(weights [T, k] fp32, expert ids [T, k]): fp32 router logits, sigmoid top-k."""
-    r = mod.gate
+    r = dense.plain_module(mod.gate, "the MoE router (mixer.gate)")
     logits = K.linear(x.float(), cast_param(r.weight, torch.float32))
     return K.moe_route(logits, int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
                        correction_bias=r.e_score_correction_bias, scaling=float(r.routed_scaling_factor))
@@ -128,7 +129,7 @@ def latent(proj, x, dtype):
 def moe(mod, x, dtype, rec=None, prefix="mixer"):
     w, ids = route(mod, x)
     _rec(rec, f"{prefix}.gate", (ids, w))
-    ex = mod.experts
+    ex = dense.plain_module(mod.experts, "the routed experts (mixer.experts)")
     y = K.moe_experts(latent(mod.fc1_latent_proj, x, dtype), ids, w, cast_param(ex.up_proj, dtype),
                       cast_param(ex.down_proj, dtype), activation="relu2")
     y = latent(mod.fc2_latent_proj, y, dtype)

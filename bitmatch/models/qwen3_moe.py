@@ -45,14 +45,14 @@ class MoeSpec(dense.DenseSpec):
 
 
 def _moe_block(mod, x, dtype, rec=None, prefix="mlp"):
-    router = mod.gate
+    router = dense.plain_module(mod.gate, "the MoE router (mlp.gate)")
     logits = K.linear(x.float(), cast_param(router.weight, torch.float32))
     if rec is not None:
         rec(f"{prefix}.gate", logits)
     w, ids = K.moe_route(logits, int(router.top_k), scoring="softmax", renormalize=bool(router.norm_topk_prob))
     if rec is not None:
         rec(f"{prefix}.router", (ids, w))
-    ex = mod.experts
+    ex = dense.plain_module(mod.experts, "the routed experts (mlp.experts)")
     y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
                       activation="swiglu")
     if rec is not None:
