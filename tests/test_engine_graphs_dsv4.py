@@ -149,3 +149,75 @@ def test_family_opts_into_graphs(model, monkeypatch):
         def forward_hidden(self, *a, **kw):
             return super().forward_hidden(*a, **kw)
     assert not OwnForward().cuda_graph_safe(unwrap_causal_lm(model))
+
+
+# ---------------------------------------------------------------- LoRA in the graphs
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]
+
+
+def _lora_model():
+    peft = pytest.importorskip("peft")
+    base = tiny_model(torch.bfloat16, seed=2)
+    torch.manual_seed(3)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                                   init_lora_weights=False))
+    return bitmatch.patch(pm.eval())
+
+
+def _step_lora(pm, scale):
+    """An optimizer-like in-place update of every LoRA A and B."""
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
+
+
+def test_lora_models_opt_into_graphs():
+    from bitmatch.models import lora
+    pm = _lora_model()
+    lm = unwrap_causal_lm(pm)
+    assert OPT_IN(family_of(pm), lm)
+    mod = next(m for m in lm.modules() if lora.is_lora_layer(m))
+    mod.fan_in_fan_out = True  # a layer the LoRA linear cannot run keeps the model eager
+    try:
+        assert not OPT_IN(family_of(pm), lm)
+    finally:
+        mod.fan_in_fan_out = False
+
+
+def test_lora_buckets_and_trainer_across_weight_updates(simulate_graphs):
+    # the attention projections read from the kept merged weights in padded buckets: same bits as
+    # eager and as token_logprobs, before and after an update of A and B between generate calls
+    pm = _lora_model()
+    prompts, params = _staggered()
+    for update in (False, True):
+        if update:
+            _step_lora(pm, 0.05)
+        _, eager = run(pm, prompts, params, simulate=False)
+        eng, simulated = run(pm, prompts, params, simulate=True)
+        assert eng.model_runner.num_simulated_steps > 0
+        assert same_outputs(eager, simulated), update
+        assert assert_bitmatch(pm, simulated, params) == sum(sp.max_tokens for sp in params), update
+
+
+def test_control_lora_stale_kept_weight_differs(simulate_graphs, monkeypatch):
+    from bitmatch.models import lora
+    pm = _lora_model()
+    prompts, params = _staggered()
+    eng, _ = run(pm, prompts, params, simulate=True)  # the kept weights exist now
+    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
+    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")
+    for m in unwrap_causal_lm(pm).modules():
+        for entry in lora.rollout_weights_of(m).values():
+            entry[0] = "frozen"
+    _step_lora(pm, 0.5)
+    outs = eng.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitmatch(pm, outs, params)
+
+
+@pytest.mark.interpreter
+def test_lora_decode_step_reads_nothing_on_the_host(simulate_graphs):
+    # what the opt-in claims with LoRA layers: their engine forward reads the kept weight
+    reads = _decode_step_reads(_lora_model(), "step")
+    assert not reads, reads

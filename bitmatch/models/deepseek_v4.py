@@ -362,7 +362,9 @@ class DeepseekV4Family(Family):
         tp = tp_shard(lm)
         if tp is not None:
             return tp.forward_hidden(input_ids, ctx, recorder)
-        return forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
+        # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
+        with lora.kept_weights(ctx.paged):
+            return forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
 
     def compute_logits(self, lm, spec, hidden, dtype):
         tp = tp_shard(lm)
@@ -372,11 +374,17 @@ class DeepseekV4Family(Family):
         """The engine may capture this family's decode steps in CUDA graphs: after the warm-up run
         (which builds the rope tables) the whole decode step reads nothing back to the host on the
         Triton backend: the batched attention, the mHC, MoE and head ops
-        (tests/test_engine_graphs_dsv4.py probes it). A subclass overriding the forward must opt in
-        again; LoRA layers keep the model eager (their forward is not declared sync-free)."""
+        (tests/test_engine_graphs_dsv4.py probes it). LoRA layers (on the projections; adapters
+        elsewhere are refused) run through ``dense.linear``, whose engine forward reads the kept
+        merged weight (``lora.graph_capturable``; ``refresh_derived_weights`` updates it in place
+        before a replay). A subclass overriding the forward must opt in again."""
         cls = type(self)
         return (cls.forward_hidden is DeepseekV4Family.forward_hidden and tp_shard(lm) is None
-                and not any(lora.is_lora_layer(m) for m in lm.modules()))
+                and lora.graph_capturable(lm))
+
+    def refresh_derived_weights(self, lm, force: bool = False) -> None:
+        """LoRA layers' kept merged weights brought up to date in place (before a graph replay)."""
+        lora.refresh_rollout_weights(lm, force)
 
     def patch_modules(self, lm):
         mods = [(lm.model.norm, _norm_forward), (lm.model.hc_head, _inner_forward)]
