@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rows the open speed issues (21, 22, 27) still lack, in device-tool calls of < 600 s each:
-# nh first (the Nemotron-H mismatch), then 1 and 2.
+# nh first (the Nemotron-H mismatch), then 1, 2 and lora.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -8,7 +8,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|nh|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|nh|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -46,18 +46,21 @@ case $STAGE in
     ;;
 nh) # issue 27 on the GPU: the Mamba scan and conv under the engine's schedule vs alone at the e2e
     # model's widths, which Nemotron-H block type's ops differ between engine and trainer, the
-    # first differing op, the whole-model diff, training with the vectorized Mamba backward; then the
-    # LoRA rollout (8B shapes, graphs on) vs the same model merged, with its Diff
-    bench mamba_checks 90 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_e2e --prefill 2048 --batches 1
-    bench nh_locate 300 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff_blocks,locate,diff,train --budget-s 250
+    # first differing op, the whole-model diff, training with the vectorized, sync-free Mamba backward
+    bench mamba_checks 80 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_e2e --prefill 2048 --batches 1
+    bench nh_locate 290 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff_blocks,locate,diff,train --budget-s 240
+    ;;
+lora) # issue 27's LoRA rows: the LoRA rollout (8B shapes, graphs on) vs the same model merged, with
+    # its Diff; TRL's GRPO step with a LoRA config, attach vs stock
     bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
+    bench trl_lora 300 trl_step.py --runs stock_lora,attach_lora,attach_lora_copy --steps 5
     ;;
 tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL, the gather-only layout's
     # bits and its cost beside the stock all-reduce layout
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, nh or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, nh, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
