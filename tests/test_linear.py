@@ -67,3 +67,31 @@ def test_linear_bad_inputs():
         K.linear(torch.randn(2, 4), torch.randn(3, 5))
     with pytest.raises(ValueError, match="bias"):
         K.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+
+
+@pytest.mark.interpreter
+def test_triton_linear_rows_do_not_depend_on_m_in_the_interpreter(monkeypatch):
+    """The Triton linear under TRITON_INTERPRET=1 across the M where the table's tile (and block)
+    size changes (M <= 64: 128-wide K blocks; larger: 64): a row's bits are the same, as on the GPU.
+    The interpreter rounds each K block's exact dot once, so it runs one block size for every M
+    (kernels/triton/linear.py INTERP_BK). Control: the table's block size per M changes bits there."""
+    import bitmatch.kernels.triton.linear as TL
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(130, 320, generator=g)   # fp32 out: a block's rounding is not hidden by bf16's
+    w = torch.randn(96, 320, generator=g)
+
+    def rows(m):
+        with K.use_backend("triton"):
+            return K.linear(x[:m], w)
+    small, large = rows(8), rows(130)
+    assert torch.equal(small, large[:8])
+    monkeypatch.setattr(TL, "INTERP_BK", None)
+    orig = TL._launch
+
+    def table_block(x_, weight, bias, cfg, split, out=None):  # the control: BK as the table says
+        bk = cfg[2]
+        monkeypatch.setattr(TL, "INTERP_BK", bk)
+        return orig(x_, weight, bias, cfg, split, out)
+    monkeypatch.setattr(TL, "_launch", table_block)
+    assert not torch.equal(rows(8), rows(130)[:8])

@@ -163,11 +163,19 @@ def _reduce_kernel(ws_ptr, b_ptr, out_ptr, total_n, N, stride_om, HAS_BIAS: tl.c
     tl.store(out_ptr + (offs // N) * stride_om + offs % N, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The interpreter computes each K block's dot exactly (float64) and rounds it once, so there the
+# block size is part of the bits; on the GPU (one sequential accumulation) it is not. One block
+# size for every M keeps the interpreter's bits independent of the batch as the GPU's are.
+INTERP_BK = 64
+
+
 def _launch(x, weight, bias, cfg, split, out=None):
     M, K = x.shape
     N = weight.shape[0]
     BM, BN, BK, GROUP_M, warps, stages, mode = cfg
     interp = interpreting(x)
+    if interp:
+        BK = INTERP_BK
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
