@@ -4,7 +4,8 @@ On CPU there are no graphs: ``ModelRunner.simulate_buckets`` runs each pure-deco
 exactly the padded inputs a replay gets (scratch block, padded rows decoding token 0, the context
 bucket's host bound and full-width block table). These helpers run an engine that way, build the
 staggered batch whose decode steps land in every batch bucket, replay one request in several
-buckets, and plant the control (padded rows written into a real sequence's block).
+buckets, and plant the control (padded rows written into a real sequence's block); for LoRA
+models, the kept merged weights across an update of A and B, and their stale-weight control.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import bitmatch.kernels as K
 import bitmatch.models as M
 from bitmatch.engine import Engine, SamplingParams, graphs
 from bitmatch.engine import model_runner as mr
+from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts
 from host_reads import host_reads
 
@@ -116,3 +118,52 @@ def decode_step_reads(model, prompts, params, backend: str = "triton", part=None
         run(model, prompts, params, simulate=True)
     assert len(seen) >= 2, "fewer than two pure-decode steps ran"
     return reads
+
+
+# ---------------------------------------------------------------- LoRA layers in the graphs
+def step_lora(pm, scale):
+    """An optimizer-like in-place update of every LoRA A and B (bumps their version counters)."""
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
+
+
+def opt_in_needs_runnable_lora(pm, opt_in) -> None:
+    """``opt_in(pm)`` holds with plain LoRA layers and not once one of them is a layer the LoRA
+    linear cannot run (fan_in_fan_out)."""
+    from bitmatch.models import lora
+    assert opt_in(pm)
+    mod = next(m for m in M.unwrap_causal_lm(pm).modules() if lora.is_lora_layer(m))
+    mod.fan_in_fan_out = True
+    try:
+        assert not opt_in(pm)
+    finally:
+        mod.fan_in_fan_out = False
+
+
+def lora_updates_keep_the_bits(pm, prompts, params, bitmatch_count) -> None:
+    """Eager == simulated replays == the trainer (``bitmatch_count(pm, outs, params)``: tokens
+    compared, all equal), before and after an update of A and B between generate calls."""
+    for update in (False, True):
+        if update:
+            step_lora(pm, 0.05)
+        _, eager = run(pm, prompts, params, simulate=False)
+        eng, simulated = run(pm, prompts, params, simulate=True)
+        assert eng.model_runner.num_simulated_steps > 0
+        assert same_outputs(eager, simulated), update
+        assert bitmatch_count(pm, simulated, params) == sum(sp.max_tokens for sp in params), update
+
+
+def stale_kept_weights(pm, prompts, params, monkeypatch):
+    """The control: the outputs of a simulated engine whose kept LoRA weights are left stale
+    across an update of A and B (refresh disabled)."""
+    from bitmatch.models import lora
+    eng, _ = run(pm, prompts, params, simulate=True)  # the kept weights exist now
+    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
+    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")
+    for m in M.unwrap_causal_lm(pm).modules():
+        for entry in lora.rollout_weights_of(m).values():
+            entry[0] = "frozen"
+    step_lora(pm, 0.5)
+    return eng.generate(prompts, params, use_tqdm=False)

@@ -28,8 +28,9 @@ from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing_models import random_prompts
 from test_engine import assert_bitmatch
 from bitmatch.testing import same_outputs
-from graph_buckets import (decode_step_reads, eager_and_simulated, one_request_in_buckets,
-                          padding_into_a_real_block, run, staggered)
+from graph_buckets import (decode_step_reads, eager_and_simulated, lora_updates_keep_the_bits,
+                          one_request_in_buckets, opt_in_needs_runnable_lora, padding_into_a_real_block, run,
+                          stale_kept_weights, staggered)
 
 OPT_IN = V4.DeepseekV4Family.cuda_graph_safe  # the family's own, before any fixture forces it on
 
@@ -164,54 +165,20 @@ def _lora_model():
     return bitmatch.patch(pm.eval())
 
 
-def _step_lora(pm, scale):
-    """An optimizer-like in-place update of every LoRA A and B."""
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if ".lora_" in n:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
-
-
 def test_lora_models_opt_into_graphs():
-    from bitmatch.models import lora
-    pm = _lora_model()
-    lm = unwrap_causal_lm(pm)
-    assert OPT_IN(family_of(pm), lm)
-    mod = next(m for m in lm.modules() if lora.is_lora_layer(m))
-    mod.fan_in_fan_out = True  # a layer the LoRA linear cannot run keeps the model eager
-    try:
-        assert not OPT_IN(family_of(pm), lm)
-    finally:
-        mod.fan_in_fan_out = False
+    opt_in_needs_runnable_lora(_lora_model(), lambda pm: OPT_IN(family_of(pm), unwrap_causal_lm(pm)))
 
 
 def test_lora_buckets_and_trainer_across_weight_updates(simulate_graphs):
     # the attention projections read from the kept merged weights in padded buckets: same bits as
     # eager and as token_logprobs, before and after an update of A and B between generate calls
-    pm = _lora_model()
-    prompts, params = _staggered()
-    for update in (False, True):
-        if update:
-            _step_lora(pm, 0.05)
-        _, eager = run(pm, prompts, params, simulate=False)
-        eng, simulated = run(pm, prompts, params, simulate=True)
-        assert eng.model_runner.num_simulated_steps > 0
-        assert same_outputs(eager, simulated), update
-        assert assert_bitmatch(pm, simulated, params) == sum(sp.max_tokens for sp in params), update
+    lora_updates_keep_the_bits(_lora_model(), *_staggered(), assert_bitmatch)
 
 
 def test_control_lora_stale_kept_weight_differs(simulate_graphs, monkeypatch):
-    from bitmatch.models import lora
     pm = _lora_model()
     prompts, params = _staggered()
-    eng, _ = run(pm, prompts, params, simulate=True)  # the kept weights exist now
-    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
-    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")
-    for m in unwrap_causal_lm(pm).modules():
-        for entry in lora.rollout_weights_of(m).values():
-            entry[0] = "frozen"
-    _step_lora(pm, 0.5)
-    outs = eng.generate(prompts, params, use_tqdm=False)
+    outs = stale_kept_weights(pm, prompts, params, monkeypatch)
     with pytest.raises(AssertionError, match="differ"):
         assert_bitmatch(pm, outs, params)
 

@@ -27,6 +27,7 @@ from bitmatch.precision import cast_param  # noqa: E402
 from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
 from test_engine import assert_bitmatch  # noqa: E402
 from bitmatch.testing import same_outputs  # noqa: E402
+from graph_buckets import opt_in_needs_runnable_lora, stale_kept_weights, step_lora  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
@@ -51,28 +52,14 @@ def _generate(eng, prompts, params):
     return eng.generate(prompts, params, use_tqdm=False)
 
 
-def _step_lora(pm, scale):
-    """An optimizer-like in-place update of every A and B (bumps their version counters)."""
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if ".lora_" in n:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
-
-
 @pytest.fixture(scope="module")
 def pm():
     return _peft()
 
 
 def test_lora_models_opt_into_graphs(pm):
-    assert graph_safe(pm)
-    # a layer the LoRA linear cannot run (fan_in_fan_out) keeps the model eager
-    mod = next(m for m in unwrap_causal_lm(pm).modules() if lora.is_lora_layer(m))
-    mod.fan_in_fan_out = True
-    try:
-        assert not graph_safe(pm)
-    finally:
-        mod.fan_in_fan_out = False
+    # and a layer the LoRA linear cannot run (fan_in_fan_out) keeps the model eager
+    opt_in_needs_runnable_lora(pm, graph_safe)
 
 
 def test_kept_weight_is_the_merged_cast():
@@ -81,7 +68,7 @@ def test_kept_weight_is_the_merged_cast():
     kept = lora.rollout_weight(mod, torch.bfloat16)
     assert torch.equal(kept.view(torch.int16), cast_param(lora.merged_weight(mod), torch.bfloat16).view(torch.int16))
     ptr = kept.data_ptr()
-    _step_lora(pm, 0.05)
+    step_lora(pm, 0.05)
     again = lora.rollout_weight(mod, torch.bfloat16)
     assert again.data_ptr() == ptr  # refreshed in place: a captured graph keeps reading it
     assert torch.equal(again.view(torch.int16), cast_param(lora.merged_weight(mod), torch.bfloat16).view(torch.int16))
@@ -97,7 +84,7 @@ def test_buckets_and_trainer_across_weight_updates(pm):
     graphs.model_runner.simulate_buckets = True
     for update in (None, "optimizer", "data"):
         if update == "optimizer":
-            _step_lora(pm, 0.05)
+            step_lora(pm, 0.05)
         elif update == "data":  # behind autograd's back: no version bump; the engine's forced refresh sees it
             for n, p in pm.named_parameters():
                 if n.endswith("lora_B.default.weight"):
@@ -113,14 +100,6 @@ def test_buckets_and_trainer_across_weight_updates(pm):
 
 def test_control_stale_kept_weight_differs(pm, monkeypatch):
     prompts, params = _staggered()
-    eng = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
-    _generate(eng, prompts, params)  # the kept weights exist now
-    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
-    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")  # no refresh on use either
-    for m in unwrap_causal_lm(pm).modules():
-        for entry in lora.rollout_weights_of(m).values():
-            entry[0] = "frozen"
-    _step_lora(pm, 0.5)
-    outs = _generate(eng, prompts, params)
+    outs = stale_kept_weights(pm, prompts, params, monkeypatch)
     with pytest.raises(AssertionError, match="differ"):
         assert_bitmatch(pm, outs, params)

@@ -23,11 +23,12 @@ import bitmatch
 from bitmatch.engine import SamplingParams, model_runner
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import nemotron_h as NH
-from bitmatch.models import lora, unwrap_causal_lm
+from bitmatch.models import unwrap_causal_lm
 from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts
-from graph_buckets import (decode_step_reads, eager_and_simulated, one_request_in_buckets,
-                          padding_into_a_real_block, run, staggered)
+from graph_buckets import (decode_step_reads, eager_and_simulated, lora_updates_keep_the_bits,
+                          one_request_in_buckets, opt_in_needs_runnable_lora, padding_into_a_real_block, run,
+                          stale_kept_weights, staggered)
 from test_engine import assert_bitmatch
 
 # every block type (Mamba, attention, MLP, MoE); a chunk of 8 so decode crosses chunk boundaries
@@ -160,24 +161,8 @@ def _lora_model(chunk=CHUNK):
     return bitmatch.patch(pm.eval())
 
 
-def _step_lora(pm, scale):
-    """An optimizer-like in-place update of every LoRA A and B."""
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if ".lora_" in n:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))).to(p.dtype) * scale)
-
-
 def test_lora_models_opt_into_graphs():
-    pm = _lora_model()
-    assert graph_safe(pm)
-    # a layer the LoRA linear cannot run (fan_in_fan_out) keeps the model eager
-    mod = next(m for m in unwrap_causal_lm(pm).modules() if lora.is_lora_layer(m))
-    mod.fan_in_fan_out = True
-    try:
-        assert not graph_safe(pm)
-    finally:
-        mod.fan_in_fan_out = False
+    opt_in_needs_runnable_lora(_lora_model(), graph_safe)
 
 
 @pytest.mark.interpreter
@@ -192,29 +177,13 @@ def test_lora_buckets_and_trainer_across_weight_updates():
     # every LoRA'd projection of the hybrid (Mamba in_proj, attention, MLP and shared expert) read
     # from the kept merged weight in padded buckets: same bits as eager and as token_logprobs, before
     # and after an update of A and B between generate calls (the engine refreshes the kept weights)
-    pm = _lora_model()
-    prompts, params = _staggered()
-    for update in (False, True):
-        if update:
-            _step_lora(pm, 0.05)
-        _, eager = run(pm, prompts, params, simulate=False)
-        eng, simulated = run(pm, prompts, params, simulate=True)
-        assert eng.model_runner.num_simulated_steps > 0
-        assert same_outputs(eager, simulated), update
-        assert assert_bitmatch(pm, simulated, params) == sum(sp.max_tokens for sp in params), update
+    lora_updates_keep_the_bits(_lora_model(), *_staggered(), assert_bitmatch)
 
 
 def test_control_lora_stale_kept_weight_differs(monkeypatch):
     # the comparison above sees a kept weight left stale after an update
     pm = _lora_model()
     prompts, params = _staggered()
-    eng, _ = run(pm, prompts, params, simulate=True)  # the kept weights exist now
-    monkeypatch.setattr(lora, "refresh_rollout_weights", lambda lm, force=False: None)
-    monkeypatch.setattr(lora, "_rollout_key", lambda mod, live: "frozen")
-    for m in unwrap_causal_lm(pm).modules():
-        for entry in lora.rollout_weights_of(m).values():
-            entry[0] = "frozen"
-    _step_lora(pm, 0.5)
-    outs = eng.generate(prompts, params, use_tqdm=False)
+    outs = stale_kept_weights(pm, prompts, params, monkeypatch)
     with pytest.raises(AssertionError, match="differ"):
         assert_bitmatch(pm, outs, params)

@@ -142,8 +142,8 @@ def test_control_chunk_length_is_part_of_the_bits():
 
 
 # ---------------------------------------------------------------- gradients, errors
-def _plain64(x, fn, base, scale, y):
-    """HF's formulas in float64: hc_pre, then hc_post of y, then hc_head of the result."""
+def _pre64(x, fn, base, scale):
+    """HF's hc_pre formulas in the inputs' dtype: (post, comb, the collapsed block input)."""
     T, n, d = x.shape
     f = x.reshape(T, n * d)
     mix = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-6)) @ fn.t()
@@ -154,7 +154,12 @@ def _plain64(x, fn, base, scale, y):
     for _ in range(KW["iters"] - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + 1e-6)
         comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
-    col = (pre.unsqueeze(-1) * x).sum(1)
+    return post, comb, (pre.unsqueeze(-1) * x).sum(1)
+
+
+def _plain64(x, fn, base, scale, y):
+    """HF's formulas in float64: hc_pre, then hc_post of y, then hc_head of the result."""
+    post, comb, col = _pre64(x, fn, base, scale)
     return post.unsqueeze(-1) * (col + y).unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, x)
 
 
@@ -178,18 +183,7 @@ def test_triton_mhc_grads_match_float64():
 
 def _pre_grads64(x, fn, base, scale, gpost, gcomb, gcol):
     leaves = [t.detach().double().requires_grad_() for t in (x, fn, base, scale)]
-    T, n, d = x.shape
-    f = leaves[0].reshape(T, n * d)
-    mix = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-6)) @ leaves[1].t()
-    b, s = leaves[2], leaves[3]
-    pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + 1e-6
-    post = 2 * torch.sigmoid(mix[:, n:2 * n] * s[1] + b[n:2 * n])
-    comb = torch.softmax((mix[:, 2 * n:] * s[2] + b[2 * n:]).view(T, n, n), -1) + 1e-6
-    comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
-    for _ in range(KW["iters"] - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + 1e-6)
-        comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
-    col = (pre.unsqueeze(-1) * leaves[0]).sum(1)
+    post, comb, col = _pre64(*leaves)
     ((post * gpost.double()).sum() + (comb * gcomb.double()).sum() + (col * gcol.double()).sum()).backward()
     return [t.grad for t in leaves]
 
