@@ -216,3 +216,24 @@ def test_nemotron_h_bf16_engine_equals_trainer_on_triton():
     with torch.no_grad(), K.use_backend("triton"):
         outs = Engine(m, max_num_seqs=2, max_num_batched_tokens=7).generate(prompts, params, use_tqdm=False)
         assert_bitmatch(m, outs, params)
+
+
+@pytest.mark.slow
+def test_nemotron_h_engine_equals_trainer_at_chunk_128_on_triton():
+    """The model at the real chunk size (128: two 64-row tiles and four 32-position K blocks per
+    chunk in the scan), on the Triton backend: 97-token chunked-prefill steps splitting prompts of
+    120-270 tokens mid-chunk beside other sequences' decodes, simulated graph buckets, == the
+    trainer's forward bit for bit (the chunk-16 model above has one tile and one block per chunk)."""
+    m = bitmatch.patch(NH.FAMILY.tiny_model(
+        dtype=torch.bfloat16, seed=0, hidden_size=64, mamba_num_heads=2, mamba_head_dim=32, n_groups=1,
+        ssm_state_size=32, chunk_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, vocab_size=128))
+    prompts = random_prompts(3, 120, 270, seed=1, vocab_hi=127)
+    params = [SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seed=i) for i in range(3)]
+    with torch.no_grad(), K.use_backend("triton"):
+        eng = Engine(m, num_gpu_blocks=64, max_num_seqs=2, max_num_batched_tokens=97, block_size=32)
+        eng.model_runner.simulate_buckets = True
+        outs = eng.generate(prompts, params, use_tqdm=False)
+        assert eng.model_runner.num_simulated_steps > 0
+        assert assert_bitmatch(m, outs, params) == 12
