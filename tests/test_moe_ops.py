@@ -364,13 +364,14 @@ def test_triton_experts_row_is_triton_linear(activation):
     for h, split in ((160, 1), (512, 2)) if activation == "swiglu" else ((160, 1),):
         x, ids, _, w_in, w_out = _tri_case(activation, torch.float32, T=4, k=1, h=h, i=32)
         with order.override(linear_split_table=(((w_in.shape[1], h), split),)):
-            # BK = 128 as linear's M = 1 row of its table: the interpreter rounds each BK block's
-            # float64 dot to fp32, so only there BK is part of the bits (DESIGN section 4)
+            # the interpreter rounds each K block's float64 dot to fp32, so there the block size is
+            # part of the bits (not on the GPU, DESIGN section 4): linear and the experts both run
+            # INTERP_BK under it, whatever the config says
             out = tm.moe_experts(x, ids, torch.ones(4, 1), w_in, w_out, activation, None,
                                  config=(16, 32, 32, 128, 4, 4))
             for t in range(4):
                 e = int(ids[t, 0])
-                hrow = tl_.linear(x[t:t + 1].contiguous(), w_in[e].contiguous())  # M = 1: BK = 128
+                hrow = tl_.linear(x[t:t + 1].contiguous(), w_in[e].contiguous())
                 a = ta.silu_and_mul(hrow) if activation == "swiglu" else torch.relu(hrow) ** 2
                 want = tl_.linear(a, w_out[e].contiguous())
                 assert_bitwise_equal(out[t:t + 1], want, f"{activation} h={h} row {t}")

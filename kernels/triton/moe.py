@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .linear import chunk_acc, split_for
+from .linear import INTERP_BK, chunk_acc, split_for
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 ACT_CODE = {"swiglu": 0, "relu2": 1}
@@ -272,6 +272,8 @@ def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, ke
     S = T * k
     BM, BN1, BN2, BK, warps, stages = config or config_for(S, E)
     interp = interpreting(x)
+    if interp:  # as the linear's: the interpreter rounds each K block's dot, the GPU does not
+        BK = INTERP_BK
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
     order, tok, counts, row_start, tile_end, grid_m = expert_layout(ids, E, BM)
     block_e = triton.next_power_of_2(E)
