@@ -36,6 +36,7 @@ open-chunk replay), each is bit-exact with itself across schedules, and they agr
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -278,6 +279,7 @@ def scan_reference(x, dt, A, B, C, D, Q, cu, seq_start, cache, slots):
     return y
 
 
+@functools.lru_cache(maxsize=8)  # every Mamba layer of a step has the same layout: built once
 def _chunk_layout(seqs, Q, T, dev):
     """Every chunk of every sequence, built on the host and uploaded without a stream sync: token
     index of each chunk position [nc, Q] (clamped) and whether it is real, each chunk's cell on a
@@ -311,7 +313,7 @@ def scan_plain(x, dt, A, B, C, D, Q, cu, cu_host=None):
     G, N = B.shape[1:]
     rep = H // G
     dev = x.device
-    seqs = [(s, e) for s, e in _seqs(cu, cu_host) if e > s]
+    seqs = tuple((s, e) for s, e in _seqs(cu, cu_host) if e > s)
     if not seqs:
         return x.new_zeros(T, H, P, dtype=torch.float32)
     idx, valid, flat, out_rows, nseq, width = _chunk_layout(seqs, Q, T, dev)
