@@ -8,11 +8,12 @@ As for the other families (tests/graph_buckets.py):
   padded inputs a graph replay gets: padded rows decode token 0 in the scratch block AND the
   scratch state slot (the Mamba layers' per-sequence conv / SSM state and open-chunk buffers), on
   the reference kernels. Decode steps cross Mamba chunk boundaries (the chunk closes inside a
-  graph step and folds the open chunk into the state).
+  graph step and folds the open chunk into the state). A bucket's first step runs twice, as a
+  capture does (warm-up, then the replay): the warm-up must leave the Mamba state as it found it.
 - the opt-in: on the Triton backend (interpreter) a whole decode step reads nothing on the host
   (conv, scan, gated norm, attention with host bounds, MoE). The capture itself runs on the GPU.
 Controls: padded rows written into a real sequence's K/V block, or given a real sequence's state
-slot, change the bits; the reference backend's decode step reads on the host (the probe works).
+slot, or a capture's warm-up that keeps its state update, change the bits; the reference backend's decode step reads on the host (the probe works).
 """
 from __future__ import annotations
 
@@ -109,6 +110,17 @@ def test_control_padding_into_a_real_state_slot_changes_bits(model, eager, monke
             p.state_slots[inp.B:] = inp.state_slots[inp.B - 1]
         return p
     monkeypatch.setattr(model_runner.ModelRunner, "pad", bad_pad)
+    prompts, params = _staggered()
+    _, got = run(model, prompts, params, simulate=True)
+    assert not same_outputs(eager, got)
+
+
+def test_control_capture_warmup_keeping_its_state_changes_bits(model, eager, monkeypatch):
+    # the GPU's capture runs a bucket's first step once more before the replay; a warm-up whose
+    # conv / SSM state update stays (no put-back) makes the replay read its own update
+    def keep(runner, state_slots, step):
+        return step()
+    monkeypatch.setattr(model_runner, "run_keeping_state", keep)
     prompts, params = _staggered()
     _, got = run(model, prompts, params, simulate=True)
     assert not same_outputs(eager, got)

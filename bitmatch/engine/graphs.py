@@ -64,6 +64,21 @@ def context_buckets(cap_len: int, block_size: int) -> list[int]:
     return sorted(set(out) | {cap_len})
 
 
+def run_keeping_state(runner, state_slots: torch.Tensor, step):
+    """step() (a decode step that will run again: a graph's warm-up before its first replay), then
+    the per-sequence state rows of ``state_slots`` put back as they were before it. A KV write of
+    the same values twice is harmless, but a Mamba layer's conv and SSM state advance in place:
+    run twice, the step would read its own update and every later token of the sequence would
+    differ from the trainer's (the engine's Nemotron-H Diff on the GPU, not on CPU where
+    nothing is captured)."""
+    tensors = runner._state_tensors
+    saved = [t.index_select(0, state_slots) for t in tensors]
+    out = step()
+    for t, v in zip(tensors, saved):
+        t.index_copy_(0, state_slots, v)
+    return out
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_seq_len_to_capture: int):
         bs = runner.block_size
@@ -111,11 +126,11 @@ class DecodeGraphs:
 
     def _capture(self, b, cap, flags):
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
-        # it computes this very step (the same bits the replay writes again)
+        # it computes this very step, which the replay then runs again: per-sequence state is put back
         s = torch.cuda.Stream(device=self.runner.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._step(b, cap, flags)
+            run_keeping_state(self.runner, self._buffers[0][3, :b], lambda: self._step(b, cap, flags))
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
-from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling
+from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling, run_keeping_state
 from bitmatch.engine.host import upload
 from bitmatch.engine.sampling import Sampler, SamplingParams
 from bitmatch.engine.sequence import Sequence
@@ -172,6 +172,7 @@ class ModelRunner:
         self._pending = None
         self.graph_safe = graph_safe(model)
         self.num_simulated_steps = 0
+        self._simulated_keys = set()  # the graph keys a simulated run has "captured"
         self.num_steps = 0  # forwards run (bitmatch.parallel.step_data_parallel: did this step run one)
         if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
             self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
@@ -271,7 +272,14 @@ class ModelRunner:
         if extra > 0:  # the graph's block table is full width (scratch entries past each row's blocks)
             p.block_table = np.concatenate([p.block_table, np.full((bucket, extra), self.scratch_block, np.int64)], 1)
         ids, ctx, _ = p.context(self.device, self.caches)
-        logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx))
         flags, f32, i64 = padded_sampling(self.sampler, params, seeds, indices, bucket)
         f32, i64 = torch.from_numpy(f32).to(self.device), torch.from_numpy(i64).to(self.device)
-        return self.sampler.device_step(logits, f32, i64, *flags)
+
+        def step():
+            logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx))
+            return self.sampler.device_step(logits, f32, i64, *flags)
+        key = (bucket, p.max_seq_len, flags)
+        if key not in self._simulated_keys:  # a capture: its warm-up runs the step once before the replay
+            self._simulated_keys.add(key)
+            run_keeping_state(self, ctx.state_slots, step)
+        return step()
