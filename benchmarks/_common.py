@@ -209,6 +209,24 @@ def bench(make_fn, bytes_per_call, rep=100, warmup=25, n=None, graph=True):
     return triton.testing.do_bench(run, warmup=warmup, rep=rep, return_mode="median")
 
 
+# the decode rooflines' bandwidth per card: what the project has used for the H200 since its first
+# runs, and the H100 SXM's nominal HBM3 rate (a roofline at the H200's rate would flatter an H100)
+HBM_TBPS = {"H200": 4.3, "H100": 3.35}
+
+
+def hbm_tbps(given=None) -> float:
+    """The roofline bandwidth: ``given`` (--hbm-tbps) or this card's entry in HBM_TBPS."""
+    if given is not None:
+        return float(given)
+    if DEV != "cuda":
+        return HBM_TBPS["H200"]  # a CPU smoke run: the script's logic only
+    name = torch.cuda.get_device_name()
+    for card, v in HBM_TBPS.items():
+        if card in name:
+            return v
+    raise SystemExit(f"no roofline bandwidth known for {name!r}: pass --hbm-tbps")
+
+
 def ceilings():
     """The measured copy bandwidth and bf16 matmul rate of this device (the rooflines' ceilings)."""
     a = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=DEV).random_()

@@ -253,9 +253,10 @@ def decode_section(a, out):
     step_ms = statistics.median(ts)
     spec = family_of(model).build_spec(unwrap_causal_lm(model))
     wb, cb = decode_bytes(model, spec, B, a.seq + 8)
-    roof = (wb + cb) / (a.hbm_tbps * 1e12) * 1e3
+    tbps = _common.hbm_tbps(a.hbm_tbps)
+    roof = (wb + cb) / (tbps * 1e12) * 1e3
     out["results"]["decode_step"] = {"batch": B, "context_tokens": a.seq + 8, "step_ms": step_ms, "steps_ms": ts,
-                          "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": a.hbm_tbps, "roofline_ms": roof,
+                          "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": tbps, "roofline_ms": roof,
                           "fraction_of_roofline": roof / step_ms,
                           "graphs": getattr(eng.model_runner, "graphs", None) is not None}
     out["ratios"]["decode_fraction_of_roofline"] = roof / step_ms
@@ -316,7 +317,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, decode, attn")
     ap.add_argument("--decode-batch", type=int, default=64, help="decode section: sequences per step")
-    ap.add_argument("--hbm-tbps", type=float, default=4.3, help="decode section: the roofline's bandwidth")
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--profile", action="store_true",
                     help="train section: the top CUDA kernels and the host's own time of one step per side")
     ap.add_argument("--attn-batches", default="16,64", help="decode batches of the attn section")

@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--engine-kw", default="", help="extra Engine keywords, k=v,k=v (ints)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -159,7 +159,7 @@ def main():
             print(r["error"], flush=True)
         while eng.has_unfinished_requests():
             eng.step()
-        roof, wb, kvb = roofline_ms(model, B, a.prompt_len + a.new_tokens // 2, a.hbm_tbps)
+        roof, wb, kvb = roofline_ms(model, B, a.prompt_len + a.new_tokens // 2, _common.hbm_tbps(a.hbm_tbps))
         r.update(roofline_ms=round(roof, 3))
         if "plain_step_ms" in r:
             r["fraction_of_roofline"] = round(roof / r["plain_step_ms"], 3)

@@ -390,7 +390,7 @@ def main():
     ap.add_argument("--batches", default="64,256,1,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--budget-s", type=float, default=330, help="no new measurement after this many s")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -436,7 +436,7 @@ def main():
                         rec.data.setdefault("skipped_for_time", []).append(f"rollout_{size}")
                         continue
                     rollout(size, [int(b) for b in a.batches.split(",")], a.prompt_len, a.new_tokens,
-                            a.hbm_tbps, rec, deadline)
+                            _common.hbm_tbps(a.hbm_tbps), rec, deadline)
         except Exception:
             rec.err(name)
         rec.data.setdefault("section_seconds", {})[name] = time.time() - t0

@@ -26,11 +26,14 @@ def test_new_run_of_a_known_benchmark_renders_and_unknown_files_are_listed(tmp_p
     src = ROOT / "benchmarks" / "results"
     shutil.copy(src / "sync_h200.json", tmp_path / "sync_h200.json")
     shutil.copy(src / "sync_h200.json", tmp_path / "sync_h200_run2.json")     # a new run, known benchmark
+    shutil.copy(src / "sync_h200.json", tmp_path / "sync_h100.json")          # the same on an H100
     (tmp_path / "brand_new_h200.json").write_text(json.dumps({"command": "x"}))  # no renderer
     (tmp_path / "moe_e2e_h200.json").write_text(json.dumps([1, 2]))            # known name, other shape
     page = results_page.render(tmp_path)
-    assert page.count("### Weight sync on the GPU") == 2 and "sync_h200_run2.json" in page
+    assert page.count("### Weight sync on the GPU") == 3 and "sync_h200_run2.json" in page
+    assert page.count("### Weight sync on the GPU (`benchmarks/sync.py --device cuda`) on an H100") == 1
     assert "`brand_new_h200.json`: no renderer" in page
     assert "`moe_e2e_h200.json` (" in page and "could not read it" in page
     assert results_page.benchmark_of("moe_e2e_h200_run3") == "moe_e2e_h200"
     assert results_page.benchmark_of("moe_h200") == "moe_h200"
+    assert results_page.benchmark_of("gpu_train_h100_run1") == "gpu_train_h200"
