@@ -56,8 +56,9 @@ lora) # issue 27's LoRA rows: the LoRA rollout (8B shapes, graphs on) vs the sam
     bench trl_lora 300 trl_step.py --runs stock_lora,attach_lora,attach_lora_copy --steps 5
     ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
-    # the Mamba kernels
-    bench nh_diff 300 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 200
+    # the Mamba kernels; the LoRA rollout with its projections fused
+    bench nh_diff 280 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 190
+    bench lora_rollout 150 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
     ;;
 3)  # what a short session runs after nh and 1: the golden bits, then issue 27's LoRA rows
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"

@@ -11,6 +11,9 @@ on exactly the padded inputs a replay gets; the capture itself runs on the GPU):
   write through ``.data`` (no version bump) between generate calls;
 - control: a kept weight left stale after the update (the refresh disabled) makes the engine
   differ from the trainer, so the comparison sees a stale weight.
+- LoRA projections join the engine's fused q/k/v and gate/up copies (as a merged model's do:
+  one GEMM, the kept weight inside the fused copy); control: a fused part built from the base
+  weight alone (adapters dropped) makes the engine differ from the trainer.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import bitmatch  # noqa: E402
 from bitmatch.engine import Engine, SamplingParams  # noqa: E402
 from bitmatch.engine.graphs import graph_safe  # noqa: E402
 from bitmatch.models import lora, unwrap_causal_lm  # noqa: E402
+from bitmatch.models.state import get_state  # noqa: E402
 from bitmatch.precision import cast_param  # noqa: E402
 from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
 from test_engine import assert_bitmatch  # noqa: E402
@@ -101,5 +105,30 @@ def test_buckets_and_trainer_across_weight_updates(pm):
 def test_control_stale_kept_weight_differs(pm, monkeypatch):
     prompts, params = _staggered()
     outs = stale_kept_weights(pm, prompts, params, monkeypatch)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitmatch(pm, outs, params)
+
+
+def test_lora_projections_run_fused(pm):
+    # q and v carry adapters, k does not: the fused q/k/v copy holds the merged casts and k's cast
+    prompts, params = _staggered()
+    outs = _generate(Engine(pm, num_gpu_blocks=96, max_num_seqs=8), prompts, params)
+    assert assert_bitmatch(pm, outs, params) > 0
+    for layer in unwrap_causal_lm(pm).model.layers:
+        attn = layer.self_attn
+        entry = get_state(attn).derived["qkv"]
+        want = torch.cat([cast_param(lora.merged_weight(attn.q_proj), torch.bfloat16),
+                          cast_param(attn.k_proj.weight, torch.bfloat16),
+                          cast_param(lora.merged_weight(attn.v_proj), torch.bfloat16)])
+        assert torch.equal(entry.weight.view(torch.int16), want.view(torch.int16))
+        assert not lora.rollout_weights_of(attn.q_proj)  # no second kept copy beside the fused one
+
+
+def test_control_fused_part_without_adapters_differs(monkeypatch):
+    pm = _peft(seed=3)
+    monkeypatch.setattr(lora, "fused_part", lambda mod, dtype: (cast_param(mod.get_base_layer().weight, dtype),
+                                                               mod.get_base_layer().bias))
+    prompts, params = _staggered()
+    outs = _generate(Engine(pm, num_gpu_blocks=96, max_num_seqs=8), prompts, params)
     with pytest.raises(AssertionError, match="differ"):
         assert_bitmatch(pm, outs, params)

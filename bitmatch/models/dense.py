@@ -163,19 +163,38 @@ def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # the parent module's ModelState (``derived``), so it goes with the module.
 
 
+# A PEFT LoRA layer joins a fused copy in the engine's kept-weights steps: its part is the cast
+# merged weight (lora.fused_part: the bits of its kept rollout weight), keyed on W, A, B, the live
+# adapters, their scalings and the base bias (lora.fused_key). The fused copy then IS the kept
+# weight (not a second copy), and the LoRA model's projections run as the merged model's do.
+
+
+def _part(m, dtype):
+    if lora.is_lora_layer(m):
+        return lora.fused_part(m, dtype)
+    return cast_param(m.weight, dtype), getattr(m, "bias", None)
+
+
+def _part_key(m):
+    if lora.is_lora_layer(m):
+        return lora.fused_key(m)
+    b = getattr(m, "bias", None)
+    return (m.weight.data_ptr(), m.weight._version), None if b is None else (b.data_ptr(), b._version)
+
+
 class _FusedEntry:
     __slots__ = ("mods", "dtype", "key", "weight", "bias", "segments")
 
-    def _params(self):
-        return [m.weight for m in self.mods] + [m.bias for m in self.mods if getattr(m, "bias", None) is not None]
-
     def versions(self):
-        return tuple((p.data_ptr(), p._version) for p in self._params())
+        return tuple(_part_key(m) for m in self.mods)
 
     def build(self, out=None):
-        ws = [cast_param(m.weight, self.dtype) for m in self.mods]
-        self.weight = torch.cat(ws, 0) if out is None else torch.cat(ws, 0, out=out)
-        bs = [getattr(m, "bias", None) for m in self.mods]
+        parts = [_part(m, self.dtype) for m in self.mods]
+        ws = [w for w, _ in parts]
+        shape = (sum(w.shape[0] for w in ws), ws[0].shape[1])
+        # in place while the shape holds: a captured graph reads this address
+        self.weight = torch.cat(ws, 0, out=out) if out is not None and out.shape == shape else torch.cat(ws, 0)
+        bs = [b for _, b in parts]
         self.bias = None if bs[0] is None else torch.cat([cast_param(b, self.dtype) for b in bs], 0)
         self.key = self.versions()
 
@@ -183,18 +202,21 @@ class _FusedEntry:
         key = self.versions()
         if key == self.key and not force:
             return
-        same_ptrs = [p for p, _ in key] == [p for p, _ in self.key]
-        self.build(out=self.weight if same_ptrs else None)
+        self.build(out=self.weight)
 
 
 def _fused_weight(parent, name: str, mods, dtype):
     """(weight, bias, segments) of ``mods`` fused, or None when fusing does not apply (autograd
-    records: the trainer keeps its separate parameters; PEFT layers; mixed bias)."""
+    records: the trainer keeps its separate parameters; PEFT layers outside the engine's
+    kept-weights steps or that the LoRA linear cannot run; mixed bias)."""
     # (inference mode, e.g. inside vLLM: its tensors carry no _version to key the copy on)
-    if torch.is_grad_enabled() or torch.is_inference_mode_enabled() or any(lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
-                                      for m in mods):
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return None
-    if len({getattr(m, "bias", None) is None for m in mods}) != 1:
+    for m in mods:  # LoRA layers only where the engine reads kept weights; other PEFT layers never
+        peft_like = lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
+        if peft_like and not (lora.is_lora_layer(m) and lora.fusable(m)):
+            return None
+    if len({_part_key(m)[1] is None for m in mods}) != 1:
         return None
     per = create_state(parent).derived
     e = per.get(name)

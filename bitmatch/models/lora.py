@@ -102,6 +102,37 @@ def kept_weights(on: bool = True):
         _state.on = prev
 
 
+def kept_on() -> bool:
+    """Whether the current forward is an engine step reading kept weights (``kept_weights``)."""
+    return getattr(_state, "on", False) and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def fusable(mod) -> bool:
+    """Whether an engine step may run ``mod`` inside a fused projection (dense's q/k/v, gate/up):
+    a runnable LoRA layer in a kept-weights step, whose fused part is ``fused_part``."""
+    if not kept_on() or (mod.disable_adapters and mod.merged):
+        return False
+    try:
+        check_lora_layer(mod)
+    except ValueError:
+        return False
+    return True
+
+
+def fused_key(mod):
+    """What the fused part of ``mod`` depends on: the kept weight's key and the base bias."""
+    b = getattr(mod.get_base_layer(), "bias", None)
+    return _rollout_key(mod, _live(mod)), None if b is None else (b.data_ptr(), b._version)
+
+
+def fused_part(mod, dtype: torch.dtype):
+    """(weight, bias) of ``mod`` cast to ``dtype`` for a fused projection: ``rollout_weight``'s
+    bits (the cast merged weight; the base weight itself when no adapter is live, as ``linear``)
+    computed afresh, not kept twice: the fused copy is the kept weight."""
+    w = cast_param(merged_weight(mod), dtype)
+    return w, getattr(mod.get_base_layer(), "bias", None)
+
+
 def _live(mod) -> list[str]:
     merged = set(getattr(mod, "merged_adapters", []))
     return [] if mod.disable_adapters else [a for a in _active(mod) if a not in merged]
@@ -227,7 +258,7 @@ def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                          "first (bitmatch never unmerges: W + d - d is not W)")
     if not live:  # merged already, or disabled: the base layer is the whole layer
         return K.linear(x, cast_param(base.weight, dtype), cast_param(bias, dtype))
-    if getattr(_state, "on", False) and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+    if kept_on():
         # the engine's step: the kept merged weight (same bits as LoRAMergedLinearFunction's forward)
         return K.linear(x, rollout_weight(mod, dtype), cast_param(bias, dtype))
     _check_dropout(mod)
