@@ -273,6 +273,16 @@ class TrlAdapter:
         """(HF name, tensor) pairs the rollout must hold: merged LoRA weights, the rest as they are."""
         return lora.merged_state_dict(self.trainer.accelerator.unwrap_model(self.trainer.model))
 
+    def engine_budget(self) -> dict:
+        """The engine's KV budget as TRL's colocated vLLM gets it: ``vllm_gpu_memory_utilization``
+        of the GPU for the engine itself, beside the trainer (unless ``engine_kwargs`` sets one).
+        vLLM's server default (0.9 of the device) would take the memory the training step needs."""
+        if any(k in self.engine_kwargs for k in ("kv_cache_bytes", "num_gpu_blocks", "gpu_memory_utilization",
+                                                 "memory_share")):
+            return {}
+        return dict(gpu_memory_utilization=float(getattr(self.trainer.args, "vllm_gpu_memory_utilization", 0.3)),
+                    memory_share="engine")
+
     def sync_rollout(self):
         """Make the rollout hold the current weights (once per optimizer step, as TRL's vLLM sync)."""
         step = self.trainer.state.global_step
@@ -284,6 +294,7 @@ class TrlAdapter:
             else:
                 model = self.trainer.accelerator.unwrap_model(self.trainer.model)
             kw = dict(seed=int(self.trainer.args.seed) + self.trainer.accelerator.process_index)
+            kw.update(self.engine_budget())
             kw.update(self.engine_kwargs)
             self.engine = bitmatch.Engine(model, **kw)
         if self.rollout_weights == "copy" and self._synced_step != step:
@@ -437,6 +448,8 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
     own tensors; PEFT LoRA layers on kept merged weights), "copy" (a rollout copy synced through
     ``bitmatch.sync`` every step), "auto" (= "shared"). repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
     engine_kwargs: passed to ``bitmatch.Engine`` (block_size, kv_cache_bytes, max_num_seqs, ...).
+    Without a KV budget there, the engine takes ``GRPOConfig.vllm_gpu_memory_utilization`` of the
+    GPU for itself, as TRL's colocated vLLM does (``Engine(memory_share="engine")``).
 
     Invariance: after attach, every logprob the rollout reports equals the trainer's logprob of
     the same token bit for bit, and each generation step checks it.

@@ -138,6 +138,7 @@ def test_sampling_params_errors_name_the_argument(kwargs, name):
     (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"), (dict(num_gpu_blocks=0), "num_gpu_blocks"),
     (dict(kv_cache_bytes=10), "kv_cache_bytes"), (dict(num_gpu_blocks=4, kv_cache_bytes=10 ** 6), "num_gpu_blocks"),
+    (dict(memory_share="all"), "memory_share"),
 ])
 def test_engine_errors_name_the_argument(model, kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -173,3 +174,17 @@ def test_requests_join_mid_flight_with_step(model):
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step()})
     assert [completion(done[i]) for i in ids] == [completion(o) for o in ref]
+
+
+def test_kv_budget_shares():
+    # a GPU of 80 units: the trainer holds 40 (in use before the engine), the engine's step adds 2
+    # of derived weights and peaks at 6 of activations, other processes hold 1
+    from bitmatch.engine.model_runner import kv_budget
+    fig = dict(total=80, other=1, base=40, in_use=42, peak=6)
+    # vLLM's rule: 0.9 of the device minus everything in use: what the trainer needs is gone
+    assert kv_budget(utilization=0.9, share="device", **fig) == 72 - 1 - 42 - 6
+    # TRL's colocate rule: 0.3 of the device is the engine's own, the trainer's memory not counted
+    assert kv_budget(utilization=0.3, share="engine", **fig) == 24 - 6 - 2
+    assert kv_budget(utilization=0.1, share="engine", **fig) == 0  # never negative
+    with pytest.raises(ValueError, match="memory_share"):
+        kv_budget(utilization=0.3, share="process", **fig)

@@ -203,6 +203,19 @@ def test_errors_name_the_fix(tmp_path):
         bt.attach(tr)
 
 
+def test_engine_takes_trls_colocate_memory_share(tmp_path):
+    # GRPOConfig.vllm_gpu_memory_utilization is the engine's own share, as for TRL's colocated
+    # vLLM; an explicit budget in engine_kwargs wins
+    import bitmatch.adapters.trl as bt
+
+    tr = bt.attach(make_trainer(tmp_path, steps=1, vllm_gpu_memory_utilization=0.25))
+    assert tr._bitmatch.engine_budget() == dict(gpu_memory_utilization=0.25, memory_share="engine")
+    tr.train()
+    assert tr._bitmatch.engine is not None
+    tr = bt.attach(make_trainer(tmp_path / "b", steps=1), engine_kwargs=dict(kv_cache_bytes=2 ** 26))
+    assert tr._bitmatch.engine_budget() == {}
+
+
 def test_use_vllm_without_plugin_enabled_is_refused(tmp_path, monkeypatch):
     """use_vllm=True needs the bitmatch vLLM plugin enabled (BITMATCH=1) before vLLM is built;
     the colocate run itself is tests/test_trl_vllm.py."""

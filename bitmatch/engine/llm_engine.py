@@ -97,7 +97,9 @@ class Engine:
     ``kv_cache_bytes`` bytes; by default on CUDA, vLLM's rule: ``gpu_memory_utilization`` of the
     device's memory minus what is in use (weights, other processes) minus the activation peak of a
     profiled step of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sampled rows
-    (``model_runner.profile_kv_budget``); 512 MiB on CPU.
+    (``model_runner.profile_kv_budget``); 512 MiB on CPU. ``memory_share="engine"``: the fraction
+    is the engine's own beside a trainer in the same process (TRL's colocate rule; what
+    ``adapters.trl.attach`` passes): only the engine's activation peak and derived weights count.
     ``enforce_eager``: no CUDA graphs (vLLM's flag); otherwise pure-decode steps on CUDA replay one
     graph per padded batch bucket (``bitmatch.engine.graphs``) for contexts up to
     ``max_seq_len_to_capture``; same bits either way.
@@ -110,7 +112,7 @@ class Engine:
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 max_seq_len_to_capture: int = 8192):
+                 max_seq_len_to_capture: int = 8192, memory_share: str = "device"):
         if isinstance(model, (str, os.PathLike)):
             path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
@@ -150,6 +152,8 @@ class Engine:
         state_bytes = self.max_num_seqs * sum(g.bytes_per_seq() for g in groups)
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if memory_share not in ("device", "engine"):
+            raise ValueError(f"Engine: memory_share must be 'device' or 'engine', got {memory_share!r}")
         _positive_int("max_seq_len_to_capture", max_seq_len_to_capture)
         self.kv_profile = None
         if num_gpu_blocks is None:
@@ -157,7 +161,8 @@ class Engine:
                 kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
                 if self.device.type == "cuda":
                     self.kv_profile = profile_kv_budget(model, groups, self.block_size, self.max_num_batched_tokens,
-                                                        self.max_num_seqs, float(gpu_memory_utilization))
+                                                        self.max_num_seqs, float(gpu_memory_utilization),
+                                                        memory_share)
                     kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
                     if kv_cache_bytes < per_block + state_bytes:
                         raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="

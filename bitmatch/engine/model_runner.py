@@ -42,12 +42,28 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 @torch.no_grad()
-def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs: int, utilization: float) -> dict:
-    """Bytes left for the KV cache on the model's CUDA device (vLLM's profile run): the device's
-    memory x ``utilization``, minus what is already in use (the weights, other processes), minus
-    the activation peak of one step of ``max_tokens`` fresh-prefill tokens whose ``max_seqs`` rows
-    are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights created by the
-    step (fused projections) stay allocated and are counted as in use."""
+def kv_budget(total: int, utilization: float, other: int, base: int, in_use: int, peak: int, share: str) -> int:
+    """The KV cache's bytes from a profile run's figures. share "device" (vLLM's rule): the
+    device's memory x utilization, minus what is in use (weights, everything else of this process,
+    other processes) and the activation peak. share "engine" (TRL's colocate rule,
+    ``GRPOConfig.vllm_gpu_memory_utilization``): the fraction is the engine's own, beside a
+    trainer in the same process: minus only what the engine adds (the activation peak and the
+    derived weights its step created, ``in_use - base``)."""
+    if share == "engine":
+        kv = int(total * utilization) - peak - (in_use - base)
+    elif share == "device":
+        kv = int(total * utilization) - other - in_use - peak
+    else:
+        raise ValueError(f"Engine: memory_share must be 'device' or 'engine', got {share!r}")
+    return max(0, kv)
+
+
+def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs: int, utilization: float,
+                      share: str = "device") -> dict:
+    """Bytes left for the KV cache on the model's CUDA device (vLLM's profile run, ``kv_budget``):
+    the activation peak is that of one step of ``max_tokens`` fresh-prefill tokens whose
+    ``max_seqs`` rows are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights
+    created by the step (fused projections) stay allocated and are counted as in use."""
     dev = next(model.parameters()).device
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
@@ -77,9 +93,9 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
     in_use = torch.cuda.memory_allocated(dev)
-    kv = int(total * utilization) - other - in_use - peak
-    return {"total_bytes": total, "utilization": utilization, "other_processes_bytes": other,
-            "in_use_bytes": in_use, "activation_peak_bytes": peak, "kv_cache_bytes": max(0, kv)}
+    return {"total_bytes": total, "utilization": utilization, "share": share, "other_processes_bytes": other,
+            "in_use_bytes": in_use, "activation_peak_bytes": peak,
+            "kv_cache_bytes": kv_budget(total, utilization, other, base, in_use, peak, share)}
 
 
 class StepInputs:
