@@ -260,6 +260,15 @@ def decode_section(a, out):
                           "fraction_of_roofline": roof / step_ms,
                           "graphs": getattr(eng.model_runner, "graphs", None) is not None}
     out["ratios"]["decode_fraction_of_roofline"] = roof / step_ms
+    if a.profile and a.device == "cuda":  # where a step's time goes: a graph replay, then eagerly
+        prof = out["results"]["decode_step"]["profile"] = {"graph_step": _common.top_kernels(eng.step, k=20)}
+        runner = eng.model_runner
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            prof["eager_step"] = _common.top_kernels(eng.step, k=20)
+            prof["eager_host"] = _common.host_profile(eng.step, k=20)
+        finally:
+            runner.graphs = graphs
     del eng, model
     if a.device == "cuda":
         torch.cuda.empty_cache()
@@ -319,7 +328,7 @@ def main(argv=None):
     ap.add_argument("--decode-batch", type=int, default=64, help="decode section: sequences per step")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--profile", action="store_true",
-                    help="train section: the top CUDA kernels and the host's own time of one step per side")
+                    help="train and decode sections: the top CUDA kernels and the host's own time of one step per side")
     ap.add_argument("--attn-batches", default="16,64", help="decode batches of the attn section")
     ap.add_argument("--backend", default=None, choices=("reference", "triton"),
                     help="force a kernel backend (--device cpu --backend triton: the Triton kernels in the "

@@ -173,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--train-shape", default="4x512")
     ap.add_argument("--diff-blocks", default="M,E,*,-", help="diff_blocks: the block types, one model each")
     ap.add_argument("--budget-s", type=float, default=400, help="no new section or batch after this many s")
+    ap.add_argument("--host-profile", action="store_true", help="train: where each step's host time goes")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.smoke:
@@ -228,7 +229,7 @@ def main(argv=None):
                 rollout(model, hf, a, dev, rec, deadline)
             elif name == "train":
                 B, L = (int(v) for v in a.train_shape.split("x"))
-                rec.put("train", gpu_train.train_compare(model, hf, B, L, a.vocab, dev))
+                rec.put("train", gpu_train.train_compare(model, hf, B, L, a.vocab, dev, host_profile=a.host_profile))
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

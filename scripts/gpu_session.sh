@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows the open speed issues (21, 22, 27) still lack, in device-tool calls of < 600 s each:
-# nh first (the Nemotron-H mismatch), then 1, 2 and lora.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each: 4 first
+# (profiles of the rows still short of their targets), then 1, 2, nh2 and 3 to re-measure.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -8,7 +8,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|nh|nh2|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|nh|nh2|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -60,6 +60,12 @@ nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the 
     bench nh_diff 280 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 190
     bench lora_rollout 150 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
     ;;
+4)  # next: where Nemotron-H's training step and V4's decode step spend their time (27, 21), the
+    # TRL LoRA step with the engine on TRL's colocate memory share (27)
+    bench nh_train 200 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 150
+    bench v4_mid_decode 120 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench trl_lora 240 trl_step.py --runs stock_lora,attach_lora --steps 4
+    ;;
 3)  # what a short session runs after nh and 1: the golden bits, then issue 27's LoRA rows
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
@@ -70,7 +76,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, 3, nh, nh2, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, 3, 4, nh, nh2, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"

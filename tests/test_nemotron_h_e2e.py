@@ -1,6 +1,7 @@
 """benchmarks/nemotron_h_e2e.py's logic on CPU (tiny widths, reference kernels): the whole-model diff
 with its stock control, the per-block-type diffs and the op locator that bisect a GPU mismatch
-(the H200 gave engine != trainer on this benchmark's hybrid config: the sections that find which op)."""
+(they found the H200's engine != trainer on this benchmark's hybrid config: every op equal when
+eager, only Mamba blocks differing with graphs: a capture's warm-up advancing the Mamba state)."""
 from __future__ import annotations
 
 import json
