@@ -78,12 +78,16 @@ def time_linear(K, quick, ms=MS):
         del ws
         torch.cuda.empty_cache()
     return out
+# the trainer's unfused Qwen3-8B projections (k and v; gate and up), which the engine fuses
+TRAIN_SHAPES = {"k_v": (1024, 4096), "gate_or_up": (12288, 4096)}
+
+
 def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
     """Persistent TMA kernel (same canonical order) vs the table kernel and cuBLAS at large M:
     bits against the table kernel's output at the same M (0 = equal), and graph-timed ratios."""
     lin = K.linear
     out = {}
-    for name, (N, Kd) in SHAPES.items():
+    for name, (N, Kd) in {**SHAPES, **TRAIN_SHAPES}.items():
         wbytes = N * Kd * 2
         nw = 1 if wbytes >= 3 * L2 else math.ceil(3 * L2 / wbytes)
         ws = [torch.randn(N, Kd, device=DEV, dtype=BF) * 0.02 for _ in range(min(nw, 4))]

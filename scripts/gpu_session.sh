@@ -8,7 +8,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|nh|nh2|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|nh|nh2|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -66,6 +66,11 @@ nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the 
     bench v4_mid_decode 120 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 240 trl_step.py --runs stock_lora,attach_lora --steps 4
     ;;
+5)  # the linear's TMA rows for the trainer's unfused 8B shapes (provisional in kernels/triton/linear.py)
+    # and the 8B training step vs HF + Liger they are for (22)
+    bench linear_tma 150 gpu_ops.py --only time_linear_tma
+    bench dense_train_8b 150 gpu_train.py --sections train --models 8b --budget-s 130
+    ;;
 3)  # what a short session runs after nh and 1: the golden bits, then issue 27's LoRA rows
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
@@ -76,7 +81,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, 3, 4, nh, nh2, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, nh, nh2, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
