@@ -15,7 +15,9 @@ the buffers (two pinned uploads, four device copies), replays, and reads back on
 block and sample with harmless parameters, so they touch no real sequence; every kernel and the
 sampler are batch-invariant, so a real row's bits do not depend on the bucket
 (tests/test_engine_graphs.py; Qwen3-MoE, whose padded rows also take expert slots:
-tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``.
+tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``. A capture runs its
+step once outside the graph (the warm-up) and the replay runs it again: the per-sequence state rows
+the warm-up advanced (Mamba conv and SSM state) are put back first (``run_keeping_state``).
 
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
