@@ -9,11 +9,11 @@ As for the other families (tests/graph_buckets.py):
   scratch state slot (the Mamba layers' per-sequence conv / SSM state and open-chunk buffers), on
   the reference kernels. Decode steps cross Mamba chunk boundaries (the chunk closes inside a
   graph step and folds the open chunk into the state). A bucket's first step runs twice, as a
-  capture does (warm-up, then the replay): the warm-up must leave the Mamba state as it found it.
+  capture does (warm-up, then the replay): the warm-up writes into the scratch block and slot only.
 - the opt-in: on the Triton backend (interpreter) a whole decode step reads nothing on the host
   (conv, scan, gated norm, attention with host bounds, MoE). The capture itself runs on the GPU.
 Controls: padded rows written into a real sequence's K/V block, or given a real sequence's state
-slot, or a capture's warm-up that keeps its state update, change the bits; the reference backend's decode step reads on the host (the probe works).
+slot, or a capture's warm-up on the rows' real state slots, change the bits; the reference backend's decode step reads on the host (the probe works).
 """
 from __future__ import annotations
 
@@ -115,15 +115,31 @@ def test_control_padding_into_a_real_state_slot_changes_bits(model, eager, monke
     assert not same_outputs(eager, got)
 
 
-def test_control_capture_warmup_keeping_its_state_changes_bits(model, eager, monkeypatch):
-    # the GPU's capture runs a bucket's first step once more before the replay; a warm-up whose
-    # conv / SSM state update stays (no put-back) makes the replay read its own update
-    def keep(runner, state_slots, step):
+def test_control_capture_warmup_on_the_real_slots_changes_bits(model, eager, monkeypatch):
+    # the GPU's capture runs a bucket's first step once more before the replay; a warm-up on the
+    # rows' real state slots advances their conv / SSM state, and the replay reads that update
+    def on_real_slots(runner, slot_mapping, state_slots, step):
         return step()
-    monkeypatch.setattr(model_runner, "run_keeping_state", keep)
+    monkeypatch.setattr(model_runner, "warm_up_on_scratch", on_real_slots)
     prompts, params = _staggered()
     _, got = run(model, prompts, params, simulate=True)
     assert not same_outputs(eager, got)
+
+
+def test_capture_warmup_writes_only_the_scratch_block_and_slot(model, monkeypatch):
+    # every cache's last block / slot is the scratch one; the rest is as before the warm-up
+    orig, warmups = model_runner.warm_up_on_scratch, []
+
+    def checked(runner, slot_mapping, state_slots, step):
+        caches = [t for g in runner.caches.values() for entry in g.values() for t in entry]
+        before = [t[:-1].clone() for t in caches]
+        out = orig(runner, slot_mapping, state_slots, step)
+        assert all(torch.equal(b, t[:-1]) for b, t in zip(before, caches))
+        warmups.append(int(slot_mapping.numel()))
+        return out
+    monkeypatch.setattr(model_runner, "warm_up_on_scratch", checked)
+    eng, _ = run(model, *_staggered(), simulate=True)
+    assert warmups and eng.model_runner.num_simulated_steps > len(warmups)
 
 
 # ---------------------------------------------------------------- the opt-in

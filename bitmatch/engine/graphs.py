@@ -16,8 +16,9 @@ block and sample with harmless parameters, so they touch no real sequence; every
 sampler are batch-invariant, so a real row's bits do not depend on the bucket
 (tests/test_engine_graphs.py; Qwen3-MoE, whose padded rows also take expert slots:
 tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``. A capture runs its
-step once outside the graph (the warm-up) and the replay runs it again: the per-sequence state rows
-the warm-up advanced (Mamba conv and SSM state) are put back first (``run_keeping_state``).
+step once outside the graph (the warm-up) and the replay runs it again: the warm-up writes its KV
+and per-sequence state (Mamba conv and SSM state) into the scratch block and slot only
+(``warm_up_on_scratch``).
 
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
@@ -66,19 +67,23 @@ def context_buckets(cap_len: int, block_size: int) -> list[int]:
     return sorted(set(out) | {cap_len})
 
 
-def run_keeping_state(runner, state_slots: torch.Tensor, step):
-    """step() (a decode step that will run again: a graph's warm-up before its first replay), then
-    the per-sequence state rows of ``state_slots`` put back as they were before it. A KV write of
-    the same values twice is harmless, but a Mamba layer's conv and SSM state advance in place:
-    run twice, the step would read its own update and every later token of the sequence would
-    differ from the trainer's (the engine's Nemotron-H Diff on the GPU, not on CPU where
-    nothing is captured)."""
-    tensors = runner._state_tensors
-    saved = [t.index_select(0, state_slots) for t in tensors]
-    out = step()
-    for t, v in zip(tensors, saved):
-        t.index_copy_(0, state_slots, v)
-    return out
+def warm_up_on_scratch(runner, slot_mapping: torch.Tensor, state_slots: torch.Tensor, step):
+    """step() once (a graph's warm-up: compiles, first allocations) with every row's KV writes and
+    per-sequence state on the runner's scratch block and slot, then the rows' slots put back. The
+    replay runs this very step again: a KV write of the same values twice is harmless, but a Mamba
+    layer's conv and SSM state advance in place, so a warm-up on the real slots would make the
+    replay read its own update (every later token of those sequences differing from the trainer's:
+    the engine's Nemotron-H Diff on the GPU). The warm-up's outputs are discarded; it costs no
+    memory (a copy of the state rows would, at large buckets)."""
+    saved = slot_mapping.clone(), state_slots.clone()
+    slot_mapping.fill_(runner.scratch_block * runner.block_size)
+    if runner.scratch_slot >= 0:
+        state_slots.fill_(runner.scratch_slot)
+    try:
+        return step()
+    finally:
+        slot_mapping.copy_(saved[0])
+        state_slots.copy_(saved[1])
 
 
 class DecodeGraphs:
@@ -128,11 +133,12 @@ class DecodeGraphs:
 
     def _capture(self, b, cap, flags):
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
-        # it computes this very step, which the replay then runs again: per-sequence state is put back
+        # it runs this very step, which the replay then runs again: on the scratch block and slot
         s = torch.cuda.Stream(device=self.runner.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            run_keeping_state(self.runner, self._buffers[0][3, :b], lambda: self._step(b, cap, flags))
+            i64 = self._buffers[0]
+            warm_up_on_scratch(self.runner, i64[2, :b], i64[3, :b], lambda: self._step(b, cap, flags))
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

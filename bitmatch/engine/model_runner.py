@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
-from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling, run_keeping_state
+from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling, warm_up_on_scratch
 from bitmatch.engine.host import upload
 from bitmatch.engine.sampling import Sampler, SamplingParams
 from bitmatch.engine.sequence import Sequence
@@ -297,5 +297,5 @@ class ModelRunner:
         key = (bucket, p.max_seq_len, flags)
         if key not in self._simulated_keys:  # a capture: its warm-up runs the step once before the replay
             self._simulated_keys.add(key)
-            run_keeping_state(self, ctx.state_slots, step)
+            warm_up_on_scratch(self, ctx.slot_mapping, ctx.state_slots, step)
         return step()
