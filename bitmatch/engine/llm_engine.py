@@ -165,8 +165,10 @@ class Engine:
                                                         memory_share)
                     kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
                     if kv_cache_bytes < per_block + state_bytes:
+                        trl = (" (under TRL's attach: GRPOConfig(vllm_gpu_memory_utilization=...))"
+                               if memory_share == "engine" else "")
                         raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="
-                                         f"{gpu_memory_utilization} ({self.kv_profile}); raise it, or lower "
+                                         f"{gpu_memory_utilization} ({self.kv_profile}); raise it{trl}, or lower "
                                          "max_num_batched_tokens / max_num_seqs")
             _positive_int("kv_cache_bytes", kv_cache_bytes)
             if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
