@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each: 4 first
-# (profiles of the rows still short of their targets), then 1, 2, nh2 and 3 to re-measure.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each: nh2 first
+# (Nemotron-H's Diff with the final capture warm-up), then 4 and 5 (profiles and the linear's TMA rows
+# for the rows still short of their targets), then 1, 2 and 3 to re-measure.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
