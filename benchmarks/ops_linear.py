@@ -78,6 +78,8 @@ def time_linear(K, quick, ms=MS):
         del ws
         torch.cuda.empty_cache()
     return out
+
+
 # the trainer's unfused Qwen3-8B projections (k and v; gate and up), which the engine fuses
 TRAIN_SHAPES = {"k_v": (1024, 4096), "gate_or_up": (12288, 4096)}
 

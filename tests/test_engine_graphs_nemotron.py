@@ -13,7 +13,8 @@ As for the other families (tests/graph_buckets.py):
 - the opt-in: on the Triton backend (interpreter) a whole decode step reads nothing on the host
   (conv, scan, gated norm, attention with host bounds, MoE). The capture itself runs on the GPU.
 Controls: padded rows written into a real sequence's K/V block, or given a real sequence's state
-slot, or a capture's warm-up on the rows' real state slots, change the bits; the reference backend's decode step reads on the host (the probe works).
+slot, or a capture's warm-up on the rows' real state slots, change the bits; the reference
+backend's decode step reads on the host (the probe works).
 """
 from __future__ import annotations
 

@@ -198,9 +198,8 @@ class _FusedEntry:
         self.bias = None if bs[0] is None else torch.cat([cast_param(b, self.dtype) for b in bs], 0)
         self.key = self.versions()
 
-    def refresh(self, force: bool = False):
-        key = self.versions()
-        if key == self.key and not force:
+    def refresh(self, force: bool = False, key=None):
+        if (self.versions() if key is None else key) == self.key and not force:
             return
         self.build(out=self.weight)
 
@@ -213,10 +212,13 @@ def _fused_weight(parent, name: str, mods, dtype):
     if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return None
     for m in mods:  # LoRA layers only where the engine reads kept weights; other PEFT layers never
-        peft_like = lora.is_lora_layer(m) or hasattr(m, "base_layer") or hasattr(m, "lora_A")
-        if peft_like and not (lora.is_lora_layer(m) and lora.fusable(m)):
+        if lora.is_lora_layer(m):
+            if not lora.fusable(m):
+                return None
+        elif hasattr(m, "base_layer") or hasattr(m, "lora_A"):
             return None
-    if len({_part_key(m)[1] is None for m in mods}) != 1:
+    key = tuple(_part_key(m) for m in mods)
+    if len({k[1] is None for k in key}) != 1:  # mixed bias
         return None
     per = create_state(parent).derived
     e = per.get(name)
@@ -227,7 +229,7 @@ def _fused_weight(parent, name: str, mods, dtype):
         e.build()
         per[name] = e
     else:
-        e.refresh()
+        e.refresh(key=key)
     return e.weight, e.bias, e.segments
 
 
