@@ -18,6 +18,7 @@ writes DIR/gpu_train.json after every section and model.
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -206,7 +207,27 @@ def train(size, profile=True, iters=3):
     return res
 
 
-def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=False, seed=3) -> dict:
+def grad_agreement(model, hf, ours, stock) -> dict:
+    """Each parameter's gradient of one step on each side (same weights, same tokens): max |ours -
+    HF| / max |HF|; the two forwards differ by bf16 rounding, so this says the backward is the right
+    one (a wrong term shows as O(1)), not how exact it is. The worst few and the median."""
+    grads = {}
+    for m, step, key in ((hf, stock, "hf"), (model, ours, "ours")):
+        m.train()
+        step()
+        for n, p in m.named_parameters():
+            if p.grad is not None:
+                grads.setdefault(n, {})[key] = p.grad.float().clone()
+        m.zero_grad(set_to_none=True)
+        m.eval()
+    errs = {n: float((g["ours"] - g["hf"]).abs().max() / g["hf"].abs().max().clamp_min(1e-30))
+            for n, g in grads.items() if len(g) == 2}
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])
+    return {"params": len(errs), "missing": sorted(n for n, g in grads.items() if len(g) != 2)[:8],
+            "median_rel_err": statistics.median(errs.values()) if errs else None, "worst": dict(worst[:6])}
+
+
+def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=False, seed=3, grads=False) -> dict:
     """One training step of each side on the same B x L random tokens: bitmatch.token_logprobs
     fwd + bwd on ``model`` (patched) vs HF's own forward + backward on ``hf`` (the stock trainer):
     peak memory above the weights, step time, tokens/s, top kernels (and host syncs, host profile)."""
@@ -235,6 +256,8 @@ def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=Fals
         finally:
             m.zero_grad(set_to_none=True)
             m.eval()
+    if grads:
+        res["grad_agreement"] = grad_agreement(model, hf, ours, stock)
     res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
                tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))

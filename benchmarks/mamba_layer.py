@@ -15,6 +15,9 @@ Timed (bf16 inputs, fp32 SSM state, dt_softplus with dt_bias, D, no z):
   mamba_ssm = ``selective_state_update`` on the same shapes (fp32 state, vLLM's stride-0 expansion
   of dt / A / D / dt_bias). Eager (host launch costs included) and in one CUDA graph per Q steps
   (device time). Ratio ours / mamba_ssm (target <= 1.5).
+- backward (the trainer's path): our scan's forward + backward (kernels/triton/mamba_bwd.py) vs
+  mamba_ssm's ``mamba_chunk_scan_combined`` forward + backward, and both one's gradients against a
+  plain fp32 torch SSD's autograd (max |diff| / max |ref| per input). Ratio mamba_ssm / ours.
 - causal_conv1d: ours vs the ``causal_conv1d`` package's (prefill, and the one-token update) when
   it is importable (it needs its compiled extension; the sdist alone does not give it).
 Checks on the device, bit for bit at each shape: full prefill == chunked prefill == token-by-token
@@ -244,6 +247,48 @@ class Bench:
             r["ratio_mamba_ssm_over_ours"] = r["mamba_ssm_ms"] / r["ours_ms"]
         return r
 
+    def backward(self, s, T, ssd):
+        """Forward + backward of the scan (the trainer's path: Triton forward, Triton backward) vs
+        mamba_ssm's ``mamba_chunk_scan_combined`` forward + backward, and each one's gradients
+        against a plain fp32 torch SSD's autograd (max |diff| / max |ref| per input)."""
+        torch = self.torch
+        import torch.nn.functional as F
+        from bitmatch.kernels.mamba import scan_plain
+        A, D, db = self.params(s)
+        x, dt, B, C = self.inputs(T, s, seed=6)
+        gy = torch.randn(T, s["heads"], s["head_dim"], device=self.dev, generator=None)
+        cu = torch.tensor([0, T], device=self.dev, dtype=torch.int32)
+        names = ("x", "dt", "B", "C", "A", "D", "dt_bias")
+
+        def leaves():
+            return [t.detach().clone().requires_grad_(True) for t in (x, dt, B, C, A, D, db)]
+
+        def ours(ls):
+            y = self.K.mamba_chunk_scan(ls[0], ls[1], ls[4], ls[2], ls[3], s["chunk"], cu, D=ls[5], dt_bias=ls[6],
+                                        dt_min=1e-3, cu_seqlens_host=[0, T])
+            return torch.autograd.grad((y * gy).sum(), ls)
+
+        def stock(ls):
+            y = ssd.mamba_chunk_scan_combined(ls[0][None], ls[1][None], ls[4], ls[2][None], ls[3][None], s["chunk"],
+                                              D=ls[5], dt_bias=ls[6], dt_softplus=True, dt_limit=(1e-3, float("inf")))
+            return torch.autograd.grad((y[0].float() * gy).sum(), ls)
+
+        ref_l = [t.detach().float().requires_grad_(True) for t in (x, dt, B, C, A, D, db)]
+        dtv = F.softplus(ref_l[1] + ref_l[6]).clamp(min=1e-3)
+        y = scan_plain(ref_l[0], dtv, ref_l[4], ref_l[2], ref_l[3], ref_l[5], s["chunk"], cu, [0, T])
+        ref = torch.autograd.grad((y * gy).sum(), ref_l)
+
+        def err(got):
+            return {n: float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30))
+                    for n, g, r in zip(names, got, ref)}
+        ls = leaves()
+        r = {"tokens": T, "ours_fwd_bwd_ms": self.timed(lambda: ours(ls)), "ours_grad_rel_err": err(ours(ls))}
+        if ssd is not None and self.dev == "cuda":
+            r["mamba_ssm_fwd_bwd_ms"] = self.timed(lambda: stock(ls))
+            r["mamba_ssm_grad_rel_err"] = err(stock(ls))
+            r["ratio_mamba_ssm_over_ours"] = r["mamba_ssm_fwd_bwd_ms"] / r["ours_fwd_bwd_ms"]
+        return r
+
     def decode(self, s, nb, ssu):
         torch = self.torch
         Q, H, P, N = s["chunk"], s["heads"], s["head_dim"], s["state"]
@@ -363,6 +408,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--no-backward", action="store_true", help="skip the forward + backward rows")
     ap.add_argument("--variants", default=None,
                     help='JSON list of scan config overrides timed beside the canonical one, ours only, e.g. '
                          '\'[{"num_warps": 8}]\' (other bits: data for choosing the next order, not a result)')
@@ -398,9 +444,11 @@ def main(argv=None):
     with K.use_backend("triton"):
         for name in names:
             s = SHAPES[name]
-            out = res["shapes"][name] = {"shape": s, "checks": None, "prefill": [], "decode": [], "conv": []}
+            out = res["shapes"][name] = {"shape": s, "checks": None, "prefill": [], "decode": [], "conv": [],
+                                         "backward": []}
             steps = [("checks", lambda s=s: b.checks(s, ssd))] if not a.no_checks else []
             steps += [("prefill", lambda s=s, T=T: b.prefill(s, T, ssd)) for T in prefill]
+            steps += [("backward", lambda s=s, T=T: b.backward(s, T, ssd)) for T in prefill if not a.no_backward]
             steps += [("decode", lambda s=s, nb=nb: b.decode(s, nb, ssu)) for nb in batches]
             steps += [("conv", lambda s=s, nb=nb: b.conv(s, prefill[0], nb)) for nb in batches]
             for key, fn in steps:

@@ -132,6 +132,9 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, bias, cu = ctx.saved_tensors
+        if backend_for(x) == "triton":
+            grads = triton_impl("mamba_bwd", "conv_backward")(g, x, weight, bias, cu, ctx.activation)
+            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
         grads = recompute_grads(lambda a, w, b: _conv_plain(a, w, b, cu, ctx.activation), (x, weight, bias),
                                 ctx.needs_input_grad[:3], (g,))
         return (*grads, None, None)
@@ -375,6 +378,10 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, g):
         x, dt_raw, A, B, C, D, dt_bias, cu = ctx.saved_tensors
         Q, dt_min, cu_host = ctx.cfg
+        if backend_for(x) == "triton":
+            seqs = _seqs(cu, cu_host)
+            grads = triton_impl("mamba_bwd", "scan_backward")(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min)
+            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:7])), None, None, None, None)
 
         def plain(x_, dr, A_, B_, C_, D_, db):
             z = dr.float() + (0.0 if db is None else db.float())
@@ -477,6 +484,9 @@ class _GatedFunction(torch.autograd.Function):
     def backward(ctx, g):
         y, z, weight = ctx.saved_tensors
         gs, eps = ctx.cfg
+        if backend_for(y) == "triton":
+            grads = triton_impl("mamba_bwd", "gated_backward")(g, y, z, weight, gs, eps)
+            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
         grads = recompute_grads(lambda a, b, c: _gated_plain(a, b, c, gs, eps), (y, z, weight),
                                 ctx.needs_input_grad[:3], (g,))
         return (*grads, None, None)

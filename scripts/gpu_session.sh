@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each: nh2 first
-# (Nemotron-H's Diff with the final capture warm-up), then 4 and 5 (profiles and the linear's TMA rows
-# for the rows still short of their targets), then 1, 2 and 3 to re-measure.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each: nh3 first
+# (Nemotron-H with the Triton Mamba backward, its Diff with the final capture warm-up), 6 (V4 mid
+# decode's profile, golden bits, TRL's LoRA step), then 5 (the linear's TMA rows), 1, 2 to re-measure.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|nh|nh2|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -56,6 +56,17 @@ lora) # issue 27's LoRA rows: the LoRA rollout (8B shapes, graphs on) vs the sam
     bench lora_rollout 200 gpu_e2e.py --sections lora:8b --batches 64 --prompt-len 512 --new-tokens 32
     bench trl_lora 300 trl_step.py --runs stock_lora,attach_lora,attach_lora_copy --steps 5
     ;;
+nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profile, gradients vs HF),
+    # the whole-model diff with the final capture warm-up, the rollout; the Mamba layer vs mamba_ssm
+    # with its forward + backward rows
+    bench nh 400 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train,diff,rollout --batches 32 --host-profile --budget-s 300
+    bench mamba 150 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --batches 1,64
+    ;;
+6)  # after nh3: V4 mid decode's profile (21), the golden bits, TRL's LoRA step on the colocate share (27)
+    bench v4_mid_decode 120 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
+    bench trl_lora 240 trl_step.py --runs stock_lora,attach_lora --steps 4
+    ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused
     bench nh_diff 280 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 190
@@ -82,7 +93,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, nh, nh2, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, 6, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
