@@ -79,7 +79,8 @@ def _states_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, dy_ptr, ctok_pt
                    PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    backward = tl.program_id(2) == 1
+    mode = tl.program_id(2)  # 0: S_in walking forward, 1: dS walking backward
+    backward = mode == 1
     g = h // (H // G)
     c0 = tl.load(c0_ptr + b)
     ncs = tl.load(nc_ptr + b)
@@ -96,8 +97,8 @@ def _states_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, dy_ptr, ctok_pt
     for i in range(0, ncs):
         k = tl.where(backward, c0 + ncs - 1 - i, c0 + i).to(tl.int64)
         st = (k * H + h) * (P * N)
-        tl.store(Sin_ptr + st + tile, S, mask=(tile >= 0) & (not backward))
-        tl.store(dS_ptr + st + tile, S, mask=(tile >= 0) & backward)
+        tl.store(Sin_ptr + st + tile, S, mask=(tile >= 0) & (mode == 0))
+        tl.store(dS_ptr + st + tile, S, mask=(tile >= 0) & (mode == 1))
         tok0 = tl.load(ctok_ptr + k).to(tl.int64)
         ln = tl.load(clen_ptr + k)
         _, dtc, acum = _chunk_dt(dt_ptr, tok0, ln, h, bias, A, dt_lo, offs_q, H, HAS_BIAS)
@@ -144,8 +145,8 @@ def _chunk_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, c
     tile = offs_p[:, None] * N + offs_n[None, :]
     dt_ty = x_ptr.dtype.element_ty
     dS = tl.load(dS_ptr + st + tile).to(dt_ty)
-    own = 0.0   # sum_s of the state-out term's da, which lands on the chunk's last position
-    dDacc = 0.0
+    own = tl.sum(tl.zeros((BT,), tl.float32), axis=0)  # the state-out term's da: on the last position
+    dDacc = tl.sum(tl.zeros((BT,), tl.float32), axis=0)
     NT: tl.constexpr = Q // BT
     # rows as s: dxdt, dB and the negative terms of da
     for si in range(0, NT):
@@ -273,9 +274,10 @@ def scan_backward(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min):
 
 # ---------------------------------------------------------------- causal conv1d
 @triton.jit
-def _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr):
     """The conv's fp32 pre-activation of token rows (taps before each row's sequence start: 0)."""
-    acc = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
+    acc = tl.zeros((BR, BC), tl.float32)
     for j in range(K):
         src = rows - (K - 1) + j
         v = tl.load(x_ptr + src[:, None] * Cd + cols[None, :], mask=(src >= first)[:, None] & cm[None, :], other=0.0)
@@ -297,7 +299,7 @@ def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, first_ptr, gp_ptr, dwp_ptr, db
     first = tl.load(first_ptr + rows, mask=rm, other=0)
     gp = tl.load(g_ptr + rows[:, None] * Cd + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
-        u = _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K, HAS_BIAS)
+        u = _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K, HAS_BIAS, BR, BC)
         s = 1.0 / (1.0 + tl.exp(-u))
         gp = gp * s * (1.0 + u * (1.0 - s))
     gp = tl.where(m, gp, 0.0)
