@@ -248,6 +248,18 @@ def decode_section(a, out):
         eng.step()
         _sync(a.device)
         ts.append((time.perf_counter() - t) * 1e3)
+    prof = {}
+    if a.profile and a.device == "cuda":  # where a step's time goes (before the requests finish): a graph
+        runner = eng.model_runner             # replay with its host time, then eagerly
+        prof = {"graph_step": _common.top_kernels(eng.step, k=20), "graph_host": _common.host_profile(eng.step, k=20),
+                "graphs": {"captures": getattr(runner.graphs, "num_captures", None),
+                           "replays": getattr(runner.graphs, "num_replays", None)}}
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            prof["eager_step"] = _common.top_kernels(eng.step, k=20)
+            prof["eager_host"] = _common.host_profile(eng.step, k=20)
+        finally:
+            runner.graphs = graphs
     while eng.has_unfinished_requests():
         eng.step()
     step_ms = statistics.median(ts)
@@ -258,17 +270,12 @@ def decode_section(a, out):
     out["results"]["decode_step"] = {"batch": B, "context_tokens": a.seq + 8, "step_ms": step_ms, "steps_ms": ts,
                           "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": tbps, "roofline_ms": roof,
                           "fraction_of_roofline": roof / step_ms,
-                          "graphs": getattr(eng.model_runner, "graphs", None) is not None}
+                          "graphs": getattr(eng.model_runner, "graphs", None) is not None,
+                          "graph_counts": {"captures": getattr(eng.model_runner.graphs, "num_captures", None),
+                                           "replays": getattr(eng.model_runner.graphs, "num_replays", None)}}
     out["ratios"]["decode_fraction_of_roofline"] = roof / step_ms
-    if a.profile and a.device == "cuda":  # where a step's time goes: a graph replay, then eagerly
-        prof = out["results"]["decode_step"]["profile"] = {"graph_step": _common.top_kernels(eng.step, k=20)}
-        runner = eng.model_runner
-        graphs, runner.graphs = runner.graphs, None
-        try:
-            prof["eager_step"] = _common.top_kernels(eng.step, k=20)
-            prof["eager_host"] = _common.host_profile(eng.step, k=20)
-        finally:
-            runner.graphs = graphs
+    if prof:
+        out["results"]["decode_step"]["profile"] = prof
     del eng, model
     if a.device == "cuda":
         torch.cuda.empty_cache()

@@ -283,6 +283,18 @@ class Bench:
                     for n, g, r in zip(names, got, ref)}
         ls = leaves()
         r = {"tokens": T, "ours_fwd_bwd_ms": self.timed(lambda: ours(ls)), "ours_grad_rel_err": err(ours(ls))}
+        from bitmatch.kernels.triton import mamba_bwd
+        base = dict(mamba_bwd.SCAN_BWD)
+        for v in json.loads(self.a.bwd_variants) if self.a.bwd_variants else []:  # launch knobs: same math
+            mamba_bwd.SCAN_BWD.update(v)
+            try:
+                r.setdefault("variants", []).append({"knobs": v, "ours_fwd_bwd_ms": self.timed(lambda: ours(ls)),
+                                                     "max_rel_err": max(err(ours(ls)).values())})
+            except Exception as exc:  # noqa: BLE001 - a knob that does not compile loses only its row
+                r.setdefault("variants", []).append({"knobs": v, "error": repr(exc)[:300]})
+            finally:
+                mamba_bwd.SCAN_BWD.clear()
+                mamba_bwd.SCAN_BWD.update(base)
         if ssd is not None and self.dev == "cuda":
             r["mamba_ssm_fwd_bwd_ms"] = self.timed(lambda: stock(ls))
             r["mamba_ssm_grad_rel_err"] = err(stock(ls))
@@ -409,6 +421,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--no-backward", action="store_true", help="skip the forward + backward rows")
+    ap.add_argument("--bwd-variants", default=None,
+                    help='JSON list of kernels/triton/mamba_bwd.SCAN_BWD overrides timed beside the default, e.g. '
+                         '\'[{"states_BP": 32}]\' (launch knobs: the gradients\' math is the same)')
     ap.add_argument("--variants", default=None,
                     help='JSON list of scan config overrides timed beside the canonical one, ours only, e.g. '
                          '\'[{"num_warps": 8}]\' (other bits: data for choosing the next order, not a result)')

@@ -159,12 +159,15 @@ def _check_state(op, name, t, shape, dtype, slots, n_seqs):
         raise ValueError(f"{op}: state_slots must be [{n_seqs}] (one per sequence), got {tuple(slots.shape)}")
 
 
-def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=None, state_slots=None):
+def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=None, state_slots=None,
+                  cu_seqlens_host=None):
     """Depthwise causal conv over packed sequences: x [T, C] (bf16|fp32), weight [C, K], bias [C]
     or None, cu_seqlens int [B+1] -> [T, C] in x.dtype (canonical order: module docstring).
 
     ``conv_state`` [S, K-1, C] (x.dtype) with ``state_slots`` [B]: each sequence continues from
     the K-1 inputs stored in its slot (zeros for a new one), and the slot is updated in place.
+    ``cu_seqlens_host``: cu_seqlens' values on the host (the trainer's layout), checked there instead
+    of by a device assert.
     Invariance: each token's output depends only on its own and its K-1 predecessors' inputs.
     """
     op = "causal_conv1d"
@@ -177,7 +180,8 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, activation="silu", conv_state=
         raise ValueError(f"{op}: bias must be [{x.shape[1]}], got {tuple(bias.shape)}")
     if activation not in (None, "silu"):
         raise ValueError(f"{op}: activation must be 'silu' or None, got {activation!r}")
-    _check_total(op, cu_seqlens, x.shape[0])
+    if _check_host_bounds(op, cu_seqlens_host, cu_seqlens, x.shape[0]) is None:
+        _check_total(op, cu_seqlens, x.shape[0])
     w = weight.to(x.dtype).contiguous()
     b = None if bias is None else bias.to(x.dtype).contiguous()
     if conv_state is not None:
@@ -423,8 +427,9 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
         raise ValueError(f"{op}: chunk_size must be an int >= 1, got {chunk_size!r}")
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"{op}: x, B and C must share one dtype, got {x.dtype}, {B.dtype}, {C.dtype}")
-    _check_total(op, cu_seqlens, T)
     cu_host = _check_host_bounds(op, cu_seqlens_host, cu_seqlens, T)
+    if cu_host is None:  # the host copy, when given, was checked on the host: no device assert
+        _check_total(op, cu_seqlens, T)
     if not (isinstance(dt_min, (int, float)) and math.isfinite(dt_min) and dt_min >= 0):
         raise ValueError(f"{op}: dt_min must be a finite float >= 0, got {dt_min!r}")
     nb = cu_seqlens.shape[0] - 1

@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -67,6 +67,16 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench trl_lora 240 trl_step.py --runs stock_lora,attach_lora --steps 4
     ;;
+7)  # after nh3 and 6: Nemotron-H training with fewer host ops (27), the Mamba backward's launch knobs
+    # at 8B shapes (27), V4 mid decode's profile (21), TRL's LoRA step with a profile of a steady step
+    # (27), the 8B training step with the TMA rows from time_linear_tma (22)
+    bench nh_train 110 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 80
+    bench mamba_bwd 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --no-checks --batches 64 \
+      --bwd-variants '[{"states_BP": 32}, {"states_BP": 16}, {"BT": 64}, {"num_warps": 4}, {"states_warps": 8}]'
+    bench v4_mid_decode 90 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench trl_lora 120 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
+    bench dense_train_8b 80 gpu_train.py --sections train --models 8b --budget-s 60
+    ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused
     bench nh_diff 280 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 190
@@ -93,7 +103,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, 6, nh, nh2, nh3, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, 6, 7, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"

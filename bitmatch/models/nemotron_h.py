@@ -187,7 +187,7 @@ def mamba_mixer(z, xbc, dt, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, 
         cu, state, slots, start = ctx.cu_seqlens, None, None, None
     scan_kw = {} if ctx.paged else dict(cu_seqlens_host=ctx.cu_seqlens_host)
     xbc = K.causal_conv1d(xbc.contiguous(), conv_weight, conv_bias, cu,
-                          conv_state=None if state is None else state[0], state_slots=slots)
+                          conv_state=None if state is None else state[0], state_slots=slots, **scan_kw)
     _rec(rec, f"{prefix}.conv1d", xbc)
     xs, B, C = xbc.split([inter, G * N, G * N], dim=-1)
     y = K.mamba_chunk_scan(xs.reshape(T, Hm, Pm), dt.contiguous(), A, B.reshape(T, G, N), C.reshape(T, G, N),

@@ -225,13 +225,12 @@ TMA_TABLE = {
     (6144, 4096): [(4096, *_W), (1024, *_S), (512, *_W)],
     (4096, 4096): [(1024, *_T), (512, *_S)],
     (24576, 4096): [(512, *_W)],
-    (4096, 12288): [(4096, *_S), (1024, *_T), (512, *_S)],
+    (4096, 12288): [(1024, *_T), (512, *_S)],
     (151936, 4096): [(512, *_W)],
     # the trainer's unfused k / v and gate / up (the engine fuses them into the rows above), which
-    # ran the table kernel at 0.77-0.81 of cuBLAS in training; provisional, copied from the fused
-    # shapes' rows until time_linear_tma (which now sweeps them) picks: the bits do not depend on it
-    (1024, 4096): [(512, *_S)],
-    (12288, 4096): [(512, *_W)],
+    # ran the table kernel at 0.77-0.81 of cuBLAS in training
+    (1024, 4096): [(16384, *_T), (4096, *_W), (512, *_S)],
+    (12288, 4096): [(1024, *_W), (512, *_S)],
 }
 
 

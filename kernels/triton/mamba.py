@@ -15,6 +15,12 @@ __all__ = ["causal_conv1d", "gated_rms_norm", "mamba_chunk_scan"]
 
 
 # ---------------------------------------------------------------- causal conv1d
+def token_seq(cu: torch.Tensor, T: int) -> torch.Tensor:
+    """The packed sequence of each of the T tokens (int64, on the device; empty sequences skipped):
+    the count of sequence ends at or before it. Two launches, no host read."""
+    return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
+
+
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, tok_seq_ptr, cu_ptr, slot_ptr, Cd,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
@@ -55,7 +61,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, conv_state, state_slots, activati
     cu = cu_seqlens.to(torch.int64).contiguous()
     lens = cu[1:] - cu[:-1]
     nb = lens.shape[0]
-    tok_seq = torch.repeat_interleave(torch.arange(nb, device=x.device), lens, output_size=T)
+    tok_seq = token_seq(cu, T)
     has_state = conv_state is not None
     slots = state_slots.to(torch.int64).contiguous() if has_state else cu
     BLOCK = 256

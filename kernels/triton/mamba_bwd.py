@@ -11,7 +11,7 @@ step waiting on the host.
 Scan, per chunk (absolute positions, Q of them; a = the chunk's cumsum of dt * A, xdt = x * dt,
 L[l, s] = exp(a_l - a_s) for s <= l, CB = C_l . B_s, S_in / S_out the state entering / leaving it,
 dS = dL/dS_out, the gradient the next chunk passes back; y and S as in kernels/mamba.py):
-- _states_kernel, one program per (sequence, head, direction): S_in of every chunk walking forward
+- _states_kernel, one program per (sequence, head, direction, block of the state's P rows): S_in of every chunk walking forward
   (S_out = exp(a_last) S_in + sum_s exp(a_last - a_s) xdt_s B_s^T) and dS of every chunk walking
   backward (dS_in = exp(a_last) dS_out + sum_l exp(a_l) dy_l^T C_l), each [P, N] fp32 per chunk.
 - _chunk_kernel, one program per (chunk, head), every chunk at once:
@@ -34,10 +34,11 @@ import triton.language as tl
 
 from . import interpreting
 from ._jit import dot as _dot
+from .mamba import token_seq
 from .mamba_ssd import _aligned, _dt_value, _rounded
 
 # launch knobs of the scan backward (never part of any bits): token tile, warps
-SCAN_BWD = dict(BT=32, num_warps=8, states_warps=4)
+SCAN_BWD = dict(BT=32, num_warps=8, states_warps=4, states_BP=64)
 
 
 @functools.lru_cache(maxsize=8)  # every Mamba layer of a step has the same layout: built once
@@ -75,25 +76,26 @@ def _rows(ptr, tok0, rows, ln, stride, col0, cols):
 @triton.jit
 def _states_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, dy_ptr, ctok_ptr, clen_ptr, c0_ptr, nc_ptr,
                    Sin_ptr, dS_ptr, dt_lo, H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr,
-                   Q: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERP: tl.constexpr,
-                   PREC: tl.constexpr):
+                   Q: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   INTERP: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mode = tl.program_id(2)  # 0: S_in walking forward, 1: dS walking backward
+    mode = tl.program_id(2) // (P // BP)  # 0: S_in walking forward, 1: dS walking backward
+    pb = tl.program_id(2) % (P // BP)     # this program's BP rows of the state
     backward = mode == 1
     g = h // (H // G)
     c0 = tl.load(c0_ptr + b)
     ncs = tl.load(nc_ptr + b)
     offs_q = tl.arange(0, Q)
     offs_t = tl.arange(0, BT)
-    offs_p = tl.arange(0, P)
+    offs_p = pb * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, N)
     A = tl.load(A_ptr + h)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h).to(tl.float32)
     tile = offs_p[:, None] * N + offs_n[None, :]
-    S = tl.zeros((P, N), tl.float32)
+    S = tl.zeros((BP, N), tl.float32)
     for i in range(0, ncs):
         k = tl.where(backward, c0 + ncs - 1 - i, c0 + i).to(tl.int64)
         st = (k * H + h) * (P * N)
@@ -243,25 +245,26 @@ def scan_backward(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min):
     ctok, clen, c0, ncs, nc = _chunk_table(tuple(seqs), Q, dev)
     f32 = dict(dtype=torch.float32, device=dev)
     dx = torch.empty_like(x)
-    ddt = torch.zeros(T, H, **f32)
+    # every real token is in one chunk and every (chunk, head) has a program: each entry is written
+    ddt = torch.empty(T, H, **f32)
     da = torch.empty(T, H, **f32)
-    dBh = torch.zeros(T, H, N, **f32)
-    dCh = torch.zeros(T, H, N, **f32)
-    dAp = torch.zeros(max(nc, 1), H, **f32)
-    dDp = torch.zeros(max(nc, 1), H, **f32)
+    dBh = torch.empty(T, H, N, **f32)
+    dCh = torch.empty(T, H, N, **f32)
+    dAp = torch.zeros(max(nc, 1), H, **f32) if not nc else torch.empty(nc, H, **f32)
+    dDp = torch.zeros(max(nc, 1), H, **f32) if not nc else torch.empty(nc, H, **f32)
     if nc:
         interp = interpreting(x)
         prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
         Sin = torch.empty(nc, H, P, N, **f32)
         dS = torch.empty(nc, H, P, N, **f32)
-        BT = min(SCAN_BWD["BT"], Q)
+        BT, BP = min(SCAN_BWD["BT"], Q), min(SCAN_BWD["states_BP"], P)
         xa, dta, Aa, Ba, Ca, ga = (_aligned(t) for t in (x, dt_raw, A.float(), B, C, g.float()))
         bias = _aligned(dt_bias) if dt_bias is not None else Aa
         Dp = _aligned(D.float()) if D is not None else Aa
         dt_lo = _rounded(dt_min, dt_raw.dtype)
         common = dict(H=H, P=P, G=G, N=N, Q=Q, BT=BT, HAS_BIAS=dt_bias is not None, INTERP=interp, PREC=prec)
-        _states_kernel[(len(seqs), H, 2)](xa, dta, bias, Aa, Ba, Ca, ga, ctok, clen, c0, ncs, Sin, dS, dt_lo,
-                                          num_warps=SCAN_BWD["states_warps"], **common)
+        _states_kernel[(len(seqs), H, 2 * (P // BP))](xa, dta, bias, Aa, Ba, Ca, ga, ctok, clen, c0, ncs, Sin, dS,
+                                                      dt_lo, BP=BP, num_warps=SCAN_BWD["states_warps"], **common)
         _chunk_kernel[(nc, H)](xa, dta, bias, Aa, Ba, Ca, Dp, ga, ctok, clen, Sin, dS, dx, ddt, da, dBh, dCh, dAp,
                                dDp, dt_lo, HAS_D=D is not None, num_warps=SCAN_BWD["num_warps"], **common)
     rep = H // G
@@ -288,7 +291,7 @@ def _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K: tl.constexpr, H
 
 
 @triton.jit
-def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, first_ptr, gp_ptr, dwp_ptr, dbp_ptr, T, Cd, K: tl.constexpr,
+def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, seq_ptr, cu_ptr, gp_ptr, dwp_ptr, dbp_ptr, T, Cd, K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """dL/d(pre-activation) of a [BR tokens, BC channels] tile, and its partial dw, db sums."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -296,7 +299,7 @@ def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, first_ptr, gp_ptr, dwp_ptr, db
     rm = rows < T
     cm = cols < Cd
     m = rm[:, None] & cm[None, :]
-    first = tl.load(first_ptr + rows, mask=rm, other=0)
+    first = tl.load(cu_ptr + tl.load(seq_ptr + rows, mask=rm, other=0))  # each row's sequence start
     gp = tl.load(g_ptr + rows[:, None] * Cd + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
         u = _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K, HAS_BIAS, BR, BC)
@@ -313,13 +316,14 @@ def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, first_ptr, gp_ptr, dwp_ptr, db
 
 
 @triton.jit
-def _conv_dx_kernel(gp_ptr, w_ptr, last_ptr, dx_ptr, T, Cd, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _conv_dx_kernel(gp_ptr, w_ptr, seq_ptr, cu_ptr, dx_ptr, T, Cd, K: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
     """dx[t] = sum_j w[:, j] * gp[t + K-1-j] over the taps that stay in t's sequence."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     rm = rows < T
     cm = cols < Cd
-    last = tl.load(last_ptr + rows, mask=rm, other=0)
+    last = tl.load(cu_ptr + tl.load(seq_ptr + rows, mask=rm, other=0) + 1) - 1  # each row's sequence end
     acc = tl.zeros((BR, BC), tl.float32)
     for j in range(K):
         dst = rows + (K - 1) - j
@@ -337,22 +341,19 @@ def conv_backward(g, x, weight, bias, cu_seqlens, activation):
     dev = x.device
     BR, BC = 32, 128
     nr = triton.cdiv(T, BR)
+    if not T:
+        return torch.empty_like(x), torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
     cu = cu_seqlens.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    first = torch.repeat_interleave(cu[:-1], lens, output_size=T)     # each token's sequence start
-    last = torch.repeat_interleave(cu[1:] - 1, lens, output_size=T)   # and its last token
+    seq = token_seq(cu, T)
     gp = torch.empty(T, Cd, dtype=torch.float32, device=dev)
-    dwp = torch.empty(max(nr, 1), Cd, K, dtype=torch.float32, device=dev)
-    dbp = torch.zeros(max(nr, 1), Cd, dtype=torch.float32, device=dev)
+    dwp = torch.empty(nr, Cd, K, dtype=torch.float32, device=dev)  # every entry written (no fill)
+    dbp = torch.empty(nr, Cd, dtype=torch.float32, device=dev) if bias is not None else gp
     dx = torch.empty_like(x)
-    if T:
-        grid = (nr, triton.cdiv(Cd, BC))
-        wa = _aligned(weight)
-        _conv_gpre_kernel[grid](x, wa, bias if bias is not None else wa, g.contiguous(), first, gp, dwp, dbp, T, Cd,
-                                K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BR=BR, BC=BC)
-        _conv_dx_kernel[grid](gp, wa, last, dx, T, Cd, K=K, BR=BR, BC=BC)
-    else:
-        dwp.zero_()
+    grid = (nr, triton.cdiv(Cd, BC))
+    wa = _aligned(weight)
+    _conv_gpre_kernel[grid](x, wa, bias if bias is not None else wa, g.contiguous(), seq, cu, gp, dwp, dbp, T, Cd,
+                            K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BR=BR, BC=BC)
+    _conv_dx_kernel[grid](gp, wa, seq, cu, dx, T, Cd, K=K, BR=BR, BC=BC)
     dw = dwp.sum(0).to(weight.dtype)
     db = None if bias is None else dbp.sum(0).to(bias.dtype)
     return dx, dw, db
@@ -390,7 +391,7 @@ def gated_backward(g, y, z, weight, group_size, eps):
     BR = 16
     nr = max(triton.cdiv(T, BR), 1)
     dy, dz = torch.empty_like(y), torch.empty_like(z)
-    dwp = torch.zeros(nr, I, dtype=torch.float32, device=y.device)
+    dwp = (torch.empty if T else torch.zeros)(nr, I, dtype=torch.float32, device=y.device)  # T > 0: all written
     if T:
         _gated_bwd_kernel[(nr, I // group_size)](y, z, weight, g.contiguous(), dy, dz, dwp, T, I, group_size, eps,
                                                  BR=BR, BLOCK=triton.next_power_of_2(group_size))
