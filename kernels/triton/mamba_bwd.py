@@ -277,13 +277,15 @@ def scan_backward(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min):
 
 # ---------------------------------------------------------------- causal conv1d
 @triton.jit
-def _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, rm, cols, cm, Cd, K: tl.constexpr, HAS_BIAS: tl.constexpr,
               BR: tl.constexpr, BC: tl.constexpr):
-    """The conv's fp32 pre-activation of token rows (taps before each row's sequence start: 0)."""
+    """The conv's fp32 pre-activation of token rows (taps before each row's sequence start: 0;
+    rows past the last token, rm false, read nothing)."""
     acc = tl.zeros((BR, BC), tl.float32)
     for j in range(K):
         src = rows - (K - 1) + j
-        v = tl.load(x_ptr + src[:, None] * Cd + cols[None, :], mask=(src >= first)[:, None] & cm[None, :], other=0.0)
+        v = tl.load(x_ptr + src[:, None] * Cd + cols[None, :], mask=((src >= first) & rm)[:, None] & cm[None, :],
+                    other=0.0)
         acc += tl.load(w_ptr + cols * K + j, mask=cm, other=0.0).to(tl.float32)[None, :] * v.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
@@ -302,7 +304,7 @@ def _conv_gpre_kernel(x_ptr, w_ptr, b_ptr, g_ptr, seq_ptr, cu_ptr, gp_ptr, dwp_p
     first = tl.load(cu_ptr + tl.load(seq_ptr + rows, mask=rm, other=0))  # each row's sequence start
     gp = tl.load(g_ptr + rows[:, None] * Cd + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
-        u = _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, cols, cm, Cd, K, HAS_BIAS, BR, BC)
+        u = _conv_pre(x_ptr, w_ptr, b_ptr, rows, first, rm, cols, cm, Cd, K, HAS_BIAS, BR, BC)
         s = 1.0 / (1.0 + tl.exp(-u))
         gp = gp * s * (1.0 + u * (1.0 - s))
     gp = tl.where(m, gp, 0.0)
