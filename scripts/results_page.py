@@ -299,6 +299,11 @@ def r_nemotron_h_e2e(d):
     if isinstance(t, dict):
         out += ["", f"Training fwd+bwd vs HF (batch {fmt(t.get('batch'))}): tokens/s ratio "
                 f"{fmt(t.get('tokens_per_s_ratio'))}, peak memory ratio {fmt(t.get('peak_memory_ratio'))}."]
+        ga = t.get("grad_agreement")
+        if isinstance(ga, dict):
+            out += [f"Gradients vs HF's (same weights, bf16 forwards that differ by rounding): median max-relative "
+                    f"difference {fmt(ga.get('median_rel_err'))} over {fmt(ga.get('params'))} parameters; largest: "
+                    + ", ".join(f"{k} {fmt(v)}" for k, v in (ga.get("worst") or {}).items()) + "."]
     return out
 
 
@@ -403,8 +408,15 @@ def r_mamba_ssd(d):
                          f"{fmt(r.get('ours_ms'))} / {fmt(r.get('ours_graph_ms'))}",
                          f"{fmt(r.get('mamba_ssm_ms'))} / {fmt(r.get('mamba_ssm_graph_ms'))}",
                          f"{fmt(r.get('ratio_ours_over_mamba_ssm'))} / {fmt(r.get('ratio_graph_ours_over_mamba_ssm'))}"])
-    out += table(["shape", "what", "bitmatch ms", "mamba_ssm ms", "ratio (prefill: theirs / ours; decode: ours / theirs)"],
-                 rows)
+        for r in s.get("backward", []):
+            if "ours_fwd_bwd_ms" not in r:
+                continue
+            rows.append([name, f"forward + backward {r.get('tokens')} tokens (largest gradient error vs fp32 torch: "
+                         f"ours {fmt(max((r.get('ours_grad_rel_err') or {0: None}).values()))}, mamba_ssm "
+                         f"{fmt(max((r.get('mamba_ssm_grad_rel_err') or {0: None}).values()))})",
+                         r.get("ours_fwd_bwd_ms"), r.get("mamba_ssm_fwd_bwd_ms"), r.get("ratio_mamba_ssm_over_ours")])
+    out += table(["shape", "what", "bitmatch ms", "mamba_ssm ms",
+                  "ratio (prefill, backward: theirs / ours; decode: ours / theirs)"], rows)
     return out + [""] + table(["shape", "prefill == chunked", "prefill == decode", "prefill == token by token",
                                "packed == alone"], checks)
 
