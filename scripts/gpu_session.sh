@@ -67,15 +67,15 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200.json"
     bench trl_lora 240 trl_step.py --runs stock_lora,attach_lora --steps 4
     ;;
-7)  # after nh3 and 6: Nemotron-H training with fewer host ops (27), the Mamba backward's launch knobs
-    # at 8B shapes (27), V4 mid decode's profile (21), TRL's LoRA step with a profile of a steady step
+7)  # after nh3 and 6: Nemotron-H training with fewer host ops (27), TRL's LoRA step with a profile of a
+    # steady step (27), V4 mid decode's profile (21), the Mamba backward's launch knobs at 8B shapes
     # (27), the 8B training step with the TMA rows from time_linear_tma (22)
-    bench nh_train 110 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 80
-    bench mamba_bwd 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --no-checks --batches 64 \
-      --bwd-variants '[{"states_BP": 32}, {"states_BP": 16}, {"BT": 64}, {"num_warps": 4}, {"states_warps": 8}]'
-    bench v4_mid_decode 90 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
-    bench trl_lora 120 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
-    bench dense_train_8b 80 gpu_train.py --sections train --models 8b --budget-s 60
+    bench nh_train 100 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 70
+    bench trl_lora 110 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
+    bench v4_mid_decode 80 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench mamba_bwd 70 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --no-checks --batches 64 \
+      --bwd-variants '[{"states_BP": 32}, {"states_BP": 16}]'
+    bench dense_train_8b 70 gpu_train.py --sections train --models 8b --budget-s 50
     ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused
