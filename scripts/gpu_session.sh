@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -77,6 +77,10 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
       --bwd-variants '[{"states_BP": 32}, {"states_BP": 16}]'
     bench dense_train_8b 70 gpu_train.py --sections train --models 8b --budget-s 50
     ;;
+8)  # stage 7's first two rows alone (a short budget): Nemotron-H training, TRL's LoRA step profiled
+    bench nh_train 90 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 60
+    bench trl_lora 100 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
+    ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused
     bench nh_diff 280 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout --batches 32 --budget-s 190
@@ -103,7 +107,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, 6, 7, nh, nh2, nh3, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1, 2, 3, 4, 5, 6, 7, 8, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
