@@ -77,9 +77,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
       --bwd-variants '[{"states_BP": 32}, {"states_BP": 16}]'
     bench dense_train_8b 70 gpu_train.py --sections train --models 8b --budget-s 50
     ;;
-8)  # stage 7's first two rows alone (a short budget): Nemotron-H training, TRL's LoRA step profiled
-    bench nh_train 90 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 60
-    bench trl_lora 100 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
+8)  # stage 7's first rows alone (a short budget): Nemotron-H training, TRL's LoRA step profiled, V4 mid
+    # decode's profile
+    bench nh_train 80 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections train --host-profile --budget-s 50
+    bench trl_lora 80 trl_step.py --runs stock_lora,attach_lora --steps 3 --profile-step 2
+    bench v4_mid_decode 75 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused
