@@ -221,3 +221,16 @@ def test_nemotron_h_gradients_match_hf_autograd():
     assert set(got) == set(want) and any(".mixer.A_log" in n for n in got)
     bad = {n: _rel(got[n], want[n]) for n in want if _rel(got[n], want[n]) > 1e-4}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("bad", [[0, 4, 9, 12], [0, 4, 8], [1, 4, 9], [0, 6, 4, 9]])
+def test_a_wrong_host_copy_of_the_boundaries_is_named(bad):
+    # the host copy replaces the device check, so it is checked itself: length, 0 first, T last, order
+    # (its inner values are trusted to be cu_seqlens' own: comparing them would read the device back)
+    x, w = torch.randn(9, 6), torch.randn(6, 4)
+    cu = torch.tensor([0, 4, 9])
+    with pytest.raises(ValueError, match="cu_seqlens_host"):
+        K.causal_conv1d(x, w, None, cu, cu_seqlens_host=bad)
+    ins, _, cu2 = _scan_inputs([4, 5], F32)
+    with pytest.raises(ValueError, match="cu_seqlens_host"):
+        K.mamba_chunk_scan(ins[0], ins[1], ins[4], ins[2], ins[3], 16, cu2, cu_seqlens_host=bad)
