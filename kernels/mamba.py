@@ -28,8 +28,10 @@ rounded to x.dtype (HF). ``conv_state`` holds the last K-1 inputs of each sequen
 gated_rms_norm: h = fp32(y * fp32(silu(z))); per group of ``group_size`` channels
 inv = 1 / sqrt(tree_sum(h^2) / group_size + eps); out = fp32(weight * fp32(h * inv)).
 
-Backward (trainer): gradients by re-running a plain differentiable fp32 version (correct, not
-invariant) in torch, on either backend. Triton (CUDA): the scan in kernels/triton/mamba_ssd.py
+Backward (trainer; correct, not invariant): on the Triton backend, kernels/triton/mamba_bwd.py (the
+scan's chunk states and state gradients, then every chunk at once; conv and gated norm in one or two
+launches each); on the reference backend, autograd of a plain differentiable fp32 version in torch
+(scan_plain and friends). Triton (CUDA) forward: the scan in kernels/triton/mamba_ssd.py
 (a chunked SSD with tensor-core products, bf16 dot operands for bf16 inputs), with its own
 canonical order documented there; both backends share the schedule above (absolute chunks, the
 open-chunk replay), each is bit-exact with itself across schedules, and they agree to rounding.
