@@ -23,7 +23,8 @@ Sections (the JSON is rewritten after each; ``--budget-s`` skips what would star
   diff config's step budget): the first op whose bits differ, as a table.
 - train: fwd + bwd of token_logprobs on the patched model vs HF's own forward + backward (training
   mode: the fused split-conv1d scan when HF has it), --train-shape tokens: step time, tokens/s,
-  peak memory above the weights, top kernels; each parameter's gradient against HF's (same weights).
+  peak memory above the weights, top kernels, host syncs per step; each parameter's gradient against
+  HF's (same weights).
 
   python benchmarks/nemotron_h_e2e.py --out DIR --mamba-src .whl/mamba_ssm-2.3.2.post1
       [--causal-conv1d-path DIR] [--sections diff,rollout,train] [--batches 32,64]
@@ -230,7 +231,7 @@ def main(argv=None):
             elif name == "train":
                 B, L = (int(v) for v in a.train_shape.split("x"))
                 rec.put("train", gpu_train.train_compare(model, hf, B, L, a.vocab, dev, host_profile=a.host_profile,
-                                                            grads=True))
+                                                            grads=True, syncs=True))
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:
