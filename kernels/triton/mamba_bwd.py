@@ -35,7 +35,7 @@ import triton.language as tl
 from . import interpreting
 from ._jit import dot as _dot
 from .mamba import token_seq
-from .mamba_ssd import _aligned, _dt_value, _rounded
+from .mamba_ssd import aligned, dt_value, rounded
 
 # launch knobs of the scan backward (never part of any bits): token tile, warps
 SCAN_BWD = dict(BT=32, num_warps=8, states_warps=4, states_BP=64)
@@ -63,7 +63,7 @@ def _chunk_dt(dt_ptr, tok0, ln, h, bias, A, dt_lo, offs_q, H: tl.constexpr, HAS_
     """(raw dt, dt (0 past the chunk's end, as in the forward), cumsum of dt * A) of one chunk."""
     real = offs_q < ln
     raw = tl.load(dt_ptr + (tok0 + offs_q) * H + h, mask=real, other=0.0)
-    dtc = tl.where(real, _dt_value(raw, bias, dt_lo, HAS_BIAS), 0.0)
+    dtc = tl.where(real, dt_value(raw, bias, dt_lo, HAS_BIAS), 0.0)
     return raw, dtc, tl.cumsum(dtc * A, axis=0)
 
 
@@ -258,10 +258,10 @@ def scan_backward(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min):
         Sin = torch.empty(nc, H, P, N, **f32)
         dS = torch.empty(nc, H, P, N, **f32)
         BT, BP = min(SCAN_BWD["BT"], Q), min(SCAN_BWD["states_BP"], P)
-        xa, dta, Aa, Ba, Ca, ga = (_aligned(t) for t in (x, dt_raw, A.float(), B, C, g.float()))
-        bias = _aligned(dt_bias) if dt_bias is not None else Aa
-        Dp = _aligned(D.float()) if D is not None else Aa
-        dt_lo = _rounded(dt_min, dt_raw.dtype)
+        xa, dta, Aa, Ba, Ca, ga = (aligned(t) for t in (x, dt_raw, A.float(), B, C, g.float()))
+        bias = aligned(dt_bias) if dt_bias is not None else Aa
+        Dp = aligned(D.float()) if D is not None else Aa
+        dt_lo = rounded(dt_min, dt_raw.dtype)
         common = dict(H=H, P=P, G=G, N=N, Q=Q, BT=BT, HAS_BIAS=dt_bias is not None, INTERP=interp, PREC=prec)
         _states_kernel[(len(seqs), H, 2 * (P // BP))](xa, dta, bias, Aa, Ba, Ca, ga, ctok, clen, c0, ncs, Sin, dS,
                                                       dt_lo, BP=BP, num_warps=SCAN_BWD["states_warps"], **common)
@@ -352,7 +352,7 @@ def conv_backward(g, x, weight, bias, cu_seqlens, activation):
     dbp = torch.empty(nr, Cd, dtype=torch.float32, device=dev) if bias is not None else gp
     dx = torch.empty_like(x)
     grid = (nr, triton.cdiv(Cd, BC))
-    wa = _aligned(weight)
+    wa = aligned(weight)
     _conv_gpre_kernel[grid](x, wa, bias if bias is not None else wa, g.contiguous(), seq, cu, gp, dwp, dbp, T, Cd,
                             K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BR=BR, BC=BC)
     _conv_dx_kernel[grid](gp, wa, seq, cu, dx, T, Cd, K=K, BR=BR, BC=BC)

@@ -56,7 +56,7 @@ _NO_ALIGN = ["cu_ptr", "start_ptr", "slot_ptr"]
 
 
 @triton.jit
-def _dt_value(raw, bias, dt_lo, HAS_BIAS: tl.constexpr):
+def dt_value(raw, bias, dt_lo, HAS_BIAS: tl.constexpr):
     """dt = clamp(round(softplus(round(raw + bias))), min=dt_lo) in fp32, rounding to raw's dtype
     (dt_lo: dt_min rounded to raw's dtype, by the launcher)."""
     z = raw.to(tl.float32)
@@ -119,7 +119,7 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
         cq = c * Q
         q = cq + offs_q
         in_call = (q >= p0) & (q < pend)
-        dtc = tl.where(in_call, _dt_value(raw, bias, dt_lo, HAS_BIAS), dtb)
+        dtc = tl.where(in_call, dt_value(raw, bias, dt_lo, HAS_BIAS), dtb)
         acum = tl.cumsum(dtc * A, axis=0)
         # the next chunk's raw dt (all its positions are the call's), in flight while this one runs
         raw = tl.load(dt_ptr + (t0 + q + Q - p0) * H + h, mask=q + Q < pend, other=0.0)
@@ -210,12 +210,12 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _rounded(v: float, dtype: torch.dtype) -> float:
+def rounded(v: float, dtype: torch.dtype) -> float:
     """v rounded to dtype (HF clamps dt at dt_min in dt's dtype); cached: a host op per call otherwise."""
     return float(torch.tensor(v).to(dtype))
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def aligned(t: torch.Tensor) -> torch.Tensor:
     """t, contiguous and 16-byte aligned (a copy when not): alignment picks a Triton variant."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -239,7 +239,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     interp = interpreting(x)
     cfg = config_for(x.dtype, P, N, Q)
     cu = _index(cu_seqlens)
-    xa, Ba = _aligned(x), _aligned(B)
+    xa, Ba = aligned(x), aligned(B)
     has_cache = cache is not None
     if has_cache:
         S, xb, bb, db = cache
@@ -252,13 +252,13 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     else:  # never read (has_cache = 0 masks the cache off), but of the cache's dtypes: same binary
         S, xb, bb, db, dtp = y, xa, Ba, y, y
         start = slots = cu
-    bias = _aligned(dt_bias) if dt_bias is not None else y
-    Dp = _aligned(D) if D is not None else y
-    dt_lo = _rounded(dt_min, dt.dtype)
+    bias = aligned(dt_bias) if dt_bias is not None else y
+    Dp = aligned(D) if D is not None else y
+    dt_lo = rounded(dt_min, dt.dtype)
     BP = cfg["BP"]
     if P % BP:
         raise NotImplementedError(f"mamba_chunk_scan (Triton): config BP={BP} must divide head_dim={P}")
-    _ssd_kernel[(nb, H, P // BP)](xa, _aligned(dt), bias, _aligned(A), Ba, _aligned(C), Dp, y, cu, start, slots,
+    _ssd_kernel[(nb, H, P // BP)](xa, aligned(dt), bias, aligned(A), Ba, aligned(C), Dp, y, cu, start, slots,
                                   S, xb, bb, db, dtp, dt_lo, int(has_cache),
                                   H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], BP=BP,
                                   HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
