@@ -151,3 +151,7 @@ def main(argv=None):
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():  # under torchrun: tear the process group down before
+        dist.barrier()                                # exit (an abandoned one can abort a rank at exit)
+        dist.destroy_process_group()
