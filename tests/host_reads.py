@@ -77,3 +77,16 @@ def host_reads(depth: int = 3):
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+
+
+def dispatched_ops(fn) -> int:
+    """How many torch ops fn() dispatches (forward and backward): the host cost a GPU step pays per op."""
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with _Count():
+        fn()
+    return _Count.n

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import bitmatch.kernels as K
 from bitmatch.kernels._backend import use_backend
 from bitmatch.kernels.mamba import scan_plain
+from host_reads import dispatched_ops
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.interpreter
@@ -114,20 +115,6 @@ def test_control_chunks_cut_apart_fail_the_comparison(monkeypatch):
     assert _rel(got[0], want[0]) > 100 * TOL[F32]
 
 
-def _ops(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with Count():
-        fn()
-    return Count.n
-
-
 def test_backward_host_ops_do_not_grow_with_chunks_and_undercut_the_torch_backward():
     Q = 16
 
@@ -142,7 +129,7 @@ def test_backward_host_ops_do_not_grow_with_chunks_and_undercut_the_torch_backwa
                                        cu_seqlens_host=cu.tolist())
                 torch.autograd.grad((y * gy).sum(), leaves)
         run()  # the chunk table is built once per layout
-        return _ops(run)
+        return dispatched_ops(run)
     assert step(2, "triton") == step(6, "triton")
     # control: the torch backward (reference backend) dispatches several times as many ops
     assert step(2, "reference") > 4 * step(2, "triton")

@@ -13,6 +13,7 @@ import torch
 import bitmatch.kernels as K
 from bitmatch.kernels.mamba import scan_plain, scan_reference
 from bitmatch.testing import assert_batch_invariant, assert_bitwise_equal
+from host_reads import dispatched_ops
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 
@@ -241,21 +242,6 @@ def test_conv_packed_gradients_match_each_sequence_alone():
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
 
 
-def _ops_of(fn):
-    """Dispatched torch ops of fn() (forward and backward): the host cost a GPU step pays per op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with Count():
-        fn()
-    return Count.n
-
-
 def _backward_ops(impl, per_seq_chunks):
     lens = [per_seq_chunks * Q + 3, per_seq_chunks * Q - 1]
     x, dt, B, C = _inputs(sum(lens), seed=4)
@@ -270,7 +256,7 @@ def _backward_ops(impl, per_seq_chunks):
             torch.autograd.grad(y.sum(), leaves)
         else:
             scan_reference(*[t.detach() for t in leaves], Q, cu, None, None, None)
-    return _ops_of(step)
+    return dispatched_ops(step)
 
 
 def test_backward_ops_do_not_grow_with_chunks():
