@@ -192,7 +192,7 @@ def run_one(name, a, shape, base, workdir):
     def step_of():
         return trainer.state.global_step
 
-    gen, sync, pub = {}, {}, {}
+    gen, sync, pub, check = {}, {}, {}, {}
     timer = StepTimer(a.device)
     trainer.add_callback(timer)
     profiler = StepProfiler(a.profile_step) if a.profile_step is not None else None
@@ -203,6 +203,7 @@ def run_one(name, a, shape, base, workdir):
     if attached:
         bm = trainer._bitmatch
         bm.sync_rollout = timed(bm.sync_rollout, a.device, sync, step_of)
+        bm.compare_step = timed(bm.compare_step, a.device, check, step_of)  # the Diff check (a trainer forward)
         bitmatch.sync.publish = timed(orig_publish, a.device, pub, step_of)  # sync_rollout looks it up per call
     out = {"run": name, "lora": lora, "bitmatch": attached, "build_s": round(build_s, 3)}
     try:
@@ -219,10 +220,15 @@ def run_one(name, a, shape, base, workdir):
     out.update(steps_done=len(steps), step_s=steps, first_step_s=steps[0] if steps else None,
                median_step_s=median_after_first(steps), generate_s=per_step(gen, len(steps)))
     out["median_generate_s"] = median_after_first(out["generate_s"])
+    # the rest of a step: the trainer's forwards and backward, the optimizer, the Diff check
+    out["rest_s"] = [round(s - g, 4) for s, g in zip(steps, out["generate_s"])]
+    out["median_rest_s"] = median_after_first(out["rest_s"])
     if attached:
         out.update(sync_rollout_s=per_step(sync, len(steps)), publish_s=per_step(pub, len(steps)))
         out["median_sync_rollout_s"] = median_after_first(out["sync_rollout_s"])
         out["median_publish_s"] = median_after_first(out["publish_s"])
+        out["check_s"] = per_step(check, len(steps))
+        out["median_check_s"] = median_after_first(out["check_s"])
         out["rollout_weights"] = trainer._bitmatch.rollout_weights
         out["compute_dtype"] = str(trainer._bitmatch.compute_dtype)
         hist = trainer.state.log_history
@@ -292,15 +298,16 @@ def print_table(rows):
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    print(f"\n{'run':<12} {'first s':>8} {'step s':>8} {'gen s':>8} {'sync s':>8} {'publish s':>9}  "
-          "mismatches / compared")
+    print(f"\n{'run':<12} {'first s':>8} {'step s':>8} {'gen s':>8} {'rest s':>8} {'check s':>8} {'sync s':>8} "
+          f"{'publish s':>9}  mismatches / compared")
     for r in rows:
         if "error" in r:
             mm = "FAILED: " + r["error"][:120]
         else:
             mm = f"{r['mismatch_tokens']} / {r['compared_tokens']}" if r["bitmatch"] else "(stock: not checked)"
         print(f"{r['run']:<12} {f(r['first_step_s']):>8} {f(r['median_step_s']):>8} {f(r['median_generate_s']):>8} "
-              f"{f(r.get('median_sync_rollout_s')):>8} {f(r.get('median_publish_s')):>9}  {mm}")
+              f"{f(r.get('median_rest_s')):>8} {f(r.get('median_check_s')):>8} {f(r.get('median_sync_rollout_s')):>8} "
+              f"{f(r.get('median_publish_s')):>9}  {mm}")
 
 
 def main(argv=None):
