@@ -63,6 +63,11 @@ def _seqs(cu, cu_host=None):
     return list(zip(c[:-1], c[1:]))
 
 
+def _wanted(grads, needs):
+    """The Triton backward's gradients, None where autograd asked for none (one per differentiable input)."""
+    return [d if n else None for d, n in zip(grads, needs)]
+
+
 def _check_host_bounds(op, cu_host, cu_seqlens, T):
     """The host copy of cu_seqlens: its shape and values checked on the host (never read back)."""
     if cu_host is None:
@@ -136,7 +141,7 @@ class _ConvFunction(torch.autograd.Function):
         x, weight, bias, cu = ctx.saved_tensors
         if backend_for(x) == "triton":
             grads = triton_impl("mamba_bwd", "conv_backward")(g, x, weight, bias, cu, ctx.activation)
-            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
+            return (*_wanted(grads, ctx.needs_input_grad), None, None)
         grads = recompute_grads(lambda a, w, b: _conv_plain(a, w, b, cu, ctx.activation), (x, weight, bias),
                                 ctx.needs_input_grad[:3], (g,))
         return (*grads, None, None)
@@ -387,7 +392,7 @@ class _ScanFunction(torch.autograd.Function):
         if backend_for(x) == "triton":
             seqs = _seqs(cu, cu_host)
             grads = triton_impl("mamba_bwd", "scan_backward")(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min)
-            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:7])), None, None, None, None)
+            return (*_wanted(grads, ctx.needs_input_grad), None, None, None, None)
 
         def plain(x_, dr, A_, B_, C_, D_, db):
             z = dr.float() + (0.0 if db is None else db.float())
@@ -493,7 +498,7 @@ class _GatedFunction(torch.autograd.Function):
         gs, eps = ctx.cfg
         if backend_for(y) == "triton":
             grads = triton_impl("mamba_bwd", "gated_backward")(g, y, z, weight, gs, eps)
-            return (*(d if n else None for d, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
+            return (*_wanted(grads, ctx.needs_input_grad), None, None)
         grads = recompute_grads(lambda a, b, c: _gated_plain(a, b, c, gs, eps), (y, z, weight),
                                 ctx.needs_input_grad[:3], (g,))
         return (*grads, None, None)

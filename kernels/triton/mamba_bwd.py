@@ -250,8 +250,8 @@ def scan_backward(g, x, dt_raw, A, B, C, D, dt_bias, Q, seqs, dt_min):
     da = torch.empty(T, H, **f32)
     dBh = torch.empty(T, H, N, **f32)
     dCh = torch.empty(T, H, N, **f32)
-    dAp = torch.zeros(max(nc, 1), H, **f32) if not nc else torch.empty(nc, H, **f32)
-    dDp = torch.zeros(max(nc, 1), H, **f32) if not nc else torch.empty(nc, H, **f32)
+    dAp = (torch.empty if nc else torch.zeros)(max(nc, 1), H, **f32)  # no chunk: the sums below are 0
+    dDp = (torch.empty if nc else torch.zeros)(max(nc, 1), H, **f32)
     if nc:
         interp = interpreting(x)
         prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
