@@ -7,16 +7,17 @@ with ``rotate_half`` pairing neighbours); the leading "nope" channels pass throu
 output, because K = V carried the key's rotation into the values.
 
 Rounding points (HF's): cos/sin rounded to x.dtype, then each product and the sum in fp32,
-one rounding to x.dtype. These are elementwise IEEE operations (correctly rounded on every
-code path and backend, never fused), so they are written as plain torch ops: each element's
-bits depend on its own inputs alone. The gradient is the opposite rotation of the output's
-gradient, computed by the same ops (one autograd node, not a dozen).
+one rounding to x.dtype. These are elementwise IEEE operations (correctly rounded, never
+fused), so each element's bits depend on its own inputs alone: the reference backend writes
+them as plain torch ops, the Triton backend (kernels/triton/rotary_interleaved.py) as one
+launch with fused multiply-add off, the same bits. The gradient is the opposite rotation of the
+output's gradient, computed by the same rotation (one autograd node, not a dozen).
 """
 from __future__ import annotations
 
 import torch
 
-from ._backend import check_float
+from ._backend import backend_for, check_float, check_same_device, triton_impl
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
@@ -39,6 +40,7 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if cos.shape != (t_, half) or sin.shape != cos.shape or not 0 < 2 * half <= d:
         raise ValueError(f"{op}: cos/sin must be [T={t_}, R/2] with R <= D={d}, got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
+    check_same_device(op, x=x, cos=cos, sin=sin)
     if x.requires_grad and torch.is_grad_enabled() and not (cos.requires_grad or sin.requires_grad):
         out = _RotaryInterleavedFunction.apply(x, cos, sin, inverse)
     else:
@@ -65,6 +67,13 @@ class _RotaryInterleavedFunction(torch.autograd.Function):
 
 def _rotate(x, cos, sin, inverse):
     """x [T, H, D] rotated (HF's rounding points, see the module docstring)."""
+    if backend_for(x) == "triton":
+        return triton_impl("rotary_interleaved", "apply_rotary_interleaved")(
+            x.contiguous(), cos.contiguous(), sin.contiguous(), inverse)
+    return _rotate_reference(x, cos, sin, inverse)
+
+
+def _rotate_reference(x, cos, sin, inverse):
     d = x.shape[-1]
     half = cos.shape[-1]
     dt = x.dtype

@@ -81,7 +81,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     # one row per position: rows of a table, the same function of the position on every backend
     OpSpec("rotary_cos_sin", "rotary", _ROWS, ("reference",), stock.rotary_cos_sin),
     OpSpec("apply_rotary", "rotary", _ROWS, _RT, stock.apply_rotary),
-    OpSpec("apply_rotary_interleaved", "rotary_interleaved", _ROWS, ("torch",), stock.apply_rotary_interleaved),
+    OpSpec("apply_rotary_interleaved", "rotary_interleaved", _ROWS, _RT, stock.apply_rotary_interleaved),
     OpSpec("attention_prefill", "attention", _SEQ, _RT, stock.attention_prefill),
     OpSpec("attention_paged", "attention", _STATE, _RT, stock.attention_paged),
     OpSpec("attention_decode", "attention", _STATE, _RT, stock.attention_decode),

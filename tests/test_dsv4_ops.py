@@ -401,6 +401,35 @@ def test_triton_compressor_indexer_mhc_invariant_and_close():
 
 
 @interpret
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_interleaved_rotary_is_the_reference_bit_for_bit(dtype):
+    # one launch per call on the Triton backend, the reference's bits: forward, inverse and the
+    # backward, heads in several blocks, no nope channels, 2-D input
+    pos = torch.arange(9) * 37
+    for shape, rope in (((9, 5, 40), 16), ((9, 3, 16), 16), ((9, 24), 8)):
+        cos, sin = K.rotary_cos_sin(pos, rope, 10000.0)
+        x = (torch.randn(*shape, generator=_g(61)) * 3).to(dtype)
+        g = torch.randn(*shape, generator=_g(62)).to(dtype)
+        for inverse in (False, True):
+            want = K.apply_rotary_interleaved(x, cos, sin, inverse=inverse)
+            a = x.clone().requires_grad_()
+            K.apply_rotary_interleaved(a, cos, sin, inverse=inverse).backward(g)
+            with K.use_backend("triton"):
+                got = K.apply_rotary_interleaved(x, cos, sin, inverse=inverse)
+                b = x.clone().requires_grad_()
+                K.apply_rotary_interleaved(b, cos, sin, inverse=inverse).backward(g)
+            assert_bitwise_equal(got, want, f"triton rotary {shape} inverse={inverse}")
+            assert_bitwise_equal(b.grad, a.grad, f"triton rotary backward {shape} inverse={inverse}")
+    # control: the stock formula (complex products, one rounding) is another function in bf16
+    cos, sin = K.rotary_cos_sin(pos, 16, 10000.0)
+    x = (torch.randn(9, 5, 40, generator=_g(63)) * 3).to(torch.bfloat16)
+    with K.use_backend("triton"):
+        got = K.apply_rotary_interleaved(x, cos, sin)
+    with pytest.raises(BitMismatch):
+        assert_bitwise_equal(K.OPS["apply_rotary_interleaved"].stock(x, cos, sin), got, "stock rotary")
+
+
+@interpret
 def test_triton_model_rows_alone_equal_packed():
     """The whole DeepSeek-V4 forward on the Triton backend: a sequence alone == the same sequence
     packed with another, and a prefix == the first rows of the longer sequence (bf16); close to

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import order
 from . import interpreting
+from ._jit import round_to
 
 BLOCK_T = 16      # tokens per _mix_kernel program (speed only: each row's dot chain is its own)
 BLOCK_D = 1024    # stream channels per _finish / _post program (speed only: elementwise in d)
@@ -92,18 +93,6 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _round(v, dt: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
-    """v rounded to the dtype dt (nearest even), back in fp32. The interpreter truncates fp32 ->
-    bf16 where the GPU rounds: under INTERP the rounding is done on the bits (finite values), so
-    the interpreter computes the GPU's structure (and hc_post the reference's bits)."""
-    if INTERP and BF16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-    return v.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                    T, D, K, S, iters, eps, norm_eps,
                    N: tl.constexpr, BN: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr,
@@ -155,7 +144,7 @@ def _finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_
     for n in tl.static_range(1, N):
         acc = acc + _pick(pre, i, n) * tl.load(xrow + n * D, mask=dm, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * D + d, _round(acc, dt, BF16, INTERP).to(dt), mask=dm)
+    tl.store(out_ptr + t * D + d, round_to(acc, dt, BF16, INTERP).to(dt), mask=dm)
 
 
 @triton.jit
@@ -168,16 +157,16 @@ def _post_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D,
     km = k < N
     dt = out_ptr.dtype.element_ty
     # post and comb rounded to the streams' dtype first (HF multiplies in the model dtype)
-    p = _round(tl.load(post_ptr + t * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+    p = round_to(tl.load(post_ptr + t * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
     xrow = x_ptr + t * N * D + d
-    c = _round(tl.load(comb_ptr + t * N * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+    c = round_to(tl.load(comb_ptr + t * N * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
     mixed = c[:, None] * tl.load(xrow, mask=dm, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(1, N):   # mixed[k] = sum_j comb[j, k] * x[j], stream order
-        c = _round(tl.load(comb_ptr + t * N * N + j * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
+        c = round_to(tl.load(comb_ptr + t * N * N + j * N + k, mask=km, other=0.0).to(tl.float32), dt, BF16, INTERP)
         mixed = mixed + c[:, None] * tl.load(xrow + j * D, mask=dm, other=0.0).to(tl.float32)[None, :]
     y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
-    expanded = _round(p[:, None] * y[None, :], dt, BF16, INTERP)
-    out = _round(expanded + _round(mixed, dt, BF16, INTERP), dt, BF16, INTERP).to(dt)
+    expanded = round_to(p[:, None] * y[None, :], dt, BF16, INTERP)
+    out = round_to(expanded + round_to(mixed, dt, BF16, INTERP), dt, BF16, INTERP).to(dt)
     tl.store(out_ptr + t * N * D + k[:, None] * D + d[None, :], out, mask=km[:, None] & dm[None, :])
 
 
