@@ -83,6 +83,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     check_same_device(op, x=x, weight=weight, bias=bias)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1 or backend_for(x2d) != "triton":
+        # the Triton kernel reads rows at any row stride (a column slice, e.g. one group of
+        # V4's grouped output projection, costs no copy); the bits are the contiguous copy's
+        x2d = x2d.contiguous()
     out = LinearFunction.apply(x2d, weight.contiguous(), bias, segments)
     return out.reshape(*lead, weight.shape[0])

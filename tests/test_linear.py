@@ -95,3 +95,29 @@ def test_triton_linear_rows_do_not_depend_on_m_in_the_interpreter(monkeypatch):
         return orig(x_, weight, bias, cfg, split, out)
     monkeypatch.setattr(TL, "_launch", table_block)
     assert not torch.equal(rows(8), rows(130)[:8])
+
+
+@pytest.mark.interpreter
+def test_triton_linear_reads_strided_rows_without_a_copy():
+    """A column slice (one group of V4's grouped output projection) goes to the Triton kernel at
+    its row stride: the contiguous copy's bits, forward and backward, and no copy op (a kernel
+    launch on the GPU). Control: the same count with a forced copy sees the clone."""
+    from host_reads import dispatched_ops
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 4, 48, generator=g).bfloat16()
+    w = (torch.randn(40, 48, generator=g) * 0.1).bfloat16()
+    gy = torch.randn(7, 40, generator=g).bfloat16()
+    with K.use_backend("triton"):
+        for i in (0, 3):
+            a = x.clone().requires_grad_()
+            b = x[:, i].clone().requires_grad_()
+            y = K.linear(a[:, i], w)
+            want = K.linear(b, w)
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+            y.backward(gy)
+            want.backward(gy)
+            assert torch.equal(a.grad[:, i], b.grad)
+        with torch.no_grad():
+            strided = dispatched_ops(lambda: K.linear(x[:, 1], w))
+            copied = dispatched_ops(lambda: K.linear(x[:, 1].contiguous(), w))
+    assert copied == strided + 1
