@@ -15,7 +15,8 @@ function of its window's tokens alone: whether the window closes inside a full p
 chunked prefill or a decode step, the entry is the same. (HF sums in the model dtype in torch's
 order: parity to rounding, not bits.) RMSNorm and RoPE at position w*m follow as separate ops.
 Reference: CPU. Triton backend (CUDA): kernels/triton/compressor.py, the same structure in fp32
-(torch.exp, the same folds): its own bits, invariant the same way.
+in one launch (``tl.exp``, the same folds): its own bits, invariant the same way (order version
+2: version 1 composed torch ops, another exp).
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class CanonicalOrder:
     # one version per op family (the kernels/ module defining the op), bumped by hand when that
     # family's code changes its bits on either backend
     op_versions: tuple = field(default=(
-        ("activation", 1), ("attention", 1), ("compressed_attention", 2), ("compressor", 1),
+        ("activation", 1), ("attention", 1), ("compressed_attention", 2), ("compressor", 2),
         ("indexer", 2), ("linear", 1), ("logprobs", 1), ("mamba", 2), ("mhc", 2), ("moe", 1),
         ("norm", 1), ("rotary", 1), ("rotary_interleaved", 1), ("sampling", 1)))
     # the ops ``kernels.override`` swapped (a fault, a stock baseline, a call recorder): empty for

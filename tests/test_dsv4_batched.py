@@ -9,7 +9,6 @@ from __future__ import annotations
 import bitmatch.kernels as K
 import pytest
 import torch
-import torch.nn.functional as F
 from bitmatch.kernels import stock
 from bitmatch.kernels.compressed_attention import KeyRows, entry_list, sink_attention_rows
 from bitmatch.kernels.indexer import indexer_select
@@ -122,10 +121,12 @@ def _packed_fn(kv, ent, sinks, mode, stock_scores=False):
 
 
 def _stock_rows(q, pos, start, kv, ent, sinks):
-    """A stock batched formula (HCA): every row's scores against the whole store in ONE F.linear
-    over the batch's rows, masked, one fp32 softmax with the sink."""
+    """A stock batched formula (HCA, HF's eager attention): per head, every row's scores against
+    the whole store in ONE matmul over the batch's rows (a lone row is a GEMV, a batch a GEMM:
+    BLAS picks its kernel by the row count, as cuBLAS does), masked, one fp32 softmax with the sink."""
     T, S, d = q.shape[0], kv.shape[0], q.shape[2]
-    sc = F.linear(q.reshape(T * H, d).float(), torch.cat([kv, ent]).float()).view(T, H, 2 * S) * d ** -0.5
+    keys = torch.cat([kv, ent]).float()
+    sc = torch.matmul(q.float().transpose(0, 1), keys.t()).transpose(0, 1) * d ** -0.5
     j = torch.arange(S).view(1, -1) - start.view(-1, 1)
     loc = (j <= pos.view(-1, 1)) & (j > pos.view(-1, 1) - W)
     c = torch.div(j + 1, RATE, rounding_mode="floor") - 1
@@ -154,7 +155,6 @@ def test_rows_batch_composition_padding_and_packing(mode):
 
 
 def test_control_stock_batched_scores_are_batch_variant():
-    # (head dim 128: CPU BLAS picks its kernel by the number of rows there, as cuBLAS does on the GPU)
     q, pos, kv, ent, sel, sinks = _seq(20, torch.float32, seed=3, d=128)
     fn = _packed_fn(kv, ent, sinks, "hca", stock_scores=True)
     with pytest.raises(BitMismatch):

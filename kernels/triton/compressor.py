@@ -1,24 +1,89 @@
-"""compress_windows on the Triton backend (CUDA; TRITON_INTERPRET=1 on CPU), composed of
-elementwise fp32 ops and fixed folds, so it runs on any device without a kernel of its own.
+"""compress_windows on the Triton backend: one launch, one program per (window, channel block).
 
-Canonical order (this backend's bits): z = fp32(gate) + bias; p = exp(z - max) / fold(exp) in
-fp32 (``torch.exp``: one correctly-defined value per element, no dependence on the launch);
-entry = round_dtype(fold_slots(fp32(kv) * fp32(round_dtype(p)))). ``fold`` is ``_exact.tree_sum``:
-fold-in-halves over the fixed slot axis (m or 2m) by elementwise adds, so an entry's bits depend
-on its window's rows alone, whatever the number of windows in the call.
+Canonical order (this backend's bits; kernels/compressor.py has the reference's): over the
+window's S = m (HCA) or 2m (CSA: the previous window's first-half channels in slots 0..m-1,
+absent for window 0, then this window's second half) slots of one channel,
+z = fp32(gate) + bias (absent slots -inf); p = exp(z - max_slots z) / fold(exp) rounded to the
+dtype (``tl.exp``; IEEE division); entry = round_dtype(fold(fp32(kv) * p)). ``fold`` adds halves
+(slot j + slot j + S'/2 over the slots padded with zeros to S' = next power of 2, until one is
+left, then + 0.0): the order of ``_exact.tree_sum``, so an entry's bits depend on its window's
+rows alone, whatever the number of windows in the call. Fused multiply-add is off (each product
+is rounded before the fold adds it); the interpreter rounds to bf16 on the bits (``round_to``).
 """
 import torch
+import triton
+import triton.language as tl
 
-from .._exact import tree_sum
-from ..compressor import pooling_slots
+from . import interpreting
+from ._jit import round_to
+
+
+@triton.jit
+def _fold(x, SP: tl.constexpr, BD: tl.constexpr, LOG2: tl.constexpr):
+    """[SP, BD] -> [BD]: slot halves added level by level (slot j + slot j + half), + 0.0."""
+    for i in tl.static_range(LOG2):
+        a, b = tl.split(tl.permute(tl.reshape(x, (2, SP >> (i + 1), BD)), (1, 2, 0)))
+        x = a + b
+    return tl.reshape(x, (BD,)) + 0.0
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, gate_ptr, bias_ptr, pkv_ptr, pgate_ptr, has_ptr, out_ptr, M, C, D,
+                     OVERLAP: tl.constexpr, SP: tl.constexpr, LOG2: tl.constexpr, BD: tl.constexpr,
+                     BF16: tl.constexpr, INTERP: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = d < D
+    s = tl.arange(0, SP)
+    dt = out_ptr.dtype.element_ty
+    if OVERLAP:
+        prev = s < M
+        cur = (s >= M) & (s < 2 * M)
+        r = tl.where(prev, s, s - M)                      # the slot's row in its window
+        has = tl.load(has_ptr + w) != 0
+        valid = cur | (prev & has)
+        mp = prev[:, None] & md[None, :]
+        mc = cur[:, None] & md[None, :]
+        at_p = (w * M + r)[:, None] * D + d[None, :]
+        at_c = (w * M + r)[:, None] * C + D + d[None, :]
+        kv = tl.where(prev[:, None], tl.load(pkv_ptr + at_p, mask=mp, other=0.0),
+                      tl.load(kv_ptr + at_c, mask=mc, other=0.0)).to(tl.float32)
+        g = tl.where(prev[:, None], tl.load(pgate_ptr + at_p, mask=mp, other=0.0),
+                     tl.load(gate_ptr + at_c, mask=mc, other=0.0)).to(tl.float32)
+        col = tl.where(prev[:, None], d[None, :], D + d[None, :])
+        bias = tl.load(bias_ptr + r[:, None] * C + col, mask=mp | mc, other=0.0)
+    else:
+        valid = s < M
+        m2 = valid[:, None] & md[None, :]
+        at = (w * M + s)[:, None] * C + d[None, :]
+        kv = tl.load(kv_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + s[:, None] * C + d[None, :], mask=m2, other=0.0)
+    z = tl.where(valid[:, None], g + bias, -float("inf"))
+    e = tl.where(valid[:, None], tl.exp(z - tl.max(z, 0)[None, :]), 0.0)
+    p = round_to(tl.math.div_rn(e, _fold(e, SP, BD, LOG2)[None, :]), dt, BF16, INTERP)
+    out = round_to(_fold(kv * p, SP, BD, LOG2), dt, BF16, INTERP)
+    tl.store(out_ptr + w * D + d, out.to(dt), mask=md)
 
 
 def compress_windows(kv, gate, bias, prev_kv, prev_gate, has_prev):
-    kv_all, z, valid = pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev)
-    if valid is not None:
-        z = torch.where(valid, z, -torch.inf)
-    e = torch.exp(z - z.amax(1, keepdim=True))
-    if valid is not None:
-        e = torch.where(valid, e, 0.0)
-    p = (e / tree_sum(e, 1).unsqueeze(1)).to(kv.dtype)
-    return tree_sum(kv_all.float() * p.float(), 1).to(kv.dtype)
+    """kv, gate [W, m, C], bias fp32 [m, C], CSA's prev_kv / prev_gate [W, m, C/2] and has_prev
+    bool [W] (or all None: HCA), contiguous -> [W, D] in kv's dtype."""
+    W, m, C = kv.shape
+    overlap = prev_kv is not None
+    D = C // 2 if overlap else C
+    out = torch.empty((W, D), device=kv.device, dtype=kv.dtype)
+    if W == 0 or D == 0:
+        return out
+    S = 2 * m if overlap else m
+    sp = triton.next_power_of_2(S)
+    bd = max(16, min(triton.next_power_of_2(D), 4096 // sp))
+    interp = interpreting(kv)
+    kw = {} if interp else dict(num_warps=4, enable_fp_fusion=False)
+    none = kv  # an unused pointer (HCA)
+    _compress_kernel[(W, triton.cdiv(D, bd))](
+        kv, gate, bias.float().contiguous(), prev_kv if overlap else none, prev_gate if overlap else none,
+        has_prev if overlap else none, out, m, C, D,
+        OVERLAP=overlap, SP=sp, LOG2=sp.bit_length() - 1, BD=bd, BF16=kv.dtype == torch.bfloat16,
+        INTERP=interp, **kw)
+    return out
