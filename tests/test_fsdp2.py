@@ -172,9 +172,16 @@ def ranks(engine, tmp_path_factory):
 
 
 def _unsharded(ids, mask, dtype=torch.float32, **kw):
-    lm = _model(dtype)
-    lp = bitmatch.token_logprobs(lm, ids, mask, **kw)
-    lp.sum().backward()
+    # one thread, as the ranks: torch's CPU embedding backward adds a repeated token's rows in an
+    # order that depends on the thread count (gradients are stock torch, not an invariant op)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lm = _model(dtype)
+        lp = bitmatch.token_logprobs(lm, ids, mask, **kw)
+        lp.sum().backward()
+    finally:
+        torch.set_num_threads(threads)
     return lp.detach(), {n: p.grad for n, p in lm.named_parameters()}
 
 
