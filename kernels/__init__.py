@@ -5,7 +5,7 @@ declares every op (invariance axes, stock counterpart, backends, order version) 
 from ._backend import SUPPORTED_DTYPES, backend_for, check_on_device, host_readable, use_backend
 from .activation import silu_and_mul
 from .compressed_attention import KeyRows, sink_attention, sink_attention_rows
-from .compressor import compress_windows
+from .compressor import compress_rows, compress_windows
 from .indexer import indexer_select, indexer_topk
 from .mhc import hc_head, hc_post, hc_pre
 from .rotary_interleaved import apply_rotary_interleaved
@@ -27,7 +27,7 @@ __all__ = [
     "uniform_noise", "use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
     "moe_route", "moe_experts", "moe_combine",
-    "sink_attention", "sink_attention_rows", "KeyRows", "compress_windows", "indexer_topk", "indexer_select",
+    "sink_attention", "sink_attention_rows", "KeyRows", "compress_windows", "compress_rows", "indexer_topk", "indexer_select",
     "hc_pre", "hc_post", "hc_head",
     "apply_rotary_interleaved",
     "causal_conv1d", "mamba_chunk_scan", "gated_rms_norm",

@@ -14,6 +14,12 @@ the slot axis (fixed width m or 2m), the products exact in float64. So an entry'
 function of its window's tokens alone: whether the window closes inside a full prefill, a
 chunked prefill or a decode step, the entry is the same. (HF sums in the model dtype in torch's
 order: parity to rounding, not bits.) RMSNorm and RoPE at position w*m follow as separate ops.
+
+compress_rows: the same pooling for every row of a step, each row's window read from a
+per-token store through its ``KeyRows`` addressing (the engine's paged caches or the trainer's
+packed rows): compress_windows of the gathered windows, bit for bit, without gathering them
+(the Triton backend reads the store in the kernel: one launch instead of a gather per slot
+list, window and half).
 Reference: CPU. Triton backend (CUDA): kernels/triton/compressor.py, the same structure in fp32
 in one launch (``tl.exp``, the same folds): its own bits, invariant the same way (order version
 2: version 1 composed torch ops, another exp).
@@ -23,9 +29,11 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import backend_for, check_float, check_same_device, needs_autograd, recompute_grads, triton_impl
+from ._backend import (backend_for, check_float, check_int, check_same_device, needs_autograd, recompute_grads,
+                       triton_impl)
 
 F64 = torch.float64
+_ROWS_SCRATCH = 1 << 24  # elements of gathered windows per reference chunk (memory only, never bits)
 
 
 def pooling_slots(kv, gate, bias, prev_kv, prev_gate, has_prev):
@@ -119,3 +127,88 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
     if needs_autograd(kv, gate, position_bias, prev_kv, prev_gate):
         return CompressFunction.apply(*args)
     return _forward(*args)
+
+
+def window_slots(positions, rows, rate, overlap):
+    """(idx [T, m], prev [T, m] or None, has_prev [T] or None): the store addresses of each row's
+    window (positions p - m + 1 .. p, clamped at 0) and, with ``overlap``, of the previous window
+    (m positions back), as ``rows.slots`` gives them."""
+    t = positions.long().view(-1, 1)
+    win = t - rate + 1 + torch.arange(rate, device=t.device).view(1, -1)
+    idx = rows.slots(win.clamp(min=0))
+    if not overlap:
+        return idx, None, None
+    return idx, rows.slots((win - rate).clamp(min=0)), t[:, 0] >= rate
+
+
+def _gathered(raw_kv, raw_gate, positions, rows, rate, overlap):
+    idx, prev, has = window_slots(positions, rows, rate, overlap)
+    if not overlap:
+        return raw_kv[idx], raw_gate[idx], None, None, None
+    d = raw_kv.shape[-1] // 2
+    return raw_kv[idx], raw_gate[idx], raw_kv[prev][..., :d], raw_gate[prev][..., :d], has
+
+
+def _rows_forward(raw_kv, raw_gate, bias, positions, rows, rate, overlap):
+    if backend_for(raw_kv) != "reference":
+        return triton_impl("compressor", "compress_rows")(raw_kv, raw_gate, bias, positions, rows, rate, overlap)
+    # rows in chunks: the gathered windows are [rows, m or 2m, C]; a row's entry is its own window's
+    step = max(1, _ROWS_SCRATCH // (2 * rate * raw_kv.shape[-1]))
+    out = []
+    for s in range(0, positions.shape[0], step):
+        g = _gathered(raw_kv, raw_gate, positions[s:s + step], rows.rows_slice(s, s + step), rate, overlap)
+        out.append(compress_reference(g[0], g[1], bias, *(None if t is None else t.contiguous() for t in g[2:])))
+    return torch.cat(out, 0) if len(out) != 1 else out[0]
+
+
+class CompressRowsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, raw_kv, raw_gate, bias, positions, rows, rate, overlap):
+        ctx.save_for_backward(raw_kv, raw_gate, bias, positions)
+        ctx.rows, ctx.rate, ctx.overlap = rows, rate, overlap
+        return _rows_forward(raw_kv, raw_gate, bias, positions, rows, rate, overlap)
+
+    @staticmethod
+    def backward(ctx, g):
+        raw_kv, raw_gate, bias, positions = ctx.saved_tensors
+
+        def plain(a, b, c):
+            w = _gathered(a, b, positions, ctx.rows, ctx.rate, ctx.overlap)
+            return _compress_plain(w[0], w[1], c, *w[2:])
+        grads = recompute_grads(plain, (raw_kv, raw_gate, bias), ctx.needs_input_grad[:3], (g,))
+        return (*grads, None, None, None, None)
+
+
+def compress_rows(raw_kv, raw_gate, position_bias, positions, rows, *, rate, overlap):
+    """raw_kv, raw_gate [S, C] (a per-token store: the compressor's projections), position_bias
+    [m, C] fp32, positions [T] (int) and ``rows`` (``KeyRows`` of the T rows: where each row's
+    positions live in the store) -> [T, D]: row t's entry is compress_windows of the window of
+    ``rate`` tokens ending at its position (positions below 0 clamped to 0: a row whose window is
+    not complete gets a value nobody reads) and, with ``overlap`` (CSA, C = 2D), the previous
+    window's first half (absent while the position is below ``rate``).
+
+    Invariance: each row's bits depend only on the store rows of its own windows (compress_windows
+    of the gathered windows, bit for bit, on either backend).
+    """
+    op = "compress_rows"
+    for n, t in (("raw_kv", raw_kv), ("raw_gate", raw_gate), ("position_bias", position_bias)):
+        check_float(n, t, op)
+    check_int("positions", positions, op)
+    if raw_kv.dim() != 2 or raw_gate.shape != raw_kv.shape or raw_gate.dtype != raw_kv.dtype:
+        raise ValueError(f"{op}: raw_kv and raw_gate must be [S, C] of one shape and dtype, got "
+                         f"{tuple(raw_kv.shape)} {raw_kv.dtype}, {tuple(raw_gate.shape)} {raw_gate.dtype}")
+    if not isinstance(rate, int) or rate < 1:
+        raise ValueError(f"{op}: rate must be a positive int, got {rate!r}")
+    c = raw_kv.shape[1]
+    if position_bias.shape != (rate, c):
+        raise ValueError(f"{op}: position_bias must be [rate={rate}, C={c}], got {tuple(position_bias.shape)}")
+    if overlap and c % 2:
+        raise ValueError(f"{op}: overlapping windows need C = 2D, got C={c}")
+    if positions.dim() != 1:
+        raise ValueError(f"{op}: positions must be [T], got {tuple(positions.shape)}")
+    check_same_device(op, raw_kv=raw_kv, raw_gate=raw_gate, position_bias=position_bias, positions=positions)
+    args = (raw_kv.contiguous(), raw_gate.contiguous(), position_bias.float().contiguous(), positions.long(),
+            rows, rate, bool(overlap))
+    if needs_autograd(raw_kv, raw_gate, position_bias):
+        return CompressRowsFunction.apply(*args)
+    return _rows_forward(*args)

@@ -371,6 +371,17 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
     return (kv.float() * z.softmax(1).to(kv.dtype).float()).sum(1).to(kv.dtype)
 
 
+
+def compress_rows(raw_kv, raw_gate, position_bias, positions, rows, *, rate, overlap):
+    """Every row's window gathered from the store by torch indexing, then the stock pooling."""
+    from .compressor import window_slots
+    idx, prev, has = window_slots(positions, rows, rate, overlap)
+    if not overlap:
+        return compress_windows(raw_kv[idx], raw_gate[idx], position_bias)
+    d = raw_kv.shape[-1] // 2
+    return compress_windows(raw_kv[idx], raw_gate[idx], position_bias, prev_kv=raw_kv[prev][..., :d],
+                            prev_gate=raw_gate[prev][..., :d], has_prev=has)
+
 def indexer_topk(q, qpos, keys, weights, *, rate, top_k, softmax_scale):
     """fp32 scores relu(q k) * scale * w summed over heads by torch, then ``torch.topk`` (ties: any)."""
     scores = (torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float())) * softmax_scale
@@ -482,7 +493,7 @@ __all__ = ["linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_c
            "apply_rotary_interleaved", "sdpa_prefill", "sdpa_paged", "attention_prefill", "attention_paged",
            "attention_decode", "write_kv_cache", "full_logprobs", "token_logprobs", "top_k_top_p_mask",
            "apply_top_k_top_p", "categorical_sample", "uniform_noise", "moe_scores", "moe_route", "moe_experts",
-           "moe_combine", "sink_attention", "sink_attention_rows", "compress_windows", "indexer_topk",
+           "moe_combine", "sink_attention", "sink_attention_rows", "compress_windows", "compress_rows", "indexer_topk",
            "indexer_select", "hc_pre",
            "hc_post", "hc_head", "causal_conv1d", "row_keys", "sink_attention_rows_fp32",
            "mamba_chunk_scan", "gated_rms_norm"]

@@ -100,6 +100,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     # every row of a step (trainer's packed rows or the engine's paged caches) through one KeyRows
     OpSpec("sink_attention_rows", "compressed_attention", _STATE, _RT, stock.sink_attention_rows),
     OpSpec("compress_windows", "compressor", _SEQ, _RT, stock.compress_windows),
+    # every row's window read from a per-token store through one KeyRows (the engine's caches)
+    OpSpec("compress_rows", "compressor", _STATE, _RT, stock.compress_rows),
     OpSpec("indexer_topk", "indexer", _SEQ, _RT, stock.indexer_topk),
     OpSpec("indexer_select", "indexer", _STATE, _RT, stock.indexer_select),
     OpSpec("hc_pre", "mhc", _ROWS, _RT, stock.hc_pre),

@@ -337,15 +337,15 @@ def test_model_engine_equals_trainer_on_triton(model):
 
 
 def test_compressor_row_chunks_do_not_change_bits(model, monkeypatch):
-    """closing_entries pools its rows in chunks (memory): 10-row chunks give the same bits."""
+    """compress_rows's reference pools its rows in chunks (memory): 2-row chunks give the same bits."""
     from bitmatch.context import ForwardContext
-    from bitmatch.models import deepseek_v4_attention as A
+    from bitmatch.kernels import compressor as C
     ids = torch.tensor(random_prompts(1, 23, 23, seed=12)[0])
     ctx = ForwardContext(positions=torch.arange(23), cu_seqlens=torch.tensor([0, 23], dtype=torch.int32))
     with torch.no_grad():
         whole = M.forward_hidden(model, ids, ctx)
         # 2 rows: 2m x C = 2 * 4 * 32 (HCA), 2 * 2 * 64 (CSA); the trainer pools only closing rows
-        monkeypatch.setattr(A, "_POOL_SCRATCH", 2 * 2 * 4 * 32)
+        monkeypatch.setattr(C, "_ROWS_SCRATCH", 2 * 2 * 4 * 32)
         assert_bitwise_equal(M.forward_hidden(model, ids, ctx), whole, "row chunks")
 
 
@@ -405,3 +405,65 @@ def test_control_reference_decode_step_reads_on_the_host(model):
     # the detector's control: the reference groups rows by sequence on the host (unique, tolist)
     found = {what for what, _ in _decode_reads(model, "reference")}
     assert {"aten._unique2", "Tensor.tolist"} <= found, found
+
+
+# ---------------------------------------------------------------- compress_rows (the compressor from the stores)
+def _rows_store(lens, C, dtype, seed):
+    """Per-token raw kv / gate stores of packed sequences (from position 0) and their positions."""
+    g = _g(seed)
+    T = sum(lens)
+    kv, gate = (torch.randn(T, C, generator=g).to(dtype) for _ in range(2))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    return kv, gate, torch.randn(RATE, C, generator=g), pos
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compress_rows_is_compress_windows_of_the_gathered_windows(backend, overlap, dtype):
+    """compress_rows reads each row's windows from the store (packed rows, and the same rows
+    scattered into shuffled paged blocks of two sizes): compress_windows of the gathered windows,
+    bit for bit, every row; a subset of rows alone has the same bits. Control: windows one
+    position off give other bits."""
+    from bitmatch.kernels.compressor import window_slots
+    lens = (13, 6)
+    kv, gate, bias, pos = _rows_store(lens, 32 if overlap else 16, dtype, seed=31)
+    rows = KeyRows.packed(pos)
+    with K.use_backend(backend):
+        got = K.compress_rows(kv, gate, bias, pos, rows, rate=RATE, overlap=overlap)
+        idx, prev, has = window_slots(pos, rows, RATE, overlap)
+        kw = {} if not overlap else dict(prev_kv=kv[prev][..., :16], prev_gate=gate[prev][..., :16], has_prev=has)
+        want = K.compress_windows(kv[idx], gate[idx], bias, **kw)
+        assert_bitwise_equal(got, want, f"{backend} packed rows")
+        for bs in (4, 16):
+            (kvp, gp), bt = _paged([list(kv.split(lens)), list(gate.split(lens))], list(lens), bs, seed=bs)
+            qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            prow = KeyRows.paged(bt, bs, qsl, pos.shape[0])
+            assert_bitwise_equal(K.compress_rows(kvp, gp, bias, pos, prow, rate=RATE, overlap=overlap), got,
+                                 f"{backend} paged block size {bs}")
+        pick = torch.tensor([3, 11, 15])
+        alone = K.compress_rows(kv, gate, bias, pos[pick], rows.take(pick), rate=RATE, overlap=overlap)
+        assert_bitwise_equal(alone, got[pick], f"{backend} rows alone")
+        # the first sequence's rows read one store row later
+        off = K.compress_rows(kv, gate, bias, pos[:12], KeyRows.packed(pos[:12], row_start=rows.row_start[:12] + 1),
+                              rate=RATE, overlap=overlap)
+    with pytest.raises(BitMismatch):
+        assert_bitwise_equal(off, got[:12], "control: windows one row later")
+
+
+def test_compress_rows_gradients_match_float64_and_errors_are_named():
+    kv, gate, bias, pos = _rows_store((9, 5), 32, torch.float32, seed=32)
+    rows = KeyRows.packed(pos)
+    w = torch.randn(pos.shape[0], 16, generator=_g(33), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (kv, gate, bias)]
+    (K.compress_rows(*leaves, pos, rows, rate=RATE, overlap=True).double() * w).sum().backward()
+    l64 = [t.double().requires_grad_() for t in (kv, gate, bias)]
+    (stock.compress_rows(*l64, pos, rows, rate=RATE, overlap=True) * w).sum().backward()
+    for a, b in zip(leaves, l64):
+        assert ((a.grad.double() - b.grad).norm() / b.grad.norm()) < 1e-5
+    with pytest.raises(ValueError, match="position_bias"):
+        K.compress_rows(kv, gate, bias[:, :8], pos, rows, rate=RATE, overlap=True)
+    with pytest.raises(ValueError, match="C = 2D"):
+        K.compress_rows(kv[:, :31], gate[:, :31], bias[:, :31], pos, rows, rate=RATE, overlap=True)
+    with pytest.raises(ValueError, match="rate"):
+        K.compress_rows(kv, gate, bias, pos, rows, rate=0, overlap=True)

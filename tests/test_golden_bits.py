@@ -121,6 +121,15 @@ def _sink_attention():
     return K.sink_attention(q, pos, kv, ent, mask, torch.randn(H, generator=g), scale=D ** -0.5, window=6)
 
 
+
+def _compress_rows(overlap):
+    g = _g(72)
+    qpos = torch.cat([torch.arange(n) for n in (13, 9)])
+    c = 32 if overlap else 16
+    kv, gate = (torch.randn(qpos.shape[0], c, generator=g).to(BF) for _ in range(2))
+    return K.compress_rows(kv, gate, torch.randn(4, c, generator=g), qpos, K.KeyRows.packed(qpos), rate=4,
+                           overlap=overlap)
+
 def _rows_case(lens=(13, 9), H=4, D=32, seed=70):
     """Two packed sequences from position 0: q, positions, the K = V and entry stores, KeyRows."""
     g = _g(seed)
@@ -201,6 +210,8 @@ CASES = {
     "sink_attention_rows": {"2 seqs HCA m4 w6 bf16": lambda: _sink_rows(False),
                             "2 seqs CSA m4 w6 bf16": lambda: _sink_rows(True)},
     "indexer_select": {"2 seqs m4 k2 bf16": _indexer_rows},
+    "compress_rows": {"2 seqs CSA m4 c32 bf16": lambda: _compress_rows(True),
+                      "2 seqs HCA m4 c16 bf16": lambda: _compress_rows(False)},
     "compress_windows": {"5 windows m4 c16 f32": lambda: K.compress_windows(
         _rn(5, 4, 16, seed=41, dtype=F32), _rn(5, 4, 16, seed=42, dtype=F32), _rn(4, 16, seed=43, dtype=F32))},
     "indexer_topk": {"T20 C5 h4 d16 bf16": lambda: K.indexer_topk(

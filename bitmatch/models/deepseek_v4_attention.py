@@ -89,9 +89,6 @@ def sequences(ctx, positions) -> KeyRows:
     return rows
 
 
-_POOL_SCRATCH = 1 << 26  # gathered window elements per chunk of rows (memory, not bits)
-
-
 def rope_lookup(spec, ctx, rows: KeyRows):
     """rope_at(positions, kind) -> (cos, sin) fp32 of ``kernels.rotary_cos_sin`` with the step's host
     bound ``rows.max_len`` (positions < it): the kernel gathers the rows from its table with no read
@@ -163,27 +160,10 @@ def closing_entries(mod, raw_kv, raw_gate, rows, positions, rate, overlap, dtype
 
 def _pooled_entries(mod, raw_kv, raw_gate, rows, t_all, rate, overlap, dtype, rope_at):
     K = _kernels()
-    m = rate
-    t_all = t_all.view(-1, 1)
     bias = cast_param(mod.position_bias, torch.float32)
-    # rows in chunks: the gathered windows are [rows, m or 2m, C]; a row's entry is its own window's
-    # (compress_windows is per window), so the chunking bounds memory and never changes a bit
-    step = max(1, _POOL_SCRATCH // (2 * m * raw_kv.shape[-1]))
-    pooled = []
-    for s in range(0, t_all.shape[0], step):
-        t = t_all[s:s + step]
-        sub = rows.rows_slice(s, s + step)
-        win = t - m + 1 + torch.arange(m, device=t.device).view(1, -1)
-        kw = dict()
-        if overlap:
-            d = raw_kv.shape[-1] // 2
-            prev = sub.slots((win - m).clamp(min=0))
-            kw = dict(prev_kv=raw_kv[prev][..., :d], prev_gate=raw_gate[prev][..., :d], has_prev=t[:, 0] >= m)
-        idx = sub.slots(win.clamp(min=0))
-        pooled.append(K.compress_windows(raw_kv[idx], raw_gate[idx], bias, **kw))
-    pooled = torch.cat(pooled, 0) if len(pooled) > 1 else pooled[0]
+    pooled = K.compress_rows(raw_kv, raw_gate, bias, t_all, rows, rate=rate, overlap=overlap)
     normed = rms_norm(mod.kv_norm, pooled, dtype)
-    cos, sin = rope_at((t_all[:, 0] + 1 - m).clamp(min=0), "compress")
+    cos, sin = rope_at((t_all + 1 - rate).clamp(min=0), "compress")
     return K.apply_rotary_interleaved(normed, cos, sin)
 
 
