@@ -220,7 +220,11 @@ def moe_block(mlp, x, input_ids, spec, layer_idx, dtype, rec=None, prefix="mlp",
         rec(f"{prefix}.router", (ids, w))
     parts = all_experts(mlp, spec, dtype) if parts is None else parts
     y, sh = parts.experts(x, ids, w), parts.shared(x)
-    return (y.float() + sh.float()).to(dtype)  # HF: routed + shared in the model dtype
+    if y.dtype == sh.dtype == dtype:
+        # HF: routed + shared in the model dtype. torch adds bf16 in fp32 and rounds once, the
+        # bits of the explicit upcast below in one launch instead of four
+        return y + sh
+    return (y.float() + sh.float()).to(dtype)
 
 
 def decoder_layer(layer, streams, *, bm: LayerCall):

@@ -226,16 +226,47 @@ class Kept(NamedTuple):
     row_start: torch.Tensor
 
 
+@triton.jit
+def _layout_kernel(ids_ptr, order_ptr, tok_ptr, counts_ptr, row_start_ptr, tile_end_ptr, S, E, TOPK, BM,
+                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr):
+    """One program: tok = order // k, and per expert the row count (integer sums: exact), the
+    first sorted row (exclusive prefix sum) and, with TILES, the cumulative BM-row tiles."""
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int64)
+    for s0 in range(0, S, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        m = offs < S
+        tl.store(tok_ptr + offs, tl.load(order_ptr + offs, mask=m, other=0) // TOPK, mask=m)
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int64), 0)
+    me = offs_e < E
+    tl.store(counts_ptr + offs_e, counts, mask=me)
+    tl.store(row_start_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=me)
+    if TILES:
+        tl.store(tile_end_ptr + offs_e, tl.cumsum((counts + BM - 1) // BM, 0), mask=me)
+
+
+def _layout(ids, E, BM):
+    """(order, tok, counts, row_start, tile_end or None): the sort (torch.sort, stable: exact) and
+    one launch for the rest (in place of seven small torch ops)."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    S = flat.numel()
+    tok = torch.empty_like(order)
+    counts, row_start = (torch.empty(E, device=ids.device, dtype=torch.int64) for _ in range(2))
+    tile_end = torch.empty(E, device=ids.device, dtype=torch.int64) if BM else None
+    block_e = triton.next_power_of_2(E)
+    block_s = max(16, min(1024, 8192 // block_e))
+    kw = {} if interpreting(ids) else dict(num_warps=4)
+    _layout_kernel[(1,)](flat, order, tok, counts, row_start, tile_end if BM else counts, S, E, ids.shape[1],
+                         BM or 1, BLOCK_E=block_e, BLOCK_S=block_s, TILES=bool(BM), **kw)
+    return order, tok, counts, row_start, tile_end
+
+
 def sorted_rows(ids, E):
     """The (token, rank) rows sorted by expert, on the device, no host sync: order (sorted row ->
     flat t*k + r), tok (sorted row -> token), counts and row_start per expert."""
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    # integer scatter-add: exact, and unlike bincount it never asks the host for max(ids)
-    counts = torch.zeros(E, device=ids.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
-    row_start = torch.cumsum(counts, 0) - counts
-    tok = torch.div(order, ids.shape[1], rounding_mode="floor")
-    return order, tok, counts, row_start
+    return _layout(ids, E, 0)[:4]
 
 
 def row_tiles(counts, BM, S):
@@ -246,9 +277,10 @@ def row_tiles(counts, BM, S):
 
 
 def expert_layout(ids, E, BM):
-    """sorted_rows and row_tiles: (order, tok, counts, row_start, tile_end, grid_m)."""
-    order, tok, counts, row_start = sorted_rows(ids, E)
-    return (order, tok, counts, row_start, *row_tiles(counts, BM, ids.numel()))
+    """sorted_rows and row_tiles in one launch after the sort: (order, tok, counts, row_start,
+    tile_end, grid_m)."""
+    S = ids.numel()
+    return (*_layout(ids, E, BM), triton.cdiv(S, BM) + min(E, S))
 
 
 def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, keep_h=False):
