@@ -62,6 +62,18 @@ def check_on_device(cond: torch.Tensor, message: str) -> None:
     torch._assert_async(cond, message)
 
 
+def check_in_range(t: torch.Tensor, lo: int, hi: int, message: str) -> None:
+    """``check_on_device`` that every element of the integer tensor ``t`` is in [lo, hi): on the
+    Triton backend one reduction launch (kernels/triton/checks.py) feeds the assert."""
+    if not t.numel():
+        return
+    if backend_for(t) == "triton":
+        ok = triton_impl("checks", "in_range")(t, lo, hi)
+    else:
+        ok = ((t >= lo) & (t < hi)).all()
+    check_on_device(ok, message)
+
+
 def triton_impl(family: str, op: str):
     """The Triton implementation of ``op``; NotImplementedError if there is none."""
     try:

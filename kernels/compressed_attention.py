@@ -40,6 +40,7 @@ from . import _exact, stock
 from ._backend import (
     backend_for,
     check_float,
+    check_in_range,
     check_int,
     check_on_device,
     check_same_device,
@@ -382,8 +383,7 @@ def sink_attention_rows(q, qpos, kv, sinks, rows: KeyRows, *, scale: float, wind
         if int(qpos.max()) >= rows.max_len or int(qpos.min()) < 0:
             raise ValueError(f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
     elif tq:
-        check_on_device((qpos < rows.max_len).all() & (qpos >= 0).all(),
-                        f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
+        check_in_range(qpos, 0, rows.max_len, f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
     ent = entries.contiguous() if entries is not None else q.new_zeros((0, d))
     sel = selected.contiguous() if selected is not None else torch.zeros(tq, 0, dtype=torch.int32, device=q.device)
     args = (q.contiguous(), kv.contiguous(), ent, sinks.contiguous(), qpos, sel, rows, float(scale), window,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact, stock
-from ._backend import (backend_for, check_float, check_int, check_on_device, check_same_device, host_readable,
+from ._backend import (backend_for, check_float, check_in_range, check_int, check_same_device, host_readable,
                        needs_autograd, recompute_grads, triton_impl)
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
@@ -292,7 +292,7 @@ def _check_experts(op, x, ids, weights, w_in, w_out, activation, swiglu_limit):
         if lo < 0 or hi >= E:
             raise ValueError(f"{op}: ids out of range [0, E={E}): found {lo if lo < 0 else hi}")
     else:  # checked on the device: a host round trip per layer would stall every launch behind it
-        check_on_device(((ids >= 0) & (ids < E)).all(), f"{op}: ids out of range [0, E={E})")
+        check_in_range(ids, 0, E, f"{op}: ids out of range [0, E={E})")
 
 
 def moe_experts(x, ids, weights, w_in, w_out, *, activation="swiglu", swiglu_limit=None):

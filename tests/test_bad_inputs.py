@@ -288,3 +288,18 @@ def test_demo_without_matplotlib_does_not_claim_a_plot(monkeypatch, tmp_path, ca
     assert "(matplotlib not installed: no diff.png; pip install bitmatch[plot], or pass --no-plot)" in out
     assert f"wrote {tmp_path / 'report.json'}\n" in out and "diff.png\n" not in out
     assert not (tmp_path / "diff.png").exists()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_device_range_check_passes_in_range_and_fails_outside(backend):
+    """check_in_range (the device-side check of ids and positions: one Triton reduction then the
+    assert) over more than one 1024-wide block: in range passes, one element out at either end fails."""
+    import bitmatch.kernels as K
+    from bitmatch.kernels._backend import check_in_range
+    t = torch.arange(-1, 2000)
+    with K.use_backend(backend):
+        check_in_range(t, -1, 2000, "ok")
+        for lo, hi in ((0, 2000), (-1, 1999)):
+            with pytest.raises(RuntimeError, match="out of range"):
+                check_in_range(t, lo, hi, "out of range")
