@@ -96,8 +96,16 @@ def rope_lookup(spec, ctx, rows: KeyRows):
     nothing back (the kernel keeps every table a captured graph may read). Same bits as without the
     bound (a row depends only on its position)."""
     K = _kernels()
+    windows = {}  # (id(positions), rate) -> (positions, cos, sin): the tensor kept, so its id stays its own
 
-    def rope_at(positions, kind):
+    def rope_at(positions, kind, window_rate=None):
+        """cos/sin at ``positions``; with ``window_rate`` m, at each row's window start (position
+        + 1 - m, clamped at 0), looked up once per step for every compressed layer of that rate."""
+        if window_rate is not None:
+            key = (id(positions), window_rate)
+            if key not in windows:
+                windows[key] = (positions, *rope_at((positions + 1 - window_rate).clamp(min=0), kind))
+            return windows[key][1:]
         base, scaling = spec.rope_main if kind == "main" else spec.rope_compress
         return K.rotary_cos_sin(positions, spec.rope_dim, base, scaling, dtype=torch.float32,
                                 max_position_embeddings=spec.max_position_embeddings, max_seq_len=rows.max_len)
@@ -163,7 +171,7 @@ def _pooled_entries(mod, raw_kv, raw_gate, rows, t_all, rate, overlap, dtype, ro
     bias = cast_param(mod.position_bias, torch.float32)
     pooled = K.compress_rows(raw_kv, raw_gate, bias, t_all, rows, rate=rate, overlap=overlap)
     normed = rms_norm(mod.kv_norm, pooled, dtype)
-    cos, sin = rope_at((t_all + 1 - rate).clamp(min=0), "compress")
+    cos, sin = rope_at(t_all, "compress", window_rate=rate)
     return K.apply_rotary_interleaved(normed, cos, sin)
 
 
