@@ -215,6 +215,19 @@ def r_engine_step(d):
                               "bookkeeping ms", "roofline ms", "step / roofline"], rows)
 
 
+
+def r_launch_census(d):
+    r, b = d.get("results", {}), get(d, "baseline", "results", default={})
+    rows = [["kernel launches per decode step", b.get("launches"), r.get("launches")],
+            ["Triton launches", b.get("triton_launches"), r.get("triton_launches")],
+            ["torch launches", b.get("torch_launches"), r.get("torch_launches")]]
+    out = header(d) + [f"Counted on CPU (no GPU timing): {get(d, 'setup', 'model', default='-')}, batch "
+                       f"{get(d, 'setup', 'batch', default='-')}; baseline: commit "
+                       f"`{str(get(d, 'baseline', 'commit', default='-'))[:10]}`, the same script.", ""]
+    out += table(["what", "baseline", "this run"], rows)
+    top = list(r.get("triton_by_kernel", {}).items())[:8] + list(r.get("torch_by_op", {}).items())[:8]
+    return out + ["", "Largest counts in this run: " + ", ".join(f"`{k}` {v}" for k, v in top) + "."]
+
 def r_attention_decode(d):
     rows = []
     for name, c in d.get("cases", {}).items():
@@ -539,6 +552,8 @@ RENDERERS = {
     "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),
     "golden_gpu_h200": ("Golden bits on the GPU (`benchmarks/golden_gpu.py`)", r_golden_gpu),
     "cpu": ("Ops on the CPU reference (`benchmarks/cpu_ops.py`)", r_cpu_ops),
+    "launch_census_cpu": ("Kernel launches per DeepSeek-V4 decode step, counted on CPU (`benchmarks/launch_census.py`)",
+                          r_launch_census),
     "engine_cpu": ("Embedded engine on the CPU (`benchmarks/engine_cpu.py`)", r_engine_cpu),
     "deepseek_v4_tiny_cpu": ("DeepSeek-V4 tiny config on the CPU (`benchmarks/deepseek_v4_layer.py`)",
                              r_deepseek_tiny_cpu),
