@@ -36,7 +36,7 @@ import torch
 
 import bitmatch.kernels as K
 from bitmatch.kernels import KeyRows
-from bitmatch.models.dense import linear, plain_module, rms_norm
+from bitmatch.models.dense import fused_linear, linear, plain_module, rms_norm
 from bitmatch.precision import cast_param
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -208,13 +208,17 @@ def attention(attn, x, input_pos, rope, rope_at, ctx, spec, layer_idx, dtype, se
     step = {"kv": kv}
     comp = attn.compressor
     if comp is not None:
-        step["ckv"], step["cgate"] = linear(comp.kv_proj, x, dtype), linear(comp.gate_proj, x, dtype)
+        # the engine's paged steps: kv and gate as one GEMM on a fused copy (linear segments: the
+        # same bits), kept on the attention module, which refresh_fused brings up to date
+        step["ckv"], step["cgate"] = fused_linear(attn, "compressor_kv_gate", (comp.kv_proj, comp.gate_proj), x,
+                                                   dtype, fuse=ctx.paged)
     # the indexer's selection is piecewise constant (no gradient, HF's neither): its projections and
     # index keys run without a graph, so the trainer saves none of their activations (same bits)
     if lt == CSA:
         idx = comp.indexer
         with torch.no_grad():
-            step["ikv"], step["igate"] = linear(idx.kv_proj, x, dtype), linear(idx.gate_proj, x, dtype)
+            step["ikv"], step["igate"] = fused_linear(attn, "indexer_kv_gate", (idx.kv_proj, idx.gate_proj), x,
+                                                       dtype, fuse=ctx.paged)
             iq = linear(idx.q_b_proj, q_res, dtype).view(T, spec.index_n_heads, spec.index_head_dim)
             iq = K.apply_rotary_interleaved(iq, cos, sin)
             iw = linear(idx.scorer.weights_proj, x, dtype).float() * (spec.index_n_heads ** -0.5)

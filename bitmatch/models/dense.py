@@ -250,7 +250,7 @@ def fused_copies(parent) -> dict:
     return {} if st is None else st.derived
 
 
-def _fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
+def fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
     """The outputs of ``linear(m, x)`` for each of ``mods``: one GEMM when fusable, same bits."""
     f = _fused_weight(parent, name, mods, dtype) if fuse else None
     if f is None:
@@ -298,7 +298,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
     T = x.shape[0]
     D = spec.head_dim
     # fused only in the engine's paged steps (see gated_mlp)
-    q, k, v = _fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
+    q, k, v = fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
     q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
     if rec is not None:
         rec(f"{prefix}.q_proj", q)
