@@ -215,6 +215,17 @@ class KeyRows:
         blk = bt.gather(1, torch.div(pos, self.block_size, rounding_mode="floor").clamp(max=bt.shape[1] - 1))
         return blk * self.block_size + pos % self.block_size
 
+    def window_slots(self, positions: torch.Tensor, rate: int, overlap: bool):
+        """(idx [T, m], prev [T, m] or None, has_prev [T] or None): the addresses of each row's
+        window of ``rate`` positions ending at its position (clamped at 0) and, with ``overlap``
+        (CSA), of the previous window (``rate`` positions back), present where position >= rate."""
+        t = positions.long().view(-1, 1)
+        win = t - rate + 1 + torch.arange(rate, device=t.device).view(1, -1)
+        idx = self.slots(win.clamp(min=0))
+        if not overlap:
+            return idx, None, None
+        return idx, self.slots((win - rate).clamp(min=0)), t[:, 0] >= rate
+
     def rows_slice(self, start: int, stop: int) -> KeyRows:
         """The addressing of rows start..stop-1 (a chunk of the step's rows)."""
         sl = slice(start, stop)

@@ -129,20 +129,8 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
     return _forward(*args)
 
 
-def window_slots(positions, rows, rate, overlap):
-    """(idx [T, m], prev [T, m] or None, has_prev [T] or None): the store addresses of each row's
-    window (positions p - m + 1 .. p, clamped at 0) and, with ``overlap``, of the previous window
-    (m positions back), as ``rows.slots`` gives them."""
-    t = positions.long().view(-1, 1)
-    win = t - rate + 1 + torch.arange(rate, device=t.device).view(1, -1)
-    idx = rows.slots(win.clamp(min=0))
-    if not overlap:
-        return idx, None, None
-    return idx, rows.slots((win - rate).clamp(min=0)), t[:, 0] >= rate
-
-
 def _gathered(raw_kv, raw_gate, positions, rows, rate, overlap):
-    idx, prev, has = window_slots(positions, rows, rate, overlap)
+    idx, prev, has = rows.window_slots(positions, rate, overlap)
     if not overlap:
         return raw_kv[idx], raw_gate[idx], None, None, None
     d = raw_kv.shape[-1] // 2

@@ -374,8 +374,7 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
 
 def compress_rows(raw_kv, raw_gate, position_bias, positions, rows, *, rate, overlap):
     """Every row's window gathered from the store by torch indexing, then the stock pooling."""
-    from .compressor import window_slots
-    idx, prev, has = window_slots(positions, rows, rate, overlap)
+    idx, prev, has = rows.window_slots(positions, rate, overlap)
     if not overlap:
         return compress_windows(raw_kv[idx], raw_gate[idx], position_bias)
     d = raw_kv.shape[-1] // 2

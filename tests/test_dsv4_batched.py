@@ -425,13 +425,12 @@ def test_compress_rows_is_compress_windows_of_the_gathered_windows(backend, over
     scattered into shuffled paged blocks of two sizes): compress_windows of the gathered windows,
     bit for bit, every row; a subset of rows alone has the same bits. Control: windows one
     position off give other bits."""
-    from bitmatch.kernels.compressor import window_slots
     lens = (13, 6)
     kv, gate, bias, pos = _rows_store(lens, 32 if overlap else 16, dtype, seed=31)
     rows = KeyRows.packed(pos)
     with K.use_backend(backend):
         got = K.compress_rows(kv, gate, bias, pos, rows, rate=RATE, overlap=overlap)
-        idx, prev, has = window_slots(pos, rows, RATE, overlap)
+        idx, prev, has = rows.window_slots(pos, RATE, overlap)
         kw = {} if not overlap else dict(prev_kv=kv[prev][..., :16], prev_gate=gate[prev][..., :16], has_prev=has)
         want = K.compress_windows(kv[idx], gate[idx], bias, **kw)
         assert_bitwise_equal(got, want, f"{backend} packed rows")

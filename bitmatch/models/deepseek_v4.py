@@ -37,7 +37,7 @@ from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A
 from bitmatch.models import deepseek_v4_tiny, lora
-from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, rms_norm
+from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, refresh_fused, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
 
@@ -387,7 +387,9 @@ class DeepseekV4Family(Family):
                 and lora.graph_capturable(lm))
 
     def refresh_derived_weights(self, lm, force: bool = False) -> None:
-        """LoRA layers' kept merged weights brought up to date in place (before a graph replay)."""
+        """The fused compressor / indexer kv-gate copies and LoRA layers' kept merged weights
+        brought up to date in place (before a graph replay)."""
+        refresh_fused(lm, force)
         lora.refresh_rollout_weights(lm, force)
 
     def patch_modules(self, lm):

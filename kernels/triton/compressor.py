@@ -118,9 +118,15 @@ def _rows_kernel(kv_ptr, gate_ptr, bias_ptr, pos_ptr, start_ptr, seq_ptr, bt_ptr
     tl.store(out_ptr + t * D + d, out.to(dt), mask=md)
 
 
-def _tile(S, D):
-    sp = triton.next_power_of_2(S)
-    return sp, max(16, min(triton.next_power_of_2(D), 4096 // sp))
+def _setup(like, n, C, rate, overlap):
+    """(out [n, D] in like's dtype, D, SP, BD, interp, launch kwargs) of one pooling launch: the
+    slots padded to a power of 2, channel blocks of <= 4096 / SP tile elements."""
+    D = C // 2 if overlap else C
+    out = torch.empty((n, D), device=like.device, dtype=like.dtype)
+    sp = triton.next_power_of_2(2 * rate if overlap else rate)
+    interp = interpreting(like)
+    kw = {} if interp else dict(num_warps=4, enable_fp_fusion=False)
+    return out, D, sp, max(16, min(triton.next_power_of_2(D), 4096 // sp)), interp, kw
 
 
 def compress_windows(kv, gate, bias, prev_kv, prev_gate, has_prev):
@@ -128,13 +134,9 @@ def compress_windows(kv, gate, bias, prev_kv, prev_gate, has_prev):
     bool [W] (or all None: HCA), contiguous -> [W, D] in kv's dtype."""
     W, m, C = kv.shape
     overlap = prev_kv is not None
-    D = C // 2 if overlap else C
-    out = torch.empty((W, D), device=kv.device, dtype=kv.dtype)
+    out, D, sp, bd, interp, kw = _setup(kv, W, C, m, overlap)
     if W == 0 or D == 0:
         return out
-    sp, bd = _tile(2 * m if overlap else m, D)
-    interp = interpreting(kv)
-    kw = {} if interp else dict(num_warps=4, enable_fp_fusion=False)
     none = kv  # an unused pointer (HCA)
     _compress_kernel[(W, triton.cdiv(D, bd))](
         kv, gate, bias, prev_kv if overlap else none, prev_gate if overlap else none,
@@ -148,19 +150,14 @@ def compress_rows(raw_kv, raw_gate, bias, positions, rows, rate, overlap):
     """raw_kv, raw_gate [S, C] (rows contiguous; C = 2D with ``overlap``), bias fp32 [m, C],
     positions [T], rows: KeyRows of the T rows -> [T, D] in raw_kv's dtype."""
     T = positions.shape[0]
-    C = raw_kv.shape[1]
-    D = C // 2 if overlap else C
-    out = torch.empty((T, D), device=raw_kv.device, dtype=raw_kv.dtype)
+    out, D, sp, bd, interp, kw = _setup(raw_kv, T, raw_kv.shape[1], rate, overlap)
     if T == 0 or D == 0:
         return out
-    sp, bd = _tile(2 * rate if overlap else rate, D)
-    interp = interpreting(raw_kv)
-    kw = {} if interp else dict(num_warps=4, enable_fp_fusion=False)
     paged = rows.paged_mode
     bt = rows.block_table if paged else positions
     _rows_kernel[(T, triton.cdiv(D, bd))](
         raw_kv, raw_gate, bias, positions, positions if paged else rows.row_start,
-        rows.seq_idx if paged else positions, bt, out, rate, C, D, raw_kv.stride(0),
+        rows.seq_idx if paged else positions, bt, out, rate, raw_kv.shape[1], D, raw_kv.stride(0),
         bt.stride(0) if paged else 0, bt.shape[1] if paged else 1, rows.block_size if paged else 1,
         OVERLAP=overlap, PAGED=paged, SP=sp, LOG2=sp.bit_length() - 1, BD=bd,
         BF16=raw_kv.dtype == torch.bfloat16, INTERP=interp, **kw)
