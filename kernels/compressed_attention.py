@@ -394,7 +394,8 @@ def sink_attention_rows(q, qpos, kv, sinks, rows: KeyRows, *, scale: float, wind
         if int(qpos.max()) >= rows.max_len or int(qpos.min()) < 0:
             raise ValueError(f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
     elif tq:
-        check_in_range(qpos, 0, rows.max_len, f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
+        check_in_range(qpos, 0, rows.max_len,
+                       f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
     ent = entries.contiguous() if entries is not None else q.new_zeros((0, d))
     sel = selected.contiguous() if selected is not None else torch.zeros(tq, 0, dtype=torch.int32, device=q.device)
     args = (q.contiguous(), kv.contiguous(), ent, sinks.contiguous(), qpos, sel, rows, float(scale), window,

@@ -20,6 +20,7 @@ per-token store through its ``KeyRows`` addressing (the engine's paged caches or
 packed rows): compress_windows of the gathered windows, bit for bit, without gathering them
 (the Triton backend reads the store in the kernel: one launch instead of a gather per slot
 list, window and half).
+
 Reference: CPU. Triton backend (CUDA): kernels/triton/compressor.py, the same structure in fp32
 in one launch (``tl.exp``, the same folds): its own bits, invariant the same way (order version
 2: version 1 composed torch ops, another exp).

@@ -152,7 +152,8 @@ def indexer_select(q, qpos, keys, weights, rows: KeyRows, *, rate: int, top_k: i
             raise ValueError(f"{op}: a query position is >= max_len={rows.max_len}")
         return _select_reference(q, qpos, keys, weights, rows, rate, top_k, softmax_scale)
     if q.shape[0]:
-        check_in_range(qpos, 0, rows.max_len, f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
+        check_in_range(qpos, 0, rows.max_len,
+                       f"{op}: a query position is outside 0..max_len-1 (max_len={rows.max_len})")
     n_cols = max(1, rows.max_len // rate)
     scores = triton_impl("indexer", "indexer_scores_rows")(q, qpos, keys, weights, rows, rate, n_cols,
                                                           float(softmax_scale))

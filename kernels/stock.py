@@ -371,7 +371,6 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
     return (kv.float() * z.softmax(1).to(kv.dtype).float()).sum(1).to(kv.dtype)
 
 
-
 def compress_rows(raw_kv, raw_gate, position_bias, positions, rows, *, rate, overlap):
     """Every row's window gathered from the store by torch indexing, then the stock pooling."""
     idx, prev, has = rows.window_slots(positions, rate, overlap)
@@ -380,6 +379,7 @@ def compress_rows(raw_kv, raw_gate, position_bias, positions, rows, *, rate, ove
     d = raw_kv.shape[-1] // 2
     return compress_windows(raw_kv[idx], raw_gate[idx], position_bias, prev_kv=raw_kv[prev][..., :d],
                             prev_gate=raw_gate[prev][..., :d], has_prev=has)
+
 
 def indexer_topk(q, qpos, keys, weights, *, rate, top_k, softmax_scale):
     """fp32 scores relu(q k) * scale * w summed over heads by torch, then ``torch.topk`` (ties: any)."""

@@ -108,8 +108,7 @@ def _rows_kernel(kv_ptr, gate_ptr, bias_ptr, pos_ptr, start_ptr, seq_ptr, bt_ptr
         slot = blk * BS + at_pos % BS
     else:
         slot = tl.load(start_ptr + t) + at_pos
-    m2 = (s < SP)[:, None] & md[None, :]
-    present = ((s < 2 * M) if OVERLAP else (s < M))[:, None] & m2
+    present = ((s < 2 * M) if OVERLAP else (s < M))[:, None] & md[None, :]
     at = slot[:, None] * stride_s + col
     kv = tl.load(kv_ptr + at, mask=present, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + at, mask=present, other=0.0).to(tl.float32)

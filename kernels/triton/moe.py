@@ -228,9 +228,9 @@ class Kept(NamedTuple):
 
 @triton.jit
 def _layout_kernel(ids_ptr, order_ptr, tok_ptr, counts_ptr, row_start_ptr, tile_end_ptr, S, E, TOPK, BM,
-                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program: tok = order // k, and per expert the row count (integer sums: exact), the
-    first sorted row (exclusive prefix sum) and, with TILES, the cumulative BM-row tiles."""
+    first sorted row (exclusive prefix sum) and the cumulative BM-row tiles."""
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int64)
     for s0 in range(0, S, BLOCK_S):
@@ -242,45 +242,35 @@ def _layout_kernel(ids_ptr, order_ptr, tok_ptr, counts_ptr, row_start_ptr, tile_
     me = offs_e < E
     tl.store(counts_ptr + offs_e, counts, mask=me)
     tl.store(row_start_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=me)
-    if TILES:
-        tl.store(tile_end_ptr + offs_e, tl.cumsum((counts + BM - 1) // BM, 0), mask=me)
+    tl.store(tile_end_ptr + offs_e, tl.cumsum((counts + BM - 1) // BM, 0), mask=me)
 
 
-def _layout(ids, E, BM):
-    """(order, tok, counts, row_start, tile_end or None): the sort (torch.sort, stable: exact) and
-    one launch for the rest (in place of seven small torch ops)."""
+def _grid_m(S, BM, E):
+    """An upper bound of the row-tile count (no host sync): programs past the real count return."""
+    return triton.cdiv(S, BM) + min(E, S)
+
+
+def row_tiles(counts, BM, S):
+    """tile_end (cumulative BM-row tiles per expert, read by expert_tile) and grid_m for the
+    counts of an earlier layout (the backward's other tile size)."""
+    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
+    return tile_end, _grid_m(S, BM, counts.shape[0])
+
+
+def expert_layout(ids, E, BM):
+    """The (token, rank) rows sorted by expert, on the device, no host sync: (order: sorted row ->
+    flat t*k + r, tok: sorted row -> token, counts and row_start per expert, tile_end, grid_m).
+    The sort is torch.sort (stable: exact); the rest is one launch (integer sums)."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     S = flat.numel()
     tok = torch.empty_like(order)
-    counts, row_start = (torch.empty(E, device=ids.device, dtype=torch.int64) for _ in range(2))
-    tile_end = torch.empty(E, device=ids.device, dtype=torch.int64) if BM else None
+    counts, row_start, tile_end = (torch.empty(E, device=ids.device, dtype=torch.int64) for _ in range(3))
     block_e = triton.next_power_of_2(E)
-    block_s = max(16, min(1024, 8192 // block_e))
     kw = {} if interpreting(ids) else dict(num_warps=4)
-    _layout_kernel[(1,)](flat, order, tok, counts, row_start, tile_end if BM else counts, S, E, ids.shape[1],
-                         BM or 1, BLOCK_E=block_e, BLOCK_S=block_s, TILES=bool(BM), **kw)
-    return order, tok, counts, row_start, tile_end
-
-
-def sorted_rows(ids, E):
-    """The (token, rank) rows sorted by expert, on the device, no host sync: order (sorted row ->
-    flat t*k + r), tok (sorted row -> token), counts and row_start per expert."""
-    return _layout(ids, E, 0)[:4]
-
-
-def row_tiles(counts, BM, S):
-    """tile_end (cumulative BM-row tiles per expert, read by expert_tile) and grid_m, an upper
-    bound of the tile count (no host sync)."""
-    tile_end = torch.cumsum(torch.div(counts + BM - 1, BM, rounding_mode="floor"), 0)
-    return tile_end, triton.cdiv(S, BM) + min(counts.shape[0], S)
-
-
-def expert_layout(ids, E, BM):
-    """sorted_rows and row_tiles in one launch after the sort: (order, tok, counts, row_start,
-    tile_end, grid_m)."""
-    S = ids.numel()
-    return (*_layout(ids, E, BM), triton.cdiv(S, BM) + min(E, S))
+    _layout_kernel[(1,)](flat, order, tok, counts, row_start, tile_end, S, E, ids.shape[1], BM,
+                         BLOCK_E=block_e, BLOCK_S=max(16, min(1024, 8192 // block_e)), **kw)
+    return order, tok, counts, row_start, tile_end, _grid_m(S, BM, E)
 
 
 def moe_experts(x, ids, weights, w_in, w_out, activation, limit, config=None, keep_h=False):
