@@ -8,7 +8,7 @@
 
 Why a function that takes the built trainer (and not only ``callbacks=[...]``): a TRL callback never
 receives the trainer, and ``on_init_end`` fires before the fused LM head, ``_metrics`` and vLLM
-exist; the logprob substitution must happen on the trainer instance. ``attach`` rebinds three
+exist; the logprob substitution must happen on the trainer instance. ``attach`` rebinds four
 methods on the instance (nothing on the class, so other trainers in the process are untouched)
 and adds a ``BitmatchCallback`` that holds the adapter (the transformers ``set_trainer`` pattern):
 it re-checks the wiring at ``on_train_begin`` and keeps the per-step history.
@@ -27,8 +27,13 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
   LoRA layers merged with PEFT's own merge arithmetic, as TRL pushes them to vLLM;
 - with ``use_vllm=True`` the rollout is vLLM's, made bitmatched by the bitmatch vLLM plugin
   (``bitmatch.adapters.vllm``, enabled with ``BITMATCH=1``); attach refuses to run without it;
-- after every generation step (``_generate_and_score_completions``) it compares the rollout's
-  logprobs with the trainer's logprobs of the same tokens (bit patterns, ``bitmatch.verify.compare``),
+- it compares the rollout's logprobs with the trainer's logprobs of the same tokens (bit patterns,
+  ``bitmatch.verify.compare``), once per generation step. Where TRL keeps old logprobs
+  (``num_iterations > 1``, misaligned accumulation, vLLM importance sampling) those, at generation
+  time; otherwise (TRL's default) the logprobs the loss itself computes (``_compute_loss``; TRL's
+  old logprobs are then their detached copy), collected over the generation's micro-batches and
+  compared when the last one has been through the loss: no extra forward, and what is proven equal
+  is what the gradient used. It
   logs ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` and what they are
   over, ``bitmatch/compared_tokens``, ``bitmatch/compared_seqs``, into ``trainer._metrics[mode]`` (they reach wandb / tensorboard with TRL's own), and on any difference
   applies ``on_mismatch``: ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the
@@ -60,7 +65,10 @@ from bitmatch.models.lora import plain_name
 logger = logging.getLogger("bitmatch.trl")
 
 SUPPORTED_TRL = (">=1.16", "<1.17")
-_REBOUND = ("_get_per_token_logps_and_entropies", "_generate_single_turn", "_generate_and_score_completions")
+_REBOUND = ("_get_per_token_logps_and_entropies", "_generate_single_turn", "_generate_and_score_completions",
+            "_compute_loss")
+# what a deferred check keeps of each micro-batch the loss sees (TRL splits the generation's tensors)
+_CHECKED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps")
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -100,6 +108,7 @@ class BitmatchCallback(_callback_base()):
         self.adapter.check_wiring()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.adapter.flush()
         if self.adapter.history:
             logger.info(self.adapter.checker.summary())
 
@@ -130,6 +139,12 @@ class TrlAdapter:
             rollout_weights = "shared"
         self.rollout_weights = rollout_weights
         self.engine_kwargs = dict(engine_kwargs or {})
+        # "loss": without TRL's old logprobs, compare against the loss's own (no extra forward);
+        # "generation": a separate no-grad trainer forward right after the rollout (watch() mode,
+        # and what a benchmark sets to time the difference)
+        self.check_at = "generation" if check_only else "loss"
+        self._deferred = {}     # mode -> _Deferred: a generation whose check waits for the loss
+        self._capture = None    # a list while _compute_loss runs with a deferred check
 
     # -- setup ------------------------------------------------------------------------------
     def _pick_dtype(self, compute_dtype):
@@ -158,6 +173,7 @@ class TrlAdapter:
             elif t.rollout_func is None:
                 t._generate_single_turn = types.MethodType(_generate_single_turn, t)
             t._get_per_token_logps_and_entropies = types.MethodType(_per_token_logps_and_entropies, t)
+            t._compute_loss = types.MethodType(_compute_loss, t)
         t._generate_and_score_completions = types.MethodType(_generate_and_score_completions, t)
         t._bitmatch = self
         self.callback = BitmatchCallback(self)
@@ -237,12 +253,12 @@ class TrlAdapter:
                                        "the trainer after any code that rebuilds trainer.model")
         for n in _REBOUND:
             f = getattr(t, n)
-            if n == "_get_per_token_logps_and_entropies" and self.check_only:
+            if n in ("_get_per_token_logps_and_entropies", "_compute_loss") and self.check_only:
                 continue
             if n == "_generate_single_turn" and (self.check_only or t.use_vllm or t.rollout_func is not None):
                 continue
             if getattr(f, "__func__", None) not in (_per_token_logps_and_entropies, _generate_single_turn,
-                                                   _generate_and_score_completions):
+                                                   _generate_and_score_completions, _compute_loss):
                 raise RuntimeError(f"bitmatch: trainer.{n} was replaced after attach(); attach last")
 
     # -- rollout --------------------------------------------------------------------------
@@ -309,20 +325,53 @@ class TrlAdapter:
     def history(self) -> list[StepCheck]:
         return self.checker.history
 
-    def compare_step(self, output: dict, mode: str) -> StepCheck:
+    def compare_step(self, output: dict, mode: str) -> StepCheck | None:
+        """Check a generation step's output now (against TRL's old logprobs, or a trainer forward),
+        or, with ``check_at == "loss"`` and no old logprobs, register it for the loss's logprobs
+        (``collect``) and return None."""
         t = self.trainer
-        sampling = output.get("sampling_per_token_logps")
-        if sampling is None:
+        if output.get("sampling_per_token_logps") is None:
             raise RuntimeError("bitmatch: this generation step returned no rollout logprobs, so nothing proves the "
                                "rollout matches the trainer (stock TRL without vLLM keeps none): use attach(), "
                                "use_vllm=True, or a rollout_func that returns 'logprobs'")
+        self.flush(mode)  # a previous generation the loss never fully consumed (training stopped early)
+        if output.get("old_per_token_logps") is None and self.check_at == "loss":
+            self._deferred[mode] = _Deferred(step=t.state.global_step, rows=output["prompt_ids"].size(0))
+            return None
+        return self._compare(output, output.get("old_per_token_logps"), mode, t.state.global_step)
+
+    def collect(self, mode: str, inputs: dict, trainer_lp: torch.Tensor):
+        """One micro-batch through the loss: keep its rollout and loss logprobs; compare the
+        generation once all its rows have been seen."""
+        d = self._deferred[mode]
+        d.pieces.append({k: inputs[k] for k in _CHECKED if inputs.get(k) is not None})
+        d.trainer.append(trainer_lp.detach())
+        d.seen += trainer_lp.size(0)
+        if d.seen >= d.rows:
+            self.flush(mode)
+
+    def flush(self, mode: str | None = None):
+        """Compare what a deferred check has collected (all modes when ``mode`` is None)."""
+        for m in ([mode] if mode is not None else list(self._deferred)):
+            d = self._deferred.pop(m, None)
+            if d is None:
+                continue
+            if not d.pieces:   # rolled out, never trained on: nothing of it reached a gradient
+                logger.info("bitmatch: the %s generation of step %d never reached the loss; not compared", m, d.step)
+                continue
+            keys = d.pieces[0].keys()
+            output = {k: torch.cat([p[k] for p in d.pieces]) for k in keys}
+            self._compare(output, torch.cat(d.trainer), m, d.step)
+
+    def _compare(self, output: dict, trainer_lp, mode: str, step: int) -> StepCheck:
+        t = self.trainer
+        sampling = output["sampling_per_token_logps"]
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         keep = output["completion_ids"].size(1)
         cmask = output["completion_mask"]
         if "tool_mask" in output:
             cmask = cmask * output["tool_mask"]
-        trainer_lp = output.get("old_per_token_logps")
         if trainer_lp is None:
             with torch.no_grad():
                 trainer_lp, _, _ = t._get_per_token_logps_and_entropies(t.model, ids, mask, keep)
@@ -345,7 +394,7 @@ class TrlAdapter:
         def reduce(stats):
             return t.accelerator.gather(stats.to(t.accelerator.device))
 
-        return self.checker.check(step=t.state.global_step, mode=mode, rollout=sampling, trainer=trainer_lp,
+        return self.checker.check(step=step, mode=mode, rollout=sampling, trainer=trainer_lp,
                                   mask=cmask, reduce=reduce, diagnose=diagnose, log_metrics=log_metrics)
 
     def _locate(self, ids, mask):
@@ -373,6 +422,14 @@ class TrlAdapter:
                 "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
                 "weights_fingerprint": weights_fingerprint(self.rollout_weights_source(), self.compute_dtype),
                 "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None}
+
+
+class _Deferred:
+    """A generation step whose check waits for the loss: its rows, and the micro-batches seen."""
+
+    def __init__(self, step: int, rows: int):
+        self.step, self.rows, self.seen = step, rows, 0
+        self.pieces, self.trainer = [], []
 
 
 # ----------------------------------------------------------------------------- rebound methods
@@ -405,7 +462,31 @@ def _per_token_logps_and_entropies(self, model, input_ids, attention_mask, logit
         lps.append(lp[:, -logits_to_keep:])
         if compute_entropy:
             ents.append(ent[:, -logits_to_keep:])
-    return torch.cat(lps), (torch.cat(ents) if compute_entropy else None), None
+    lp = torch.cat(lps)
+    if bm._capture is not None and not bm._capture:   # the loss's own logprobs (its first call)
+        bm._capture.append(lp.detach())
+    return lp, (torch.cat(ents) if compute_entropy else None), None
+
+
+def _compute_loss(self, model, inputs):
+    """TRL's ``_compute_loss``; while a generation's check is deferred, the logprobs it computes
+    are kept for that check (``TrlAdapter.collect``)."""
+    bm = self._bitmatch
+    mode = "train" if self.model.training else "eval"
+    if mode not in bm._deferred:
+        return bm._orig["_compute_loss"](model, inputs)
+    bm._capture = []
+    try:
+        loss = bm._orig["_compute_loss"](model, inputs)
+        got = bm._capture
+    finally:
+        bm._capture = None
+    if not got:
+        raise RuntimeError("bitmatch: TRL's _compute_loss computed no per-token logprobs through "
+                           "_get_per_token_logps_and_entropies, so the rollout cannot be checked against them; "
+                           "this TRL version is not supported (pip install bitmatch[trl])")
+    bm.collect(mode, inputs, got[0])
+    return loss
 
 
 def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -11,6 +11,8 @@ weights, ``bf16=True`` mixed precision on CUDA), the same seed and the same toy 
                layers on kept merged weights)
   attach_lora_copy  the same with ``rollout_weights="copy"`` (a rollout copy updated through
                ``bitmatch.sync.publish``)
+  attach_lora_gencheck  attach_lora with the Diff check on a separate trainer forward right after
+               the rollout (``check_at="generation"``) instead of the loss's own logprobs
 
 A step is one optimizer step (one generation of prompts x generations completions, then
 fwd+bwd): wall time from the previous step's end (the first: from train begin), the device
@@ -54,9 +56,9 @@ import bitmatch.testing_trl as ttrl
 from bitmatch.testing_models import tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-RUNS = ("stock", "attach", "stock_lora", "attach_lora", "attach_lora_copy")
+RUNS = ("stock", "attach", "stock_lora", "attach_lora", "attach_lora_copy", "attach_lora_gencheck")
 PAIRS = (("attach", "stock"), ("attach_lora", "stock_lora"), ("attach_lora_copy", "stock_lora"),
-         ("attach_lora", "attach"))
+         ("attach_lora_gencheck", "stock_lora"), ("attach_lora", "attach"))
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # model shape and step size: the GPU default, and the CPU smoke
@@ -187,6 +189,8 @@ def run_one(name, a, shape, base, workdir):
     if attached:
         trainer = bitmatch.adapters.trl.attach(trainer, on_mismatch="log", engine_kwargs=a.engine_kwargs,
                                                rollout_weights="copy" if name.endswith("_copy") else "auto")
+        if name.endswith("_gencheck"):
+            trainer._bitmatch.check_at = "generation"
     build_s = time.perf_counter() - t_build
 
     def step_of():
@@ -203,7 +207,10 @@ def run_one(name, a, shape, base, workdir):
     if attached:
         bm = trainer._bitmatch
         bm.sync_rollout = timed(bm.sync_rollout, a.device, sync, step_of)
-        bm.compare_step = timed(bm.compare_step, a.device, check, step_of)  # the Diff check (a trainer forward)
+        # the Diff check: at generation a trainer forward (check_at="generation"), or the collection
+        # of the loss's logprobs and the comparison (check_at="loss")
+        bm.compare_step = timed(bm.compare_step, a.device, check, step_of)
+        bm.collect = timed(bm.collect, a.device, check, step_of)
         bitmatch.sync.publish = timed(orig_publish, a.device, pub, step_of)  # sync_rollout looks it up per call
     out = {"run": name, "lora": lora, "bitmatch": attached, "build_s": round(build_s, 3)}
     try:

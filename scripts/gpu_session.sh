@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 10
 # (V4 mid decode after the launch cuts, with its profile; the golden bits with the compressor's
-# order version 2 and the new Triton kernels), then 1 (MoE rows after the one-launch layout), then 9
-# (TRL's LoRA step profile), then 7, then 1 and 2 to re-measure everything on one card.
+# order version 2 and the new Triton kernels; TRL's LoRA step with the loss-time Diff check), then
+# 11 (V4 mid train / rollout, MoE and 8B training), then 9, 7, 1 and 2.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -10,7 +10,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -90,12 +90,18 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     ;;
 10) # issue 21 after the launch cuts (one-launch interleaved RoPE, compressor from the stores, MoE
     # layout, range checks): the golden bits first (the compressor's bits moved: order version 2;
-    # expect a stamp change there, and the rest equal), V4 mid decode with its profile and the mid
-    # train / rollout / Diff rows, flash4 decode
+    # expect a stamp change there, and the rest equal), V4 mid decode with its profile; issue 27:
+    # TRL's LoRA step with the Diff check on the loss's logprobs vs on an extra forward; flash4 decode
     bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
-    bench v4_mid_decode 170 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
-    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
+    bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
+    ;;
+11) # after 10: the V4 mid train / rollout / Diff rows (21), MoE and dense training (22)
+    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
+    bench moe_layer_bwd 100 moe_layer.py --tokens 512 --backward --bwd-variants
+    bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
+    bench dense_train_8b 120 gpu_train.py --sections train --models 8b --budget-s 100
     ;;
 nh2) # issue 27 after the capture fix: the whole-model diff with graphs on, the rollout vs HF with
     # the Mamba kernels; the LoRA rollout with its projections fused

@@ -108,6 +108,50 @@ def test_grad_accumulation_and_num_iterations_diff_zero(tmp_path):
     assert all("old_per_token_logps" in b for b in trainer._buffered_inputs)
 
 
+@pytest.mark.parametrize("check_at", ["loss", "generation"])
+def test_check_uses_the_loss_logprobs_without_an_extra_forward(tmp_path, check_at, monkeypatch):
+    """TRL's default (num_iterations=1, aligned accumulation) keeps no old logprobs. check_at="loss"
+    compares the rollout with the logprobs the loss computes, collected over the generation's
+    micro-batches (here 2 of 4 sequences each): one trainer forward per micro-batch, not one more
+    per generation; "generation" pays that extra forward. Both prove Diff = 0."""
+    import bitmatch
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                     steps_per_generation=2))
+    trainer._bitmatch.check_at = check_at
+    calls = []
+    real = bitmatch.token_logprobs
+    monkeypatch.setattr(bitmatch, "token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert [h.step for h in hist] == [0, 1, 2], hist
+    assert all(h.total > 0 and h.mismatches == 0 and h.seqs == 8 for h in hist), hist
+    assert logged(trainer, "bitmatch/compared_seqs") == [8.0] * 3
+    assert len(calls) == 3 * (2 if check_at == "loss" else 3)
+    assert not trainer._bitmatch._deferred
+
+
+def test_deferred_check_sees_weights_changed_before_the_loss(tmp_path):
+    """Control for the loss-time check: a weight changed between the rollout and the loss (behind
+    the optimizer) makes the loss's logprobs differ from the rollout's, and the check names it."""
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, steps=2), on_mismatch="log")
+    bm = trainer._bitmatch
+    loss = bm._orig["_compute_loss"]
+
+    def corrupt_then_loss(model, inputs):
+        if trainer.state.global_step == 1:
+            with torch.no_grad():
+                trainer.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        return loss(model, inputs)
+
+    bm._orig["_compute_loss"] = corrupt_then_loss
+    trainer.train()
+    assert [h.mismatches == 0 for h in bm.history] == [True, False], bm.history
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 @pytest.mark.parametrize("mode", ["auto", "copy"])
