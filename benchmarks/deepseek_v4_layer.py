@@ -241,13 +241,15 @@ def decode_section(a, out):
         eng.step()
     for _ in range(4):  # the prefill (possibly chunked), compiles, graph capture
         eng.step()
-    ts = []
+    ts, caps = [], []
+    graphs = getattr(eng.model_runner, "graphs", None)
     for _ in range(8):
         _sync(a.device)
         t = time.perf_counter()
         eng.step()
         _sync(a.device)
         ts.append((time.perf_counter() - t) * 1e3)
+        caps.append(getattr(graphs, "num_captures", None))  # a slow step that captured a graph shows here
     prof = {}
     if a.profile and a.device == "cuda":  # where a step's time goes (before the requests finish): a graph
         runner = eng.model_runner             # replay with its host time, then eagerly
@@ -268,6 +270,7 @@ def decode_section(a, out):
     tbps = _common.hbm_tbps(a.hbm_tbps)
     roof = (wb + cb) / (tbps * 1e12) * 1e3
     out["results"]["decode_step"] = {"batch": B, "context_tokens": a.seq + 8, "step_ms": step_ms, "steps_ms": ts,
+                          "captures_after_each_step": caps,
                           "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": tbps, "roofline_ms": roof,
                           "fraction_of_roofline": roof / step_ms,
                           "graphs": getattr(eng.model_runner, "graphs", None) is not None,

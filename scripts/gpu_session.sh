@@ -94,7 +94,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # TRL's LoRA step with the Diff check on the loss's logprobs vs on an extra forward; flash4 decode
     bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
-    bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
+    bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows (21), MoE and dense training (22)
