@@ -91,13 +91,13 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
 10) # issue 21 after the launch cuts (one-launch interleaved RoPE, compressor from the stores, MoE
     # layout, range checks): the golden bits first (the compressor's bits moved: order version 2;
     # expect a stamp change there, and the rest equal), V4 mid decode with its profile; issue 27:
-    # TRL's LoRA step with the Diff check on the loss's logprobs vs on an extra forward; flash4 decode
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
+    # TRL's LoRA step with the Diff check on the loss's logprobs vs on an extra forward
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
-    bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
     ;;
-11) # after 10: the V4 mid train / rollout / Diff rows (21), MoE and dense training (22)
+11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
+    bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
     bench moe_layer_bwd 100 moe_layer.py --tokens 512 --backward --bwd-variants
     bench moe_train 90 moe_e2e.py --sections train --host-profile --budget-s 70
