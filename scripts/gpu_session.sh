@@ -89,9 +89,9 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     ;;
 10) # issue 21 after the launch cuts (one-launch interleaved RoPE, compressor from the stores, MoE
-    # layout, range checks): the golden bits first (the compressor's bits moved: order version 2;
-    # expect a stamp change there, and the rest equal), V4 mid decode with its profile; issue 27:
-    # TRL's LoRA step with the Diff check on the loss's logprobs vs on an extra forward
+    # layout, range checks): V4 mid decode with its profile; issue 27: TRL's LoRA step with the Diff
+    # check on the loss's logprobs vs on an extra forward; the golden bits (the compressor's bits
+    # moved: order version 2; expect a stamp change there, and the rest equal)
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
     bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
