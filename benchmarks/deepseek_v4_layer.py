@@ -284,6 +284,141 @@ def decode_section(a, out):
         torch.cuda.empty_cache()
 
 
+# decode-M tile candidates for the invariant linear (BM, BN, BK, GROUP_M, warps, stages): smaller
+# output tiles for more programs, longer K blocks for fewer sequential steps. Tiles never change
+# the bits on the GPU (kernels/triton/linear.py); the sweep checks each against the table's.
+DECODE_TILES = [(64, 64, 128, 8, 4, 4), (64, 32, 128, 8, 4, 4), (32, 32, 128, 8, 4, 4), (16, 32, 128, 8, 4, 4),
+                (16, 64, 128, 8, 4, 4), (64, 32, 256, 8, 4, 3), (32, 32, 256, 8, 4, 3), (16, 32, 256, 8, 4, 4),
+                (16, 16, 256, 8, 4, 4), (64, 64, 256, 8, 4, 3), (16, 64, 256, 8, 4, 3), (16, 32, 512, 8, 4, 2)]
+
+
+def _decode_engine(a, model, B, n_new):
+    import bitmatch
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 128, (B, a.seq), generator=g).tolist()
+    eng = bitmatch.Engine(model, max_num_seqs=B)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
+    while eng.scheduler.waiting:
+        eng.step()
+    return eng
+
+
+def _timed_steps(eng, n, device):
+    import statistics
+    ts = []
+    for _ in range(n):
+        _sync(device)
+        t = time.perf_counter()
+        eng.step()
+        _sync(device)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(ts), "steps_ms": ts}
+
+
+def tiles_section(a, out):
+    """Issue 21's decode linears: every (M, N, K) the invariant linear runs in one decode step of
+    --decode-batch sequences, each timed (CUDA graph) over DECODE_TILES with its bits against the
+    table's config; then the decode step side by side in one engine: host uploads through fresh
+    pinned tensors vs the kept pinned buffers (bitmatch.engine.host), and the table's tiles vs the
+    fastest bit-equal ones (the graphs recaptured)."""
+    import ast
+
+    import numpy as np
+    import triton.testing as tt
+
+    import bitmatch
+    import bitmatch.engine.graphs as eg
+    import bitmatch.engine.model_runner as emr
+    import bitmatch.engine.sampling as es
+    from bitmatch.kernels.triton import linear as lin
+    model = build(a.config, torch.bfloat16, a.device)
+    bitmatch.patch(model)
+    B = a.decode_batch
+    eng = _decode_engine(a, model, B, 40)
+    for _ in range(4):
+        eng.step()
+    shapes = {}
+    real = lin._launch
+
+    def spy(x, weight, bias, cfg, split, out=None):
+        k = (x.shape[0], weight.shape[0], x.shape[1], split)
+        shapes[k] = shapes.get(k, 0) + 1
+        return real(x, weight, bias, cfg, split, out)
+    runner = eng.model_runner
+    graphs, runner.graphs = runner.graphs, None
+    lin._launch = spy
+    try:
+        eng.step()   # one eager step: every linear launch of a decode step
+    finally:
+        lin._launch, runner.graphs = real, graphs
+    res = {"batch": B, "shapes": {}}
+    tuned = {}
+    for (M, N, K, split), calls in sorted(shapes.items(), key=lambda kv: -kv[1]):
+        x = torch.randn(M, K, device=a.device, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=a.device, dtype=torch.bfloat16) * 0.02
+        base = lin.config_for(M, N, K)
+        ref = real(x, w, None, base, split)
+        rows = {}
+        for c in [base[:-1]] + [t for t in DECODE_TILES if t != base[:-1]]:
+            cfg = (*c, base[-1])
+            try:
+                o = real(x, w, None, cfg, split)
+                same = bool(torch.equal(o, ref))
+                ms = tt.do_bench_cudagraph(lambda: real(x, w, None, cfg, split), rep=20)
+                rows[str(c)] = {"ms": ms, "bits_equal_table": same}
+            except Exception as exc:
+                rows[str(c)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        ok = {k: v["ms"] for k, v in rows.items() if v.get("bits_equal_table")}
+        best = min(ok, key=ok.get)
+        res["shapes"][f"M{M}_N{N}_K{K}_S{split}"] = {"calls_per_step": calls, "table_cfg": list(base),
+                                                     "table_ms": rows[str(base[:-1])].get("ms"), "best": best,
+                                                     "best_ms": ok[best], "configs": rows}
+        tuned[(N, K)] = (M, (*ast.literal_eval(best), base[-1]))
+        print("tiles", M, N, K, calls, "table", rows[str(base[:-1])].get("ms"), "best", best, ok[best], flush=True)
+    est = sum(v["calls_per_step"] * (v["table_ms"] - v["best_ms"]) for v in res["shapes"].values())
+    res["linear_ms_saved_per_step_estimate"] = est
+
+    def fresh_pin(arr, device, slot=0):  # the upload before the kept buffers
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        return t.pin_memory().to(device, non_blocking=True)
+    mods = (emr, eg, es)
+    kept = [m.upload for m in mods]
+    steps = {}
+    steps["kept_pinned_table_tiles"] = _timed_steps(eng, 6, a.device)
+    for m in mods:
+        m.upload = fresh_pin
+    try:
+        steps["fresh_pinned_table_tiles"] = _timed_steps(eng, 6, a.device)
+    finally:
+        for m, f in zip(mods, kept):
+            m.upload = f
+    saved = dict(lin.CONFIG_TABLES)
+    for (N, K), (M, cfg) in tuned.items():
+        rows = list(lin.CONFIG_TABLES.get((N, K), lin.CONFIG_TABLE))
+        lin.CONFIG_TABLES[(N, K)] = [(M, *cfg)] + [r for r in rows if r[0] > M]
+    try:
+        runner.graphs.graphs.clear()   # the captured graphs hold the table's kernels
+        for _ in range(2):
+            eng.step()
+        steps["kept_pinned_tuned_tiles"] = _timed_steps(eng, 6, a.device)
+    finally:
+        lin.CONFIG_TABLES.clear()
+        lin.CONFIG_TABLES.update(saved)
+    res["decode_steps"] = steps
+    res["captures"] = runner.graphs.num_captures
+    base_ms = steps["fresh_pinned_table_tiles"]["median_ms"]
+    out["results"]["tiles"] = res
+    out["ratios"]["decode_step_kept_over_fresh_pinned"] = steps["kept_pinned_table_tiles"]["median_ms"] / base_ms
+    out["ratios"]["decode_step_tuned_tiles_over_fresh_pinned_table"] = (
+        steps["kept_pinned_tuned_tiles"]["median_ms"] / base_ms)
+    while eng.has_unfinished_requests():
+        eng.step()
+    del eng, model
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sink_backward_check(a, spec, device, res):
     """The fused sink-attention backward vs the plain fp32 recompute (the reference backend's
     backward) on random rows at the config's widths (B x seq packed rows, HCA and CSA): the
@@ -334,7 +469,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, decode, attn")
+    ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, decode, tiles (CUDA), attn")
     ap.add_argument("--decode-batch", type=int, default=64, help="decode section: sequences per step")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--profile", action="store_true",
@@ -452,6 +587,13 @@ def main(argv=None):
             decode_section(a, out)
         except Exception as exc:
             res["decode_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        save()
+    if "tiles" in sections and a.device == "cuda":
+        try:
+            tiles_section(a, out)
+        except Exception as exc:
+            import traceback
+            res["tiles_error"] = traceback.format_exc()[-3000:]
         save()
     if "attn" in sections:
         import bitmatch.kernels as K

@@ -10,7 +10,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -95,6 +95,14 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
     bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
+    ;;
+12) # issue 21 after stage 10's profile: the kept pinned upload buffers (CUDA test), the V4 decode
+    # linears' tiles swept at decode M (bits against the table's), the decode step side by side:
+    # fresh vs kept pinned uploads, table vs fastest bit-equal tiles
+    t0=$SECONDS
+    timeout 40 python3 -c "import importlib.util as u; s = u.spec_from_file_location('t', '$R/tests/test_engine_host.py'); m = u.module_from_spec(s); s.loader.exec_module(m); m.test_upload_cpu_is_a_copy(); m.test_upload_cuda_back_to_back_reuse_keeps_every_value(); print('host upload tests passed')" >"$OUT/host_test.log" 2>&1
+    echo "== host_test rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_test.log"
+    bench v4_tiles 300 deepseek_v4_layer.py --device cuda --config mid --sections tiles --seq 512 --decode-batch 64
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
