@@ -316,7 +316,7 @@ def _timed_steps(eng, n, device):
     return {"median_ms": statistics.median(ts), "steps_ms": ts}
 
 
-def tiles_section(a, out):
+def tiles_section(a, out, save=lambda: None):
     """Issue 21's decode linears: every (M, N, K) the invariant linear runs in one decode step of
     --decode-batch sequences, each timed (CUDA graph) over DECODE_TILES with its bits against the
     table's config; then the decode step side by side in one engine: host uploads through fresh
@@ -378,6 +378,8 @@ def tiles_section(a, out):
         print("tiles", M, N, K, calls, "table", rows[str(base[:-1])].get("ms"), "best", best, ok[best], flush=True)
     est = sum(v["calls_per_step"] * (v["table_ms"] - v["best_ms"]) for v in res["shapes"].values())
     res["linear_ms_saved_per_step_estimate"] = est
+    out["results"]["tiles"] = res
+    save()   # the sweep is kept even if the decode steps below run out of time
 
     def fresh_pin(arr, device, slot=0):  # the upload before the kept buffers
         t = torch.from_numpy(np.ascontiguousarray(arr))
@@ -590,7 +592,7 @@ def main(argv=None):
         save()
     if "tiles" in sections and a.device == "cuda":
         try:
-            tiles_section(a, out)
+            tiles_section(a, out, save)
         except Exception as exc:
             import traceback
             res["tiles_error"] = traceback.format_exc()[-3000:]

@@ -102,7 +102,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     t0=$SECONDS
     timeout 40 python3 -c "import importlib.util as u; s = u.spec_from_file_location('t', '$R/tests/test_engine_host.py'); m = u.module_from_spec(s); s.loader.exec_module(m); m.test_upload_cpu_is_a_copy(); m.test_upload_cuda_back_to_back_reuse_keeps_every_value(); print('host upload tests passed')" >"$OUT/host_test.log" 2>&1
     echo "== host_test rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_test.log"
-    bench v4_tiles 300 deepseek_v4_layer.py --device cuda --config mid --sections tiles --seq 512 --decode-batch 64
+    bench v4_tiles 270 deepseek_v4_layer.py --device cuda --config mid --sections tiles --seq 512 --decode-batch 64
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
