@@ -357,7 +357,7 @@ def tiles_section(a, out, save=lambda: None):
     for (M, N, K, split), calls in sorted(shapes.items(), key=lambda kv: -kv[1]):
         x = torch.randn(M, K, device=a.device, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=a.device, dtype=torch.bfloat16) * 0.02
-        base = lin.config_for(M, N, K)
+        base = lin.config_for(M, N, K, torch.bfloat16)
         ref = real(x, w, None, base, split)
         rows = {}
         for c in [base[:-1]] + [t for t in DECODE_TILES if t != base[:-1]]:

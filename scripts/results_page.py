@@ -401,8 +401,33 @@ def r_deepseek_v4(d):
         out += ["", f"Attention block alone ({k}: one layer of each type, trainer prefill vs engine decode):", ""]
         out += table(["layer type / decode batch", "decode us per token", "prefill us per token",
                       "engine vs trainer rows differing"], rows)
+    for k, r in runs.items():
+        out += _dsv4_decode(k, get(r, "results", "decode_step"), get(r, "results", "tiles"))
     if d.get("note"):
         out += ["", f"Note: {fmt(d['note'])}"]
+    return out
+
+
+def _dsv4_decode(k, dec, tiles):
+    """The decode step (ms, roofline, the graph replay's top kernels) and the decode-linear tile sweep."""
+    out = []
+    if dec:
+        out += ["", f"Decode step ({k}, B = {fmt(dec.get('batch'))}, {fmt(dec.get('context_tokens'))} tokens of "
+                f"context): {fmt(dec.get('step_ms'))} ms, {fmt(dec.get('fraction_of_roofline'))} of the weight + "
+                f"cache roofline ({fmt(dec.get('roofline_ms'))} ms at {fmt(dec.get('hbm_tbps'))} TB/s); steps "
+                f"{fmt(dec.get('steps_ms'))} ms, graph captures after each {fmt(dec.get('captures_after_each_step'))}."]
+        top = get(dec, "profile", "graph_step", "top")
+        if top:
+            out += ["", f"One graph replay's kernels (total {fmt(get(dec, 'profile', 'graph_step', 'total_kernel_ms'))}"
+                    " ms):", ""] + table(["kernel", "calls", "ms"], [[e["name"][:60], e["calls"], e["ms"]] for e in top])
+    if tiles:
+        rows = [[s, v.get("calls_per_step"), fmt(v.get("table_cfg")), v.get("table_ms"), v.get("best"), v.get("best_ms")]
+                for s, v in tiles.get("shapes", {}).items()]
+        out += ["", f"Decode linears ({k}): each shape graph-timed alone over the decode tiles, bits equal to the "
+                "table's for every candidate:", ""]
+        out += table(["shape", "calls per step", "table tiles", "table ms", "fastest bit-equal tiles", "its ms"], rows)
+        steps = [[n, v.get("median_ms"), fmt(v.get("steps_ms"))] for n, v in tiles.get("decode_steps", {}).items()]
+        out += ["", "The decode step side by side in one engine:", ""] + table(["variant", "median ms", "steps ms"], steps)
     return out
 
 

@@ -78,6 +78,19 @@ def test_linear_batch_invariance_and_split_k_structure():
     assert lin.split_for(N, Kd) == 1  # the override is gone with its block
 
 
+def test_linear_half_decode_rows_same_bits():
+    """The bf16 decode rows (HALF_TABLES: 16x16 tiles, K blocks of 256 at 33..64 rows) give a row
+    the bits it has alone (another table row); fp32 operands never take them."""
+    lin = K.linear
+    N, Kd = 512, 2048
+    assert lin.config_for(40, N, Kd, torch.bfloat16)[:3] == (16, 16, 256)
+    assert lin.config_for(40, N, Kd, torch.float32) == lin.config_for(40, N, Kd)
+    x, w = _randn(40, Kd, seed=7).bfloat16(), _randn(N, Kd, seed=8).bfloat16()
+    full = lin.linear(x, w)
+    for r in (0, 23, 39):
+        assert torch.equal(lin.linear(x[r:r + 1].contiguous(), w), full[r:r + 1])
+
+
 def test_linear_ragged_k():
     x, w = _randn(5, 200, seed=7), _randn(24, 200, seed=8)
     y = K.linear.linear(x, w)

@@ -138,7 +138,7 @@ class StepInputs:
         B, T = self.B, self.T
         i64 = np.concatenate([self.ids, self.positions, self.slots, self.state_slots, self.sample_rows])
         i32 = np.concatenate([self.qsl, self.seq_lens, self.block_table.reshape(-1)]).astype(np.int32)
-        a, b = upload(i64, device, slot=0), upload(i32, device, slot=1)
+        a, b = upload(i64, device), upload(i32, device)
         S = self.sample_rows.shape[0]
         ctx = ForwardContext(positions=a[T:2 * T], slot_mapping=a[2 * T:3 * T], state_slots=a[3 * T:3 * T + B],
                              query_start_loc=b[:B + 1], seq_lens=b[B + 1:2 * B + 1],

@@ -139,7 +139,7 @@ class Sampler:
         f32, i64 = Sampler.pack_host(params, seeds, indices)
         n = f32.shape[1]
         dev = torch.device(device)
-        return upload(f32.reshape(-1), dev, slot=2).view(2, n), upload(i64.reshape(-1), dev, slot=3).view(4, n)
+        return upload(f32.reshape(-1), dev).view(2, n), upload(i64.reshape(-1), dev).view(4, n)
 
     def device_step(self, logits: torch.Tensor, f32: torch.Tensor, i64: torch.Tensor, any_masked: bool,
                     all_greedy: bool, any_greedy: bool) -> torch.Tensor:

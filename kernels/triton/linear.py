@@ -75,8 +75,32 @@ CONFIG_TABLES = {
 }
 
 
-def config_for(M: int, N: int, K: int):
-    for row in CONFIG_TABLES.get((N, K), CONFIG_TABLE):
+# The DeepSeek-V4 mid config's decode projections at 33..64 rows (benchmarks/deepseek_v4_layer.py
+# --sections tiles on an H100: the decode step's own linears, graph-timed, every candidate's bits
+# equal to the table's): small output tiles and long K blocks, so a weight of a few MB is read by
+# enough programs. Swept for bf16 operands only (fp32 ones would need twice the shared memory);
+# other M buckets keep the generic rows (not swept).
+def _decode_rows(cfg):
+    return ([r for r in CONFIG_TABLE if r[0] <= 32] + [(64, *cfg, "fused")]
+            + [r for r in CONFIG_TABLE if r[0] > 64])
+
+
+HALF_TABLES = {
+    (512, 2048): _decode_rows((16, 16, 256, 8, 4, 4)),
+    (1024, 2048): _decode_rows((16, 32, 128, 8, 4, 4)),
+    (2048, 2048): _decode_rows((64, 32, 256, 8, 4, 3)),
+    (64, 2048): _decode_rows((16, 16, 256, 8, 4, 4)),
+    (32, 2048): _decode_rows((16, 16, 256, 8, 4, 4)),
+    (2048, 1024): _decode_rows((64, 32, 256, 8, 4, 3)),
+    (4096, 512): _decode_rows((64, 32, 128, 8, 4, 4)),
+}
+
+
+def config_for(M: int, N: int, K: int, dtype: torch.dtype | None = None):
+    table = CONFIG_TABLES.get((N, K))
+    if table is None and dtype in (torch.bfloat16, torch.float16):
+        table = HALF_TABLES.get((N, K))
+    for row in table or CONFIG_TABLE:
         if M <= row[0]:
             return row[1:]
     return CONFIG_TABLE[-1][1:]
@@ -326,7 +350,7 @@ def linear(x, weight, bias=None, *, split=None, out=None):
     cfg = tma_config_for(M, N, K)
     if cfg is not None and tma_supported(x, weight):
         return _launch_tma(x, weight, bias, cfg, split, out)
-    return _launch(x, weight, bias, config_for(M, N, K), split, out)
+    return _launch(x, weight, bias, config_for(M, N, K, x.dtype), split, out)
 
 
 def linear_segments(x, weight, bias, segments):
