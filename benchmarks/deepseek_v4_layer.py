@@ -222,16 +222,9 @@ def decode_bytes(model, spec, B, ctx):
     return int(w), int(cache)
 
 
-def decode_section(a, out):
-    """The engine's decode step at --decode-batch sequences of --seq tokens (graphs as the engine
-    chooses), median wall ms of 8 steps, against the weight + cache read roofline at --hbm-tbps."""
-    import statistics
-
+def _decode_engine(a, model, B, n_new):
+    """An engine holding B requests of --seq random tokens (n_new new each), past their prefill."""
     import bitmatch
-    from bitmatch.models import family_of, unwrap_causal_lm
-    model = build(a.config, torch.bfloat16, a.device)
-    bitmatch.patch(model)
-    B, n_new = a.decode_batch, 24
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, 128, (B, a.seq), generator=g).tolist()
     eng = bitmatch.Engine(model, max_num_seqs=B)
@@ -239,17 +232,38 @@ def decode_section(a, out):
         eng.add_request(p, bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
     while eng.scheduler.waiting:
         eng.step()
-    for _ in range(4):  # the prefill (possibly chunked), compiles, graph capture
-        eng.step()
+    return eng
+
+
+def _timed_steps(eng, n, device):
+    """n engine steps: wall ms each (device drained at both ends), their median, and the graph
+    captures after each (a slow step that captured a graph shows there)."""
+    import statistics
     ts, caps = [], []
     graphs = getattr(eng.model_runner, "graphs", None)
-    for _ in range(8):
-        _sync(a.device)
+    for _ in range(n):
+        _sync(device)
         t = time.perf_counter()
         eng.step()
-        _sync(a.device)
+        _sync(device)
         ts.append((time.perf_counter() - t) * 1e3)
-        caps.append(getattr(graphs, "num_captures", None))  # a slow step that captured a graph shows here
+        caps.append(getattr(graphs, "num_captures", None))
+    return {"median_ms": statistics.median(ts), "steps_ms": ts, "captures_after_each_step": caps}
+
+
+def decode_section(a, out):
+    """The engine's decode step at --decode-batch sequences of --seq tokens (graphs as the engine
+    chooses), median wall ms of 8 steps, against the weight + cache read roofline at --hbm-tbps."""
+    import bitmatch
+    from bitmatch.models import family_of, unwrap_causal_lm
+    model = build(a.config, torch.bfloat16, a.device)
+    bitmatch.patch(model)
+    B = a.decode_batch
+    eng = _decode_engine(a, model, B, 24)
+    for _ in range(4):  # the prefill (possibly chunked), compiles, graph capture
+        eng.step()
+    timed = _timed_steps(eng, 8, a.device)
+    ts = timed["steps_ms"]
     prof = {}
     if a.profile and a.device == "cuda":  # where a step's time goes (before the requests finish): a graph
         runner = eng.model_runner             # replay with its host time, then eagerly
@@ -264,13 +278,13 @@ def decode_section(a, out):
             runner.graphs = graphs
     while eng.has_unfinished_requests():
         eng.step()
-    step_ms = statistics.median(ts)
+    step_ms = timed["median_ms"]
     spec = family_of(model).build_spec(unwrap_causal_lm(model))
     wb, cb = decode_bytes(model, spec, B, a.seq + 8)
     tbps = _common.hbm_tbps(a.hbm_tbps)
     roof = (wb + cb) / (tbps * 1e12) * 1e3
     out["results"]["decode_step"] = {"batch": B, "context_tokens": a.seq + 8, "step_ms": step_ms, "steps_ms": ts,
-                          "captures_after_each_step": caps,
+                          "captures_after_each_step": timed["captures_after_each_step"],
                           "weight_bytes": wb, "cache_bytes": cb, "hbm_tbps": tbps, "roofline_ms": roof,
                           "fraction_of_roofline": roof / step_ms,
                           "graphs": getattr(eng.model_runner, "graphs", None) is not None,
@@ -290,30 +304,6 @@ def decode_section(a, out):
 DECODE_TILES = [(64, 64, 128, 8, 4, 4), (64, 32, 128, 8, 4, 4), (32, 32, 128, 8, 4, 4), (16, 32, 128, 8, 4, 4),
                 (16, 64, 128, 8, 4, 4), (64, 32, 256, 8, 4, 3), (32, 32, 256, 8, 4, 3), (16, 32, 256, 8, 4, 4),
                 (16, 16, 256, 8, 4, 4), (64, 64, 256, 8, 4, 3), (16, 64, 256, 8, 4, 3), (16, 32, 512, 8, 4, 2)]
-
-
-def _decode_engine(a, model, B, n_new):
-    import bitmatch
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, 128, (B, a.seq), generator=g).tolist()
-    eng = bitmatch.Engine(model, max_num_seqs=B)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, bitmatch.SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
-    while eng.scheduler.waiting:
-        eng.step()
-    return eng
-
-
-def _timed_steps(eng, n, device):
-    import statistics
-    ts = []
-    for _ in range(n):
-        _sync(device)
-        t = time.perf_counter()
-        eng.step()
-        _sync(device)
-        ts.append((time.perf_counter() - t) * 1e3)
-    return {"median_ms": statistics.median(ts), "steps_ms": ts}
 
 
 def tiles_section(a, out, save=lambda: None):
