@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 10
-# (V4 mid decode after the launch cuts, with its profile; the golden bits with the compressor's
-# order version 2 and the new Triton kernels; TRL's LoRA step with the loss-time Diff check), then
-# 11 (V4 mid train / rollout, MoE and 8B training), then 9, 7, 1 and 2.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 13
+# (V4 mid decode with the decode tiles, profiled; TRL's LoRA step with the loss-time Diff check
+# beside the generation-time one), then 11 (V4 mid train / rollout, MoE and 8B training), 9, 7, 1, 2.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -10,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -103,6 +102,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     timeout 40 python3 -c "import importlib.util as u; s = u.spec_from_file_location('t', '$R/tests/test_engine_host.py'); m = u.module_from_spec(s); s.loader.exec_module(m); m.test_upload_cpu_is_a_copy(); m.test_upload_cuda_back_to_back_reuse_keeps_every_value(); print('host upload tests passed')" >"$OUT/host_test.log" 2>&1
     echo "== host_test rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_test.log"
     bench v4_tiles 270 deepseek_v4_layer.py --device cuda --config mid --sections tiles --seq 512 --decode-batch 64
+    ;;
+13) # after 12: V4 mid decode with the decode tiles in the table, profiled (21); TRL's LoRA step, the
+    # check on the loss's logprobs beside the extra-forward one, no profile (27)
+    bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
