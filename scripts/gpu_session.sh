@@ -103,8 +103,10 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     echo "== host_test rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_test.log"
     bench v4_tiles 270 deepseek_v4_layer.py --device cuda --config mid --sections tiles --seq 512 --decode-batch 64
     ;;
-13) # after 12: V4 mid decode with the decode tiles in the table, profiled (21); TRL's LoRA step, the
-    # check on the loss's logprobs beside the extra-forward one, no profile (27)
+13) # after 12: the golden bits (the mHC mix kernel now runs 4 K blocks a trip: expect no change;
+    # apply_rotary_interleaved's GPU bits are open), V4 mid decode with the decode tiles, profiled
+    # (21); TRL's LoRA step, the check on the loss's logprobs beside the extra-forward one (27)
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_stage10.json"
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
     ;;

@@ -113,6 +113,22 @@ def test_triton_hc_pre_row_order_and_d_blocks_do_not_change_bits(monkeypatch):
         assert_bitwise_equal(a, b, "BLOCK_T 32, BLOCK_D 32")
 
 
+def test_triton_mix_unroll_does_not_change_bits(monkeypatch):
+    """The mix kernel's K blocks per trip (MIX_UNROLL) is speed only: several chunks, trips over
+    full and short (masked) blocks, the same bits at 1, 2 and 4 blocks a trip."""
+    n, d = 4, 600   # K = 2400: chunks of 1024, 1024 and 352 (the last trip partly masked)
+    x = _x(5, n, d, BF, seed=16)
+    fn, base, scale = _params(n, d, seed=17)
+    outs = {}
+    for u in (1, 2, 4):
+        monkeypatch.setattr(TM, "MIX_UNROLL", u)
+        with order.override(hc_k_chunk=1024, hc_block_k=64):
+            outs[u] = _triton(K.hc_pre, x, fn, base, scale, **KW)
+    for u in (2, 4):
+        for a, b in zip(outs[u], outs[1]):
+            assert_bitwise_equal(a, b, f"MIX_UNROLL {u}")
+
+
 def test_control_batch_dependent_k_split_is_caught():
     """The harness on a split chosen by the batch size (what a split-K heuristic does): a row
     alone and the same row in a larger batch fold different chunks and differ."""

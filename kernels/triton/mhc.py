@@ -29,12 +29,13 @@ from ._jit import round_to
 BLOCK_T = 16      # tokens per _mix_kernel program (speed only: each row's dot chain is its own)
 BLOCK_D = 1024    # stream channels per _finish / _post program (speed only: elementwise in d)
 ONES_N = 16       # width of the lane-sum dot (tl.dot's smallest N); column 0 is read
+MIX_UNROLL = 4    # K blocks per _mix_kernel trip (speed only: the blocks still run in K order)
 
 
 @triton.jit
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, K_CHUNK,
                 BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ONES: tl.constexpr,
-                INTERP: tl.constexpr):
+                UNROLL: tl.constexpr, INTERP: tl.constexpr):
     s = tl.program_id(1)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -44,18 +45,22 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, K_CHUNK,
     acc = tl.zeros((BT, BM), tl.float32)
     lanes = tl.zeros((BT, BK), tl.float32)
     k0 = s * K_CHUNK
-    for kk in range(0, K_CHUNK, BK):
-        k = k0 + kk + offs_k
-        kmask = k < K   # the last chunk may be short: masked values are exact zeros
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + k[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        b = tl.load(fn_ptr + offs_m[None, :] * K + k[:, None], mask=mmask[None, :] & kmask[:, None],
-                    other=0.0).to(tl.float32)
-        if INTERP:  # the interpreter's dot: float64, rounded (structure, not the GPU's bits)
-            acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        lanes += a * a
+    # UNROLL blocks per trip, in K order: the same operations in the same order as one block a
+    # trip (so the same bits), but one basic block, so the next blocks' loads are issued while
+    # this one's multiply-adds run (an IEEE fp32 dot is FMA code, which the pipeliner skips)
+    for kk in range(0, K_CHUNK, BK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k = k0 + kk + u * BK + offs_k
+            kmask = k < K   # the last chunk may be short: masked values are exact zeros
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            b = tl.load(fn_ptr + offs_m[None, :] * K + k[:, None], mask=mmask[None, :] & kmask[:, None],
+                        other=0.0).to(tl.float32)
+            if INTERP:  # the interpreter's dot: float64, rounded (structure, not the GPU's bits)
+                acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            lanes += a * a
     ones = tl.full((BK, ONES), 1.0, tl.float32)
     if INTERP:
         ssq = tl.dot(lanes.to(tl.float64), ones.to(tl.float64)).to(tl.float32)
@@ -283,8 +288,11 @@ def _mixes(x, fn, interp):
     part = torch.empty((S, T, M), device=x.device, dtype=torch.float32)
     sq = torch.empty((S, T), device=x.device, dtype=torch.float32)
     BM = max(16, triton.next_power_of_2(M))
+    blocks = chunk // o.hc_block_k   # the order keeps the chunk a multiple of the block
+    unroll = next(u for u in (MIX_UNROLL, 2, 1) if blocks % u == 0)
     _mix_kernel[(triton.cdiv(T, BLOCK_T), S)](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM,
-                                              BK=o.hc_block_k, ONES=ONES_N, INTERP=interp, **_kw(interp))
+                                              BK=o.hc_block_k, ONES=ONES_N, UNROLL=unroll, INTERP=interp,
+                                              **_kw(interp))
     return part, sq, S
 
 
