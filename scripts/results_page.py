@@ -506,6 +506,8 @@ def r_trl_step(d):
                        f"Diff = 0 in every attached run: {fmt(d.get('diff_zero_all_runs_ok'))}.", ""]
     out += table(["run", "median step s", "median generate s", "peak GiB"], rows)
     out += [""] + table(["ratio of median step times, as named", "value"], [[k, v] for k, v in q.items()])
+    if d.get("note"):
+        out += ["", f"Note: {fmt(d['note'])}"]
     return out
 
 
