@@ -345,7 +345,7 @@ class TrlAdapter:
         generation once all its rows have been seen."""
         d = self._deferred[mode]
         d.pieces.append({k: inputs[k] for k in _CHECKED if inputs.get(k) is not None})
-        d.trainer.append(trainer_lp.detach())
+        d.logprobs.append(trainer_lp.detach())
         d.seen += trainer_lp.size(0)
         if d.seen >= d.rows:
             self.flush(mode)
@@ -361,7 +361,7 @@ class TrlAdapter:
                 continue
             keys = d.pieces[0].keys()
             output = {k: torch.cat([p[k] for p in d.pieces]) for k in keys}
-            self._compare(output, torch.cat(d.trainer), m, d.step)
+            self._compare(output, torch.cat(d.logprobs), m, d.step)
 
     def _compare(self, output: dict, trainer_lp, mode: str, step: int) -> StepCheck:
         t = self.trainer
@@ -429,7 +429,7 @@ class _Deferred:
 
     def __init__(self, step: int, rows: int):
         self.step, self.rows, self.seen = step, rows, 0
-        self.pieces, self.trainer = [], []
+        self.pieces, self.logprobs = [], []   # per micro-batch: its checked inputs, the loss logprobs
 
 
 # ----------------------------------------------------------------------------- rebound methods

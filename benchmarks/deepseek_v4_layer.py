@@ -313,18 +313,13 @@ DECODE_TILES = [(64, 64, 128, 8, 4, 4), (64, 32, 128, 8, 4, 4), (32, 32, 128, 8,
 def tiles_section(a, out, save=lambda: None):
     """Issue 21's decode linears: every (M, N, K) the invariant linear runs in one decode step of
     --decode-batch sequences, each timed (CUDA graph) over DECODE_TILES with its bits against the
-    table's config; then the decode step side by side in one engine: host uploads through fresh
-    pinned tensors vs the kept pinned buffers (bitmatch.engine.host), and the table's tiles vs the
+    table's config; then the decode step side by side in one engine: the table's tiles vs the
     fastest bit-equal ones (the graphs recaptured)."""
     import ast
 
-    import numpy as np
     import triton.testing as tt
 
     import bitmatch
-    import bitmatch.engine.graphs as eg
-    import bitmatch.engine.model_runner as emr
-    import bitmatch.engine.sampling as es
     from bitmatch.kernels.triton import linear as lin
     model = build(a.config, torch.bfloat16, a.device)
     bitmatch.patch(model)
@@ -375,39 +370,23 @@ def tiles_section(a, out, save=lambda: None):
     out["results"]["tiles"] = res
     save()   # the sweep is kept even if the decode steps below run out of time
 
-    def fresh_pin(arr, device, slot=0):  # the upload before the kept buffers
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        return t.pin_memory().to(device, non_blocking=True)
-    mods = (emr, eg, es)
-    kept = [m.upload for m in mods]
-    steps = {}
-    steps["kept_pinned_table_tiles"] = _timed_steps(eng, 6, a.device)
-    for m in mods:
-        m.upload = fresh_pin
-    try:
-        steps["fresh_pinned_table_tiles"] = _timed_steps(eng, 6, a.device)
-    finally:
-        for m, f in zip(mods, kept):
-            m.upload = f
+    steps = {"table_tiles": _timed_steps(eng, 6, a.device)}
     saved = dict(lin.CONFIG_TABLES)
     for (N, K), (M, cfg) in tuned.items():
-        rows = list(lin.CONFIG_TABLES.get((N, K), lin.CONFIG_TABLE))
+        rows = lin.CONFIG_TABLES.get((N, K)) or lin.HALF_TABLES.get((N, K)) or lin.CONFIG_TABLE
         lin.CONFIG_TABLES[(N, K)] = [(M, *cfg)] + [r for r in rows if r[0] > M]
     try:
         runner.graphs.graphs.clear()   # the captured graphs hold the table's kernels
         for _ in range(2):
             eng.step()
-        steps["kept_pinned_tuned_tiles"] = _timed_steps(eng, 6, a.device)
+        steps["swept_tiles"] = _timed_steps(eng, 6, a.device)
     finally:
         lin.CONFIG_TABLES.clear()
         lin.CONFIG_TABLES.update(saved)
     res["decode_steps"] = steps
     res["captures"] = runner.graphs.num_captures
-    base_ms = steps["fresh_pinned_table_tiles"]["median_ms"]
-    out["results"]["tiles"] = res
-    out["ratios"]["decode_step_kept_over_fresh_pinned"] = steps["kept_pinned_table_tiles"]["median_ms"] / base_ms
-    out["ratios"]["decode_step_tuned_tiles_over_fresh_pinned_table"] = (
-        steps["kept_pinned_tuned_tiles"]["median_ms"] / base_ms)
+    out["ratios"]["decode_step_swept_over_table_tiles"] = (steps["swept_tiles"]["median_ms"]
+                                                           / steps["table_tiles"]["median_ms"])
     while eng.has_unfinished_requests():
         eng.step()
     del eng, model
