@@ -32,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--expect", default=None, help="an earlier golden_gpu JSON to compare with")
+    ap.add_argument("--explain", default="", help="comma list of ops: also run each op's cases on "
+                    "CPU with the reference backend and list the elements whose bits differ")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -76,12 +78,25 @@ def main(argv=None):
             bits.setdefault(op, {})[shape] = h1
             if h1 != h2:
                 unstable.append(f"{op} / {shape}")
+    explained = {}
+    for op in filter(None, a.explain.split(",")):
+        for shape, case in G.CASES.get(op, {}).items():
+            torch.manual_seed(0)
+            with torch.no_grad(), K.use_backend("triton"), InputsOnDevice():
+                got = case()
+            torch.manual_seed(0)
+            with torch.no_grad(), K.use_backend("reference"):
+                ref = case()
+            explained[f"{op} / {shape}"] = _differences(got, ref)
     stamp = order.stamp("triton")
     res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)"},
            "stamp": stamp, "bits": bits, "errors": errors, "not_repeating": unstable,
            "cases": sum(len(v) for v in bits.values()), "seconds": round(time.time() - t0, 1)}
+    if explained:
+        res["explained"] = explained
+        print(json.dumps(explained)[:3000])
     bad = bool(errors or unstable)
     if a.expect:
         old = json.load(open(a.expect))
@@ -97,6 +112,31 @@ def main(argv=None):
     print(json.dumps({k: res[k] for k in ("cases", "errors", "not_repeating", "seconds")}), res.get("compared_with"))
     print("wrote", path)
     return 1 if bad else 0
+
+
+def _differences(got, ref, limit=24):
+    """The device output against the CPU reference's, element by element: how many differ and
+    the first ``limit`` of them (flat index, both values as floats and as raw bits)."""
+    import torch
+    gs = got if isinstance(got, (tuple, list)) else (got,)
+    rs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    out = []
+    for g, r in zip(gs, rs):
+        if not isinstance(g, torch.Tensor):
+            out.append({"equal": g == r})
+            continue
+        g = g.detach().cpu().contiguous()
+        r = r.detach().cpu().contiguous()
+        if g.shape != r.shape or g.dtype != r.dtype:
+            out.append({"shape_or_dtype_differs": [str(g.shape), str(r.shape), str(g.dtype), str(r.dtype)]})
+            continue
+        ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
+        gb, rb = g.reshape(-1).view(ib), r.reshape(-1).view(ib)
+        idx = (gb != rb).nonzero().flatten()
+        out.append({"shape": list(g.shape), "dtype": str(g.dtype), "differing": int(idx.numel()),
+                     "first": [{"i": int(i), "device": float(g.reshape(-1)[i]), "reference": float(r.reshape(-1)[i]),
+                                "device_bits": int(gb[i]), "reference_bits": int(rb[i])} for i in idx[:limit]]})
+    return out
 
 
 if __name__ == "__main__":

@@ -135,7 +135,20 @@ def main():
                     "(default: all, in table order)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the sections that would start "
                     "after this many seconds (0: no limit), so a device time limit never cuts the JSON")
+    ap.add_argument("--tma-ms", default="", help="comma list of M for time_linear_tma (default "
+                    "512,1024,4096,16384)")
+    ap.add_argument("--bwd-cases", default="", help="comma list of SxB for the attention backward "
+                    "tile sweep (default 4096x4)")
+    ap.add_argument("--bwd-times", default="", help="comma list of S or SxB for the backward "
+                    "timings (default 512,1024,2048,4096,8192; B = 16384 / S)")
     args = ap.parse_args()
+    if args.bwd_times:
+        ops_attention.BWD_TIME_S = tuple(tuple(int(x) for x in v.split("x")) if "x" in v else int(v)
+                                         for v in args.bwd_times.split(","))
+    if args.bwd_cases:
+        ops_attention.BWD_SWEEP_CASES = [tuple(int(v) for v in c.split("x")) for c in args.bwd_cases.split(",")]
+    if args.tma_ms:
+        ops_linear.TMA_MS = tuple(int(m) for m in args.tma_ms.split(","))
     if args.sweep_ms:
         ops_linear.SWEEP_MS = [int(m) for m in args.sweep_ms.split(",")]
         ops_linear.SWEEP_FIXED_SPLIT = True

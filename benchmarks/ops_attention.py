@@ -378,9 +378,15 @@ def time_attention_variants(K, quick, ceil):
             res[name] = {"error": traceback.format_exc()[-2000:]}
     return res
 BWD_CFGS = {  # (dq BM, BN, warps, stages), (dkdv BM, BN, warps, stages)
-    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
-    "kv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2), (64, 32, 4, 3),
+           (128, 64, 8, 3)],
+    "kv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 8, 2),
+           (32, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 3)],
 }
+# (S, B) of the tile sweeps: packed sequences of S tokens, B of them; the timings below run with
+# the first case's winners. 1024 x 4 is the 8B training step's (benchmarks/gpu_train.py).
+BWD_SWEEP_CASES = [(4096, 4)]
+BWD_TIME_S = (512, 1024, 2048, 4096, 8192)
 def _set_bwd(mod, dq=None, kv=None):
     if dq:
         mod.BWD_DQ_BLOCK_M, mod.BWD_DQ_BLOCK_N, mod.BWD_DQ_WARPS, mod.BWD_DQ_STAGES = dq
@@ -467,38 +473,48 @@ def attention_backward(K, quick):
         out = att.attention_prefill_autograd(*leaves, cu, scale, True, None, max_seqlen=S)
         return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
-    # sweep: dq tiles with the default dkdv, then dkdv tiles with the best dq (S=4096, B=4)
+    # sweep per case: dq tiles with the default dkdv, then dkdv tiles with the best dq
     old = (bwd.BWD_DQ_BLOCK_M, bwd.BWD_DQ_BLOCK_N, bwd.BWD_DQ_WARPS, bwd.BWD_DQ_STAGES), \
           (bwd.BWD_KV_BLOCK_M, bwd.BWD_KV_BLOCK_N, bwd.BWD_KV_WARPS, bwd.BWD_KV_STAGES)
-    q, k, v, do, cu = case(4096, 4)
-    best_dq, best_kv = old
+    first = None
     try:
-        for part in ("dq", "kv"):
-            best = None
-            for c in BWD_CFGS[part]:
-                _set_bwd(bwd, **{part: c})
-                try:
-                    t = triton_bench(ours_bwd_fn(q, k, v, do, cu, 4096))
-                except Exception as e:
-                    res["sweep"][f"{part}{c}"] = repr(e)[:300]
-                    continue
-                res["sweep"][f"{part}{c}"] = t
-                if best is None or t < best[0]:
-                    best = (t, c)
-                print("bwd sweep", part, c, t, flush=True)
-            if best:
-                _set_bwd(bwd, **{part: best[1]})
-                if part == "dq":
-                    best_dq = best[1]
-                else:
-                    best_kv = best[1]
+        for S_sw, B_sw in BWD_SWEEP_CASES:
+            _set_bwd(bwd, *old)
+            q, k, v, do, cu = case(S_sw, B_sw)
+            best_dq, best_kv = old
+            tag = "" if (S_sw, B_sw) == (4096, 4) else f"S{S_sw}_B{B_sw}_"
+            res["sweep"][f"{tag}default"] = triton_bench(ours_bwd_fn(q, k, v, do, cu, S_sw))
+            for part in ("dq", "kv"):
+                best = None
+                for c in BWD_CFGS[part]:
+                    _set_bwd(bwd, **{part: c})
+                    try:
+                        t = triton_bench(ours_bwd_fn(q, k, v, do, cu, S_sw))
+                    except Exception as e:
+                        res["sweep"][f"{tag}{part}{c}"] = repr(e)[:300]
+                        continue
+                    res["sweep"][f"{tag}{part}{c}"] = t
+                    if best is None or t < best[0]:
+                        best = (t, c)
+                    print("bwd sweep", S_sw, B_sw, part, c, t, flush=True)
+                if best:
+                    _set_bwd(bwd, **{part: best[1]})
+                    if part == "dq":
+                        best_dq = best[1]
+                    else:
+                        best_kv = best[1]
+            res.setdefault("chosen_by_case", {})[f"S{S_sw}_B{B_sw}"] = {"dq": best_dq, "kv": best_kv}
+            first = first or (best_dq, best_kv)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+        best_dq, best_kv = first
+        _set_bwd(bwd, dq=best_dq, kv=best_kv)
         res["chosen"] = {"dq": best_dq, "kv": best_kv}
         gqa_ok = [True]
-        del q, k, v, do
-        torch.cuda.empty_cache()
-        for S in (512, 1024, 2048, 4096, 8192):
+        for c in BWD_TIME_S:
+            S, B_c = c if isinstance(c, tuple) else (c, None)
             try:
-                _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale)
+                _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale, B_c)
             except Exception:
                 res["time"][f"S{S}_error"] = traceback.format_exc()[-1500:]
             torch.cuda.empty_cache()
@@ -506,9 +522,9 @@ def attention_backward(K, quick):
         # the timings above ran with the chosen tiles; leave them set for later sections
         _set_bwd(bwd, dq=best_dq, kv=best_kv)
     return res
-def _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale):
+def _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale, B=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    B = max(1, 16384 // S)
+    B = B or max(1, 16384 // S)
     q, k, v, do, cu = case(S, B)
     qd, kd, vd = (x.view(B, S, -1, D).transpose(1, 2).contiguous().requires_grad_()
                   for x in (q, k, v))
@@ -537,8 +553,21 @@ def _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale):
     t_us_fb = triton_bench(lambda: torch.autograd.grad(
         att.attention_prefill_autograd(ql, kl, vl, cu, scale, True, None, max_seqlen=S),
         (ql, kl, vl), do))
+    cud = {}
+    try:  # what HF's SDPA picks on Hopper: cuDNN (K/V expanded if it refuses GQA)
+        def cudnn_fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(
+                    qd, kd.repeat_interleave(Hq // Hkv, 1), vd.repeat_interleave(Hq // Hkv, 1),
+                    is_causal=True, scale=scale)
+        o_cd = cudnn_fwd()
+        cud["sdpa_cudnn_bwd_ms"] = triton_bench(
+            lambda: torch.autograd.grad(o_cd, (qd, kd, vd), dod, retain_graph=True))
+        cud["sdpa_cudnn_fwd_bwd_ms"] = triton_bench(lambda: torch.autograd.grad(cudnn_fwd(), (qd, kd, vd), dod))
+    except Exception as e:
+        cud["sdpa_cudnn_error"] = repr(e)[:300]
     fl_b = 2.5 * 4 * B * Hq * S * S * D / 2
-    res["time"][f"S{S}_B{B}"] = {
+    res["time"][f"S{S}_B{B}"] = {**cud,
         "sdpa_flash_bwd_ms": t_sd_b, "ours_bwd_ms": t_us_b, "ratio_bwd": t_sd_b / t_us_b,
         "sdpa_flash_fwd_bwd_ms": t_sd_fb, "ours_fwd_bwd_ms": t_us_fb,
         "ratio_fwd_bwd": t_sd_fb / t_us_fb,

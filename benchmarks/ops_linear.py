@@ -84,10 +84,14 @@ def time_linear(K, quick, ms=MS):
 TRAIN_SHAPES = {"k_v": (1024, 4096), "gate_or_up": (12288, 4096)}
 
 
-def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
+TMA_MS = (512, 1024, 4096, 16384)
+
+
+def time_linear_tma(K, ms=None):
     """Persistent TMA kernel (same canonical order) vs the table kernel and cuBLAS at large M:
     bits against the table kernel's output at the same M (0 = equal), and graph-timed ratios."""
     lin = K.linear
+    ms = ms or TMA_MS
     out = {}
     for name, (N, Kd) in {**SHAPES, **TRAIN_SHAPES}.items():
         wbytes = N * Kd * 2
@@ -105,7 +109,8 @@ def time_linear_tma(K, ms=(512, 1024, 4096, 16384)):
                                                                   cfg_t, S)), nbytes),
                  "tma": {}}
             e["table_ratio"] = e["cublas_ms"] / e["table_ms"]
-            for c in lin.TMA_CONFIGS:
+            flat = getattr(lin, "TMA_FLAT_CONFIGS", []) if S == 1 else []
+            for c in list(lin.TMA_CONFIGS) + list(flat):
                 try:
                     o = lin._launch_tma(xs[0], ws[0], None, c, S)
                     bad = rows_mismatch(o, ref)

@@ -245,6 +245,9 @@ def _launch(x, weight, bias, cfg, split, out=None):
 # tiles, hence 128x128 for the o and down projections.
 TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
 _W, _S, _T = TMA_CONFIGS
+# the same tiles with the tile and K loops flattened into one pipeline (_linear_tma_flat_kernel;
+# one K chunk only: a split weight runs the loop nest whatever the row says)
+TMA_FLAT_CONFIGS = [(*c, "flat") for c in TMA_CONFIGS] + [(128, 256, 64, 8, 8, 4, "flat")]
 TMA_TABLE = {
     (6144, 4096): [(4096, *_W), (1024, *_S), (512, *_W)],
     (4096, 4096): [(1024, *_T), (512, *_S)],
@@ -296,6 +299,46 @@ def _linear_tma_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K_CHUNK, NUM_PROGS,
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _linear_tma_flat_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K, NUM_PROGS, stride_om,
+                            HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, GROUP_M: tl.constexpr, INTERP: tl.constexpr):
+    """One K chunk (SPLIT = 1): the tile loop and the K loop flattened into one software
+    pipeline (tl.range(flatten=True)), so the next tile's first loads overlap this tile's
+    epilogue. Each output element is still one sequential accumulation over K from zero."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        group_id = tile // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
+        om = pid_m * BM
+        on = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([om, ki * BK])
+            b = w_desc.load([on, ki * BK])
+            if INTERP:
+                acc += tl.dot(a.to(tl.float64), b.T.to(tl.float64)).to(tl.float32)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        # the chunk sum onto 0.0, as the other kernels do (-0.0 + 0.0 = +0.0 keeps the bits)
+        total = tl.zeros((BM, BN), dtype=tl.float32) + acc
+        offs_n = on + tl.arange(0, BN)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        offs_m = om + tl.arange(0, BM)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def tma_supported(x, weight):
     """TMA needs 16-byte aligned row strides and 2-byte types (bf16/fp16) for this kernel."""
     M, K = x.shape
@@ -308,7 +351,8 @@ def _launch_tma(x, weight, bias, cfg, split, out=None):
     from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = x.shape
     N = weight.shape[0]
-    BM, BN, BK, GROUP_M, warps, stages = cfg
+    BM, BN, BK, GROUP_M, warps, stages = cfg[:6]
+    flat = len(cfg) > 6 and cfg[6] == "flat"
     if not tma_supported(x, weight):
         raise ValueError(f"bitmatch.kernels.linear: the TMA path needs bf16/fp16, K and N "
                          f"multiples of 8 and contiguous inputs; got {x.dtype}, K={K}, N={N}")
@@ -326,6 +370,11 @@ def _launch_tma(x, weight, bias, cfg, split, out=None):
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     progs = min(tiles, sm_count(x.device))
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
+    if flat and split == 1:
+        _linear_tma_flat_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, M, N,
+                                          k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None,
+                                          BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, INTERP=interp, **kw)
+        return out
     _linear_tma_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, M, N,
                                  k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BM=BM,
                                  BN=BN, BK=BK, GROUP_M=GROUP_M, INTERP=interp, **kw)
