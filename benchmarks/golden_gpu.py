@@ -95,6 +95,8 @@ def main(argv=None):
            "stamp": stamp, "bits": bits, "errors": errors, "not_repeating": unstable,
            "cases": sum(len(v) for v in bits.values()), "seconds": round(time.time() - t0, 1)}
     if explained:
+        if dev.type == "cuda":
+            explained["fp32_to_bf16_probe"] = _conversion_probe(torch)
         res["explained"] = explained
         print(json.dumps(explained)[:3000])
     bad = bool(errors or unstable)
@@ -112,6 +114,48 @@ def main(argv=None):
     print(json.dumps({k: res[k] for k in ("cases", "errors", "not_repeating", "seconds")}), res.get("compared_with"))
     print("wrote", path)
     return 1 if bad else 0
+
+
+def _conversion_probe(torch):
+    """How this machine's Triton converts fp32 -> bf16 (``.to``, the default rounding, and each
+    explicit mode) on values whose nearest-even and toward-zero results differ, beside torch's
+    conversion; and which ptxas compiled it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv(x_ptr, y_ptr, z_ptr, w_ptr, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        m = o < n
+        v = tl.load(x_ptr + o, mask=m)
+        tl.store(y_ptr + o, v.to(tl.bfloat16), mask=m)
+        tl.store(z_ptr + o, v.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=m)
+        tl.store(w_ptr + o, v.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=m)
+
+    x = torch.tensor([0.99999553, 1.0 + 3 * 2.0 ** -9, -3.5156251, 0.5827536, 1.0 + 2.0 ** -8],
+                     dtype=torch.float32, device="cuda")
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    k = conv[(1,)](x, *outs, x.numel(), BLOCK=8)
+    ref = x.to(torch.bfloat16)
+    res = {"inputs": x.tolist(), "torch_rn": ref.float().tolist()}
+    for name, o in zip(("default", "rtne", "rtz"), outs):
+        res[name] = o.float().tolist()
+        res[f"{name}_equals_torch"] = bool(torch.equal(o, ref))
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
+        res["ptxas"] = str(get_ptxas())
+        res["ptxas_version"] = str(get_ptxas_version())
+    except Exception as e:
+        res["ptxas"] = repr(e)[:200]
+    asm = getattr(k, "asm", {}) or {}
+    ptx = asm.get("ptx", "")
+    res["ptx_cvt"] = sorted({w for w in ptx.split() if w.startswith("cvt.") and "bf16" in w})
+    try:
+        sass = asm["sass"]
+    except Exception:  # nvdisasm missing: the PTX alone
+        sass = ""
+    res["sass_f2f"] = sorted({ln.split("/*")[0].strip()[:60] for ln in sass.splitlines() if "F2F" in ln})[:8]
+    return res
 
 
 def _differences(got, ref, limit=24):

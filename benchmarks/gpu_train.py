@@ -296,7 +296,16 @@ def main():
     ap.add_argument("--sections", default="backward_ops,train")
     ap.add_argument("--models", default="1.7b,8b")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start after this many s")
+    ap.add_argument("--repeat", type=int, default=1, help="time each model this many times (runs 2.. "
+                    "recorded as <model>_run<i>): the spread between runs of one process")
+    ap.add_argument("--bwd-tiles", default="", help="the attention backward's launch knobs for this "
+                    "run, 'dq BM,BN,warps,stages/kv BM,BN,warps,stages' (kernels/triton/attention_bwd.py)")
     a = ap.parse_args()
+    if a.bwd_tiles:
+        from bitmatch.kernels.triton import attention_bwd as bwd
+        dq, kv = (tuple(int(v) for v in part.split(",")) for part in a.bwd_tiles.split("/"))
+        bwd.BWD_DQ_BLOCK_M, bwd.BWD_DQ_BLOCK_N, bwd.BWD_DQ_WARPS, bwd.BWD_DQ_STAGES = dq
+        bwd.BWD_KV_BLOCK_M, bwd.BWD_KV_BLOCK_N, bwd.BWD_KV_WARPS, bwd.BWD_KV_STAGES = kv
     os.makedirs(a.out, exist_ok=True)
     rec = Recorder(os.path.join(a.out, "gpu_train.json"), a)
     t0 = time.time()
@@ -312,11 +321,13 @@ def main():
             if a.budget_s and time.time() - t0 > a.budget_s:
                 rec.data.setdefault("skipped_for_time", []).append(f"train_{size}")
                 continue
-            try:
-                out[size] = train(size)
-            except Exception:
-                rec.err(f"train_{size}")
-            rec.put("train", out)
+            for i in range(max(a.repeat, 1)):
+                key = size if i == 0 else f"{size}_run{i + 1}"
+                try:
+                    out[key] = train(size)
+                except Exception:
+                    rec.err(f"train_{key}")
+                rec.put("train", out)
     rec.data["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rec.flush()
 

@@ -3,13 +3,15 @@ each canonical-order variant (prefill alone vs in a batch, tile configs and mode
 and decode at page sizes 8 / 16 / 32 / 128 with shuffled block tables; control: SDPA), the decode
 pipeline-depth / split choice, prefill and decode times against SDPA flash and the K/V read
 roofline, and the backward against SDPA flash (gradients vs fp32 autograd, times)."""
+import importlib
 import json
 import math
+import traceback
 
 import torch
 import torch.nn.functional as F
 
-from _common import BF, DEV, L2, bench, rows_mismatch, triton_bench
+from _common import BF, DEV, L2, bench, geomean, rows_mismatch, triton_bench
 
 
 def make_cache(ks, vs, page, extra_blocks, g):

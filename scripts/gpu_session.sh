@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -118,6 +118,17 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench ops_bwd_tma 240 gpu_ops.py --only attention_backward,time_linear_tma --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4 --tma-ms 4096
     bench dense_train 150 gpu_train.py --sections train --models 1.7b,8b --budget-s 130
     ;;
+15) # after 14 (whose backward sweep did not run): the attention backward's tiles at the 8B
+    # trainer's shape, then the 8B / 1.7B training step twice each with the default tiles and with
+    # the sweep's pick for 4 x 1024, side by side (22); the fp32 -> bf16 probe beside the rotary
+    # explanation (21)
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_stage10.json" --explain apply_rotary_interleaved
+    bench ops_bwd 200 gpu_ops.py --only attention_backward --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4
+    T=$(python3 -c "import json; c = json.load(open('$OUT/ops_bwd/gpu_ops.json'))['sections']['attention_backward']['chosen_by_case']['S1024_B4']; print(','.join(map(str, c['dq'])) + '/' + ','.join(map(str, c['kv'])))")
+    echo "bwd tiles for 4 x 1024: $T"
+    bench dense_train 150 gpu_train.py --sections train --models 8b,1.7b --repeat 2
+    [ -n "$T" ] && bench dense_train_tiles 150 gpu_train.py --sections train --models 8b,1.7b --repeat 2 --bwd-tiles "$T"
+    ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
@@ -151,7 +162,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1 to 14, nh, nh2, nh3, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1 to 15, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"

@@ -256,7 +256,7 @@ TMA_TABLE = {
     (151936, 4096): [(512, *_W)],
     # the trainer's unfused k / v and gate / up (the engine fuses them into the rows above), which
     # ran the table kernel at 0.77-0.81 of cuBLAS in training
-    (1024, 4096): [(16384, *_T), (4096, *_W), (512, *_S)],
+    (1024, 4096): [(16384, *_T), (4096, *_W, "flat"), (512, *_S)],
     (12288, 4096): [(1024, *_W), (512, *_S)],
 }
 
