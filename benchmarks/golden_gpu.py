@@ -35,8 +35,9 @@ def main(argv=None):
     ap.add_argument("--explain", default="", help="comma list of ops: also run each op's cases on "
                     "CPU with the reference backend and list the elements whose bits differ")
     a = ap.parse_args(argv)
-    if a.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    # before triton is imported; on CUDA explicitly off: the test module below sets it to 1 when
+    # unset (for pytest), which would run every kernel in the interpreter on the device's CPU
+    os.environ["TRITON_INTERPRET"] = "1" if a.device == "cpu" else "0"
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -45,6 +46,13 @@ def main(argv=None):
 
     import bitmatch.kernels as K
     from bitmatch.kernels import order
+    from bitmatch.kernels.triton import linear as triton_linear
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted = isinstance(triton_linear._linear_kernel, InterpretedFunction)
+    if interpreted != (a.device == "cpu"):
+        raise SystemExit(f"golden_gpu: Triton's interpreter is {'on' if interpreted else 'off'} for --device "
+                         f"{a.device} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported)")
 
     factories = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.tensor, torch.zeros, torch.ones,
                  torch.full, torch.arange, torch.empty}
@@ -92,7 +100,7 @@ def main(argv=None):
     res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": {"platform": platform.platform(), "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter)"},
-           "stamp": stamp, "bits": bits, "errors": errors, "not_repeating": unstable,
+           "stamp": stamp, "interpreter": interpreted, "bits": bits, "errors": errors, "not_repeating": unstable,
            "cases": sum(len(v) for v in bits.values()), "seconds": round(time.time() - t0, 1)}
     if explained:
         if dev.type == "cuda":

@@ -67,6 +67,10 @@ def summarize(data):
                     best.append(max(e["ratio"], t["best_ratio"]) if t else e["ratio"])
         summ["linear_geomean_M>=1024_best_of_table_and_tma"] = geomean(best)
         summ["linear_min_M>=1024_best_of_table_and_tma"] = min(best) if best else None
+    if "time_linear_tma" in s and "time_linear" not in s:  # a TMA-only run: best per shape and M
+        best = {f"{name}_M{M}": e["best_ratio"] for name, r in s["time_linear_tma"].items() for M, e in r.items()}
+        summ["linear_tma_best_vs_cublas"] = best
+        summ["linear_tma_best_vs_cublas_geomean"] = geomean(list(best.values()))
     if "cublas_nosplit" in s and "time_linear" in s:
         rs = {}
         for name, r in s["time_linear"].items():
@@ -115,6 +119,11 @@ def summarize(data):
         summ["attention_bwd_vs_sdpa_flash"] = {k: e["ratio_bwd"] for k, e in t.items()}
         summ["attention_fwd_bwd_vs_sdpa_flash"] = {k: e["ratio_fwd_bwd"] for k, e in t.items()}
         summ["attention_bwd_geomean"] = geomean([e["ratio_bwd"] for e in t.values()])
+        cud = {k: e["sdpa_cudnn_bwd_ms"] / e["ours_bwd_ms"] for k, e in t.items() if "sdpa_cudnn_bwd_ms" in e}
+        if cud:  # cuDNN: what HF's SDPA picks on Hopper
+            summ["attention_bwd_vs_sdpa_cudnn"] = cud
+            summ["attention_fwd_bwd_vs_sdpa_cudnn"] = {
+                k: e["sdpa_cudnn_fwd_bwd_ms"] / e["ours_fwd_bwd_ms"] for k, e in t.items() if "sdpa_cudnn_bwd_ms" in e}
         summ["attention_fwd_bwd_geomean"] = geomean([e["ratio_fwd_bwd"] for e in t.values()])
     if "time_rowwise" in s:
         summ["rowwise_ratios"] = {k: v["ratio"] for k, v in s["time_rowwise"].items()}

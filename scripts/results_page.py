@@ -112,6 +112,13 @@ def r_gpu_ops(d):
         ["attention fwd+bwd vs SDPA flash, geomean", s.get("attention_fwd_bwd_geomean")],
         ["attention rows differing alone vs batched (invariance)", s.get("inv_attention_rowsum16_mismatching_rows")],
     ]
+    for k, v in (s.get("attention_bwd_vs_sdpa_cudnn") or {}).items():
+        rows.append([f"attention backward vs SDPA cuDNN backward, {k}", v])
+    for k, v in (s.get("attention_fwd_bwd_vs_sdpa_cudnn") or {}).items():
+        rows.append([f"attention fwd+bwd vs SDPA cuDNN, {k}", v])
+    for k, v in (s.get("linear_tma_best_vs_cublas") or {}).items():
+        rows.append([f"linear vs cuBLAS, {k} (best bit-equal TMA config)", v])
+    rows = [r for r in rows if r[1] is not None]
     rowwise = s.get("rowwise_ratios", {})
     for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "token_logprobs", "full_logprobs"):
         vals = [v for k, v in rowwise.items() if k.startswith(op + "_")]
@@ -524,7 +531,8 @@ def r_mhc(d):
 
 
 def r_golden_gpu(d):
-    out = header(d) + [f"{fmt(d.get('cases'))} cases of every op in the op table on CUDA, each run twice; not repeating: "
+    note = d.get("interpreter_note")
+    out = header(d) + ([f"**{note}**", ""] if note else []) + [f"{fmt(d.get('cases'))} cases of every op in the op table on CUDA, each run twice; not repeating: "
                        f"{fmt(d.get('not_repeating'))}; errors: {fmt(d.get('errors'))}; stamp "
                        f"{fmt(get(d, 'stamp', 'fingerprint'))}.", ""]
     return out + table(["op", "case", "xxh3 of the output bytes"],

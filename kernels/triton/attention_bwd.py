@@ -27,13 +27,13 @@ _LOG2E = 1.4426950408889634
 # are). Tuning rule: the fastest of the benchmarks/gpu_ops.py attention_backward sweep at the
 # target model's shapes; the backward stays deterministic run to run whatever they are.
 BWD_DQ_BLOCK_M = 128
-BWD_DQ_BLOCK_N = 32
-BWD_DQ_WARPS = 4
+BWD_DQ_BLOCK_N = 64
+BWD_DQ_WARPS = 8
 BWD_DQ_STAGES = 3
-BWD_KV_BLOCK_M = 64
-BWD_KV_BLOCK_N = 128
-BWD_KV_WARPS = 8
-BWD_KV_STAGES = 2
+BWD_KV_BLOCK_M = 32
+BWD_KV_BLOCK_N = 64
+BWD_KV_WARPS = 4
+BWD_KV_STAGES = 3
 
 
 @triton.jit
