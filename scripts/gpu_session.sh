@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 13
-# (V4 mid decode with the decode tiles, profiled; TRL's LoRA step with the loss-time Diff check
-# beside the generation-time one), then 11 (V4 mid train / rollout, MoE and 8B training), 9, 7, 1, 2.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 16
+# (the golden bits on the GPU, 8B training, V4 mid decode, TRL's LoRA step), then 13, 11, 9, 7, 1, 2.
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -9,7 +8,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -129,6 +128,14 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench dense_train 150 gpu_train.py --sections train --models 8b,1.7b --repeat 2
     [ -n "$T" ] && bench dense_train_tiles 150 gpu_train.py --sections train --models 8b,1.7b --repeat 2 --bwd-tiles "$T"
     ;;
+16) # after 15: the golden bits on the GPU for real (the earlier files ran the interpreter), the
+    # 8B / 1.7B training step at HEAD with the adopted backward tiles (22), V4 mid decode profiled
+    # with the decode tiles and the unrolled mHC mix (21), TRL's LoRA step side by side (27)
+    bench golden 60 golden_gpu.py
+    bench dense_train 120 gpu_train.py --sections train --models 8b,1.7b --repeat 2
+    bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
+    bench trl_lora 200 trl_step.py --runs stock_lora,attach_lora --steps 4
+    ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
@@ -162,7 +169,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1 to 15, nh, nh2, nh3, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1 to 16, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"
