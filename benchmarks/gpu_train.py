@@ -300,7 +300,14 @@ def main():
                     "recorded as <model>_run<i>): the spread between runs of one process")
     ap.add_argument("--bwd-tiles", default="", help="the attention backward's launch knobs for this "
                     "run, 'dq BM,BN,warps,stages/kv BM,BN,warps,stages' (kernels/triton/attention_bwd.py)")
+    ap.add_argument("--tma-rows", default="", help="JSON {\"N,K\": [[min_M, BM, BN, BK, GROUP_M, warps, "
+                    "stages(, variant)], ...]} replacing those shapes' rows of kernels/triton/linear.py TMA_TABLE "
+                    "for this run (rows whose bits the time_linear_tma harness checked)")
     a = ap.parse_args()
+    if a.tma_rows:
+        from bitmatch.kernels.triton import linear as lin
+        for key, rows in json.loads(a.tma_rows).items():
+            lin.TMA_TABLE[tuple(int(v) for v in key.split(","))] = [tuple(r) for r in rows]
     if a.bwd_tiles:
         from bitmatch.kernels.triton import attention_bwd as bwd
         dq, kv = (tuple(int(v) for v in part.split(",")) for part in a.bwd_tiles.split("/"))
