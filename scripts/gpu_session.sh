@@ -8,7 +8,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -136,28 +136,6 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 200 trl_step.py --runs stock_lora,attach_lora --steps 4
     ;;
-17) # issue 22's 8B row on the H200 (0.94 of HF + Liger at stage 16): the split weights (q / o
-    # 4096 x 4096 in 2 chunks, down 4096 x 12288 in 3) on the TMA kernel with one accumulator and
-    # the chunk sum in a scratch tile ("spill"), bits against the table kernel at M = 4096, then the
-    # 8B step side by side with the table's rows and with the fastest bit-equal spill rows
-    bench tma 120 gpu_ops.py --only time_linear_tma --tma-ms 4096
-    ROWS=$(python3 - "$OUT/tma/gpu_ops.json" <<'PY'
-import json, sys
-t = json.load(open(sys.argv[1]))["sections"]["time_linear_tma"]
-rows = {}
-for name, nk in (("o", "4096,4096"), ("down", "4096,12288")):
-    e = t[name]["4096"]
-    ok = {c: v["ratio"] for c, v in e["tma"].items() if "spill" in c and v.get("rows_differing_from_table") == 0}
-    if ok:
-        best = max(ok, key=ok.get)
-        rows[nk] = [[512] + list(eval(best))]
-print(json.dumps(rows))
-PY
-)
-    echo "spill rows: $ROWS"
-    bench dense_train 110 gpu_train.py --sections train --models 8b --repeat 2
-    [ -n "$ROWS" ] && [ "$ROWS" != "{}" ] && bench dense_train_spill 110 gpu_train.py --sections train --models 8b --repeat 2 --tma-rows "$ROWS"
-    ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
     bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections train,rollout,decode --batch 2 --seq 512
@@ -191,7 +169,7 @@ tp) # issue 28 on a machine with 2 GPUs (kind nvidia-h200-x2): TP = 2 over NCCL,
     bench tp_layout 280 tp_layout.py --world 2
     bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
     ;;
-*)  echo "unknown stage $STAGE (1 to 17, nh, nh2, nh3, lora or tp)"; exit 2 ;;
+*)  echo "unknown stage $STAGE (1 to 16, nh, nh2, nh3, lora or tp)"; exit 2 ;;
 esac
 # the device tool brings back at most 8 files: one archive of every JSON and log
 tar -czf "/tmp/stage$STAGE.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/stage$STAGE.tgz" "$OUT/"

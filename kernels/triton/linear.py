@@ -242,16 +242,13 @@ def _launch(x, weight, bias, cfg, split, out=None):
 # first row with M >= min_M wins; M below the last row uses the table kernel. Tuning rule as for
 # CONFIG_TABLES: the fastest of benchmarks/gpu_ops.py time_linear_tma per M, kept only with 0 rows
 # differing from the table kernel. A split weight (two accumulators) spills registers at 128x256
-# tiles, hence 128x128 for the o and down projections.
+# tiles, hence 128x128 for the o and down projections (the chunk sum kept in a scratch tile
+# instead, one accumulator, was slower still: h200_h100_linear_tma_m4096_spill.json).
 TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
 _W, _S, _T = TMA_CONFIGS
 # the same tiles with the tile and K loops flattened into one pipeline (_linear_tma_flat_kernel;
 # one K chunk only: a split weight runs the loop nest whatever the row says)
 TMA_FLAT_CONFIGS = [(*c, "flat") for c in TMA_CONFIGS] + [(128, 256, 64, 8, 8, 4, "flat")]
-# for a split weight: one accumulator in registers, the chunk sum in a scratch tile
-# (_linear_tma_spill_kernel; a one-chunk weight runs the loop nest whatever the row says)
-TMA_SPILL_CONFIGS = [(128, 256, 64, 8, 8, 3, "spill"), (128, 256, 64, 8, 8, 4, "spill"),
-                     (256, 128, 64, 8, 8, 3, "spill")]
 TMA_TABLE = {
     (6144, 4096): [(4096, *_W), (1024, *_S), (512, *_W)],
     (4096, 4096): [(1024, *_T), (512, *_S)],
@@ -343,60 +340,6 @@ def _linear_tma_flat_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K, NUM_PROGS, 
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _linear_tma_spill_kernel(x_desc, w_desc, out_ptr, b_ptr, ws_ptr, M, N, K_CHUNK, NUM_PROGS, stride_om,
-                             HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                             INTERP: tl.constexpr):
-    """SPLIT > 1 with one accumulator in registers: the running chunk sum waits in the program's
-    own fp32 scratch tile (ws, L2-resident: one tile per program, reused by every tile it walks)
-    while the next chunk accumulates from zero, so a 128 x 256 tile does not hold two. The same
-    operations in the same order as _linear_tma_kernel (0.0 + chunk 0, + chunk 1, ...): an fp32
-    store and load are exact, so the same bits."""
-    pid = tl.program_id(0)
-    ws = ws_ptr + pid.to(tl.int64) * BM * BN + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
-    for tile in range(pid, num_tiles, NUM_PROGS):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        om = pid_m * BM
-        on = pid_n * BN
-        offs_n = on + tl.arange(0, BN)
-        total = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in range(0, K_CHUNK, BK):
-                a = x_desc.load([om, s * K_CHUNK + kk])
-                b = w_desc.load([on, s * K_CHUNK + kk])
-                if INTERP:
-                    acc += tl.dot(a.to(tl.float64), b.T.to(tl.float64)).to(tl.float32)
-                else:
-                    acc = tl.dot(a, b.T, acc)
-            # the barriers order the scratch between the program's threads (a store and the next
-            # load may map elements to different threads)
-            tl.debug_barrier()
-            if s == 0:
-                tl.store(ws, tl.zeros((BM, BN), dtype=tl.float32) + acc)
-            elif s < SPLIT - 1:
-                tl.store(ws, tl.load(ws) + acc)
-            else:
-                total = tl.load(ws) + acc
-            tl.debug_barrier()
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            total = total + bias[None, :]
-        offs_m = om + tl.arange(0, BM)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def tma_supported(x, weight):
     """TMA needs 16-byte aligned row strides and 2-byte types (bf16/fp16) for this kernel."""
     M, K = x.shape
@@ -410,7 +353,7 @@ def _launch_tma(x, weight, bias, cfg, split, out=None):
     M, K = x.shape
     N = weight.shape[0]
     BM, BN, BK, GROUP_M, warps, stages = cfg[:6]
-    variant = cfg[6] if len(cfg) > 6 else None
+    flat = len(cfg) > 6 and cfg[6] == "flat"
     if not tma_supported(x, weight):
         raise ValueError(f"bitmatch.kernels.linear: the TMA path needs bf16/fp16, K and N "
                          f"multiples of 8 and contiguous inputs; got {x.dtype}, K={K}, N={N}")
@@ -428,14 +371,7 @@ def _launch_tma(x, weight, bias, cfg, split, out=None):
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     progs = min(tiles, sm_count(x.device))
     kw = {} if interp else dict(num_warps=warps, num_stages=stages)
-    if variant == "spill" and split > 1:
-        ws = torch.empty((progs, BM, BN), device=x.device, dtype=torch.float32)
-        _linear_tma_spill_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, ws, M, N,
-                                           k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None,
-                                           SPLIT=split, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M,
-                                           INTERP=interp, **kw)
-        return out
-    if variant == "flat" and split == 1:
+    if flat and split == 1:
         _linear_tma_flat_kernel[(progs,)](x_desc, w_desc, out, bias if bias is not None else x, M, N,
                                           k_chunk, progs, out.stride(0), HAS_BIAS=bias is not None,
                                           BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, INTERP=interp, **kw)
