@@ -263,6 +263,31 @@ TMA_TABLE = {
 
 
 @triton.jit
+def _tile_origin(tile, num_pid_m, num_pid_in_group, GROUP_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """First row and column of output tile ``tile`` in the grouped (GROUP_M) tile order."""
+    group_id = tile // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m * BM, pid_n * BN
+
+
+@triton.jit
+def _store_tile(total, out_ptr, b_ptr, om, on, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    """+ bias (fp32), one rounding to the output dtype, masked store of the tile at (om, on)."""
+    offs_n = on + tl.arange(0, BN)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        total = total + bias[None, :]
+    offs_m = om + tl.arange(0, BM)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _linear_tma_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K_CHUNK, NUM_PROGS, stride_om,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -272,14 +297,7 @@ def _linear_tma_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K_CHUNK, NUM_PROGS,
     num_tiles = num_pid_m * num_pid_n
     num_pid_in_group = GROUP_M * num_pid_n
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGS):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        om = pid_m * BM
-        on = pid_n * BN
-        offs_n = on + tl.arange(0, BN)
+        om, on = _tile_origin(tile, num_pid_m, num_pid_in_group, GROUP_M, BM, BN)
         total = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -291,13 +309,7 @@ def _linear_tma_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K_CHUNK, NUM_PROGS,
                 else:
                     acc = tl.dot(a, b.T, acc)
             total = total + acc
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            total = total + bias[None, :]
-        offs_m = om + tl.arange(0, BM)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_tile(total, out_ptr, b_ptr, om, on, M, N, stride_om, HAS_BIAS, BM, BN)
 
 
 @triton.jit
@@ -313,13 +325,7 @@ def _linear_tma_flat_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K, NUM_PROGS, 
     num_pid_in_group = GROUP_M * num_pid_n
     k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        om = pid_m * BM
-        on = pid_n * BN
+        om, on = _tile_origin(tile, num_pid_m, num_pid_in_group, GROUP_M, BM, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
             a = x_desc.load([om, ki * BK])
@@ -330,14 +336,7 @@ def _linear_tma_flat_kernel(x_desc, w_desc, out_ptr, b_ptr, M, N, K, NUM_PROGS, 
                 acc = tl.dot(a, b.T, acc)
         # the chunk sum onto 0.0, as the other kernels do (-0.0 + 0.0 = +0.0 keeps the bits)
         total = tl.zeros((BM, BN), dtype=tl.float32) + acc
-        offs_n = on + tl.arange(0, BN)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            total = total + bias[None, :]
-        offs_m = om + tl.arange(0, BM)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_tile(total, out_ptr, b_ptr, om, on, M, N, stride_om, HAS_BIAS, BM, BN)
 
 
 def tma_supported(x, weight):
