@@ -202,7 +202,7 @@ def train(size, profile=True, iters=3):
     model.zero_grad(set_to_none=True)
     del model
     empty_cache()
-    res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters))
+    res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters, profile))
     print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
     return res
 
@@ -266,7 +266,40 @@ def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=Fals
     return res
 
 
-def liger(size, ids, ours_ms, ours_peak, iters) -> dict:
+def bwd_gemm_layouts(M=4096, reps=20):
+    """The trainer's backward GEMMs (kernels/linear.py, LinearFunction.backward) at the 8B shapes,
+    M = 4 x 1024: as called (gx = g @ W, gw = g^T @ x) and as the transposed products (cuBLAS
+    then picks other kernels), the transposed result made contiguous or not; ms per call over
+    ``reps`` back-to-back calls, and the kernel each ran."""
+    shapes = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (12288, 4096), "down": (4096, 12288)}
+    out = {}
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=DEV, dtype=BF) * 0.02
+        x = torch.randn(M, K, device=DEV, dtype=BF)
+        g = torch.randn(M, N, device=DEV, dtype=BF)
+        fns = {"gx_g@W": lambda: g @ w, "gx_(Wt@gt)t": lambda: (w.t() @ g.t()).t(),
+               "gx_(Wt@gt)t_contiguous": lambda: (w.t() @ g.t()).t().contiguous(),
+               "gw_gt@x": lambda: g.t() @ x, "gw_(xt@g)t": lambda: (x.t() @ g).t(),
+               "gw_(xt@g)t_contiguous": lambda: (x.t() @ g).t().contiguous()}
+        r = {}
+        for k, fn in fns.items():
+            for _ in range(3):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            top = top_kernels(fn, k=2) or {}
+            r[k] = {"ms": (time.perf_counter() - t0) * 1e3 / reps,
+                    "kernels": [t["name"][:70] for t in top.get("top", [])]}
+        out[name] = r
+        print("bwd_gemm", name, json.dumps({k: round(v["ms"], 4) for k, v in r.items()}), flush=True)
+        empty_cache()
+    return out
+
+
+def liger(size, ids, ours_ms, ours_peak, iters, profile=True) -> dict:
     """The training baseline TRL users enable (GRPOConfig(use_liger_kernel=True)): HF + Liger's
     Triton rms_norm, swiglu and rope on a fresh copy of the same model (same seed)."""
     try:
@@ -281,7 +314,8 @@ def liger(size, ids, ours_ms, ours_peak, iters) -> dict:
     stock, _ = train_step_fns(model, ids)
     peak, _ = _peak(model, stock)
     t_l = cuda_ms(stock, iters=iters, warmup=1)
-    out = {"liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l, "liger_peak_gib": peak,
+    prof = {"profile_liger": top_kernels(stock, k=16)} if profile else {}
+    out = {**prof, "liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l, "liger_peak_gib": peak,
            "liger_tokens_per_s": ids.numel() / t_l * 1e3, "tokens_per_s_ratio_vs_liger": t_l / ours_ms,
            "peak_memory_ratio_vs_liger": ours_peak / max(peak, 1e-9)}
     model.zero_grad(set_to_none=True)
@@ -322,6 +356,11 @@ def main():
             rec.put("backward_ops", backward_ops())
         except Exception:
             rec.err("backward_ops")
+    if "bwd_gemms" in secs:
+        try:
+            rec.put("bwd_gemms", bwd_gemm_layouts())
+        except Exception:
+            rec.err("bwd_gemms")
     if "train" in secs:
         out = {}
         for size in a.models.split(","):
