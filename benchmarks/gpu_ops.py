@@ -195,6 +195,7 @@ def main():
              ("sweep_decode", lambda: A.sweep_decode(K, ceil)),
              ("time_attention_variants", lambda: A.time_attention_variants(K, args.quick, ceil)),
              ("attention_backward", lambda: A.attention_backward(K, args.quick)),
+             ("attention_bwd_cudnn", lambda: A.attention_bwd_cudnn(K)),
              ("time_linear", lambda: L.time_linear(K, args.quick)),
              ("time_linear_tma", lambda: L.time_linear_tma(K)),
              ("inv_linear", lambda: L.inv_linear(K, args.quick)),
@@ -206,7 +207,7 @@ def main():
              ("time_attention", lambda: A.time_attention(K, args.quick, ceil)),
              ("sweep_linear", lambda: L.sweep_linear(K))]
     # the variant sections replace the single-variant ones unless asked for by --only
-    default_skip = {"inv_attention", "time_attention"}
+    default_skip = {"inv_attention", "time_attention", "attention_bwd_cudnn"}
     for name, fn in steps:
         if not want(name) or (name == "sweep_linear" and not args.sweep):
             continue
