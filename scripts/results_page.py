@@ -337,9 +337,10 @@ def r_gpu_train(d):
         rows.append([size, t.get("batch"), t.get("tokens_per_s_ratio"), t.get("peak_memory_ratio"),
                      t.get("tokens_per_s_ratio_vs_liger"), t.get("peak_memory_ratio_vs_liger"),
                      syncs.get("count") if isinstance(syncs, dict) else None])
-    return header(d) + ["Ratio = bitmatch tokens/s / baseline tokens/s; memory = bitmatch peak / baseline peak.", ""] + \
+    out = header(d) + ["Ratio = bitmatch tokens/s / baseline tokens/s; memory = bitmatch peak / baseline peak.", ""] + \
         table(["model", "batch", "vs stock HF", "memory vs HF", "vs HF + Liger", "memory vs HF + Liger",
                "host syncs per step"], rows)
+    return out + (["", f"Note: {fmt(d['note'])}"] if d.get("note") else [])
 
 
 def r_tp_layout(d):

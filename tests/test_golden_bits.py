@@ -16,7 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the --write run)
+if __name__ == "__main__":  # the --write run: the interpreter, set before triton is imported (pytest:
+    # conftest sets it; a script importing this module, benchmarks/golden_gpu.py, keeps its own)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
