@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 16
-# (the golden bits on the GPU, 8B training, V4 mid decode, TRL's LoRA step), then 13, 11, 9, 7, 1, 2.
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 20
+# (the trainer's attention backward on cuDNN from our forward), then 13, 11, 9, 7, 1, 2. The golden
+# bits compare with golden_gpu_h200_compiled.json (the earlier golden files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -92,7 +93,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # moved: order version 2; expect a stamp change there, and the rest equal)
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100.json"
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
     ;;
 12) # issue 21 after stage 10's profile: the kept pinned upload buffers (CUDA test), the V4 decode
     # linears' tiles swept at decode M (bits against the table's), the decode step side by side:
@@ -105,7 +106,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
 13) # after 12: the golden bits (the mHC mix kernel now runs 4 K blocks a trip: expect no change;
     # apply_rotary_interleaved's GPU bits are open), V4 mid decode with the decode tiles, profiled
     # (21); TRL's LoRA step, the check on the loss's logprobs beside the extra-forward one (27)
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_stage10.json"
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
     ;;
@@ -113,7 +114,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # trainer's shape (4 x 1024) beside cuDNN's (HF's SDPA on Hopper), the TMA linear with its tile
     # and K loops flattened at M = 4096 (bits against the table kernel), the training step before
     # any change; and issue 21's open golden row: apply_rotary_interleaved's GPU bits explained
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_stage10.json" --explain apply_rotary_interleaved
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
     bench ops_bwd_tma 240 gpu_ops.py --only attention_backward,time_linear_tma --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4 --tma-ms 4096
     bench dense_train 150 gpu_train.py --sections train --models 1.7b,8b --budget-s 130
     ;;
@@ -121,7 +122,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # trainer's shape, then the 8B / 1.7B training step twice each with the default tiles and with
     # the sweep's pick for 4 x 1024, side by side (22); the fp32 -> bf16 probe beside the rotary
     # explanation (21)
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_stage10.json" --explain apply_rotary_interleaved
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
     bench ops_bwd 200 gpu_ops.py --only attention_backward --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4
     T=$(python3 -c "import json; c = json.load(open('$OUT/ops_bwd/gpu_ops.json'))['sections']['attention_backward']['chosen_by_case']['S1024_B4']; print(','.join(map(str, c['dq'])) + '/' + ','.join(map(str, c['kv'])))")
     echo "bwd tiles for 4 x 1024: $T"

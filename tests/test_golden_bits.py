@@ -341,6 +341,19 @@ def write():
     print(f"wrote {GOLDEN} ({sum(len(s) for b in data['bits'].values() for s in b.values())} hashes)")
 
 
+def test_importing_this_module_leaves_the_interpreter_switch_alone():
+    """benchmarks/golden_gpu.py imports this module for its cases: setting TRITON_INTERPRET here
+    on import ran every 'GPU' golden kernel in the interpreter on the host's CPU (the --write
+    run, this file as a script, still sets it)."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, sys; sys.path.insert(0, {d!r}); import test_golden_bits; "
+            "print(os.environ.get('TRITON_INTERPRET'))").format(d=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None"
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true", help="regenerate tests/golden_bits.json")
