@@ -414,38 +414,3 @@ def test_triton_combine_rank_order_equals_reference():
     assert_bitwise_equal(out, K.moe.combine_reference(y, w), "combine")
     rev = K.moe.combine_reference(y.flip(1).contiguous(), w.flip(1).contiguous())
     assert not torch.equal(rev, out)
-
-
-@triton_only
-@pytest.mark.parametrize("E,T,k", [(64, 64, 6), (5, 7, 3), (1, 9, 1), (128, 33, 8), (16, 128, 8)])
-def test_triton_layout_sort_is_torch_stable_sort(E, T, k):
-    """Few rows (decode): the layout launch sorts the (token, rank) rows itself, a stable
-    counting sort; it must give torch.sort(stable=True)'s permutation (unique), with ties, one
-    expert taking every row and blocks of rows that straddle chunk edges, and the same tok /
-    counts / row_start / tile_end as the torch.sort path. Control: an unstable order (ties
-    reversed) differs from it."""
-    from bitmatch.kernels.triton import moe as M
-    g = torch.Generator().manual_seed(E * 1000 + T)
-    cases = {"random": torch.randint(0, E, (T, k), generator=g), "one expert": torch.full((T, k), E - 1),
-             "two experts": torch.randint(0, min(E, 2), (T, k), generator=g)}
-    orders = {}
-    for name, ids in cases.items():
-        ref = torch.sort(ids.reshape(-1), stable=True).indices
-        assert ids.numel() <= M.SORT_IN_LAYOUT_MAX_ROWS
-        got = M.expert_layout(ids, E, 16)
-        orders[name] = got[0]
-        old = M.SORT_IN_LAYOUT_MAX_ROWS
-        try:
-            M.SORT_IN_LAYOUT_MAX_ROWS = -1       # the torch.sort path
-            via_sort = M.expert_layout(ids, E, 16)
-        finally:
-            M.SORT_IN_LAYOUT_MAX_ROWS = old
-        assert torch.equal(got[0], ref), name
-        for a, b in zip(got[:5], via_sort[:5]):
-            assert torch.equal(a, b), name
-    assert torch.equal(orders["one expert"], torch.arange(T * k))
-    # control: the ties of each expert in reverse (an unstable sort's right to do so) is caught
-    flat = cases["two experts"].reshape(-1)
-    unstable = torch.cat([(flat == e).nonzero().flatten().flip(0) for e in range(E)])
-    if any(int((flat == e).sum()) > 1 for e in range(E)):
-        assert not torch.equal(unstable, orders["two experts"])

@@ -15,9 +15,8 @@ so a token's routing, expert outputs and combine depend on nothing but the token
 state: the engine and the trainer choose the same experts by construction (no routing replay).
 
 CUDA graphs: on the Triton backend every op of the block is host-sync free with shapes fixed by
-the step's row count (routing: one program per token; the expert sort: a stable counting sort
-in one launch for a decode step's rows, ``torch.sort`` for more, then integer sums on the device;
-the grouped GEMMs: a grid sized by its upper bound,
+the step's row count (routing: one program per token; the expert sort: ``torch.sort`` and an
+integer scatter-add / cumsum on the device; the grouped GEMMs: a grid sized by its upper bound,
 programs past the real tile count return; the combine: one program per token; the expert-id range
 check: ``torch._assert_async``), so the family opts into the engine's decode graphs
 (``cuda_graph_safe``; tests/test_engine_graphs_moe.py). The CPU reference is not sync-free

@@ -3,7 +3,7 @@ kernels/moe.py).
 
 - moe_route: one program per token (E scores in one block, block width and warps fixed by E);
   top-k by k rounds of "max, then the lowest index holding it", so ties go to the lowest index.
-- moe_experts: the (token, rank) pairs are sorted by expert (stable: exact); each program
+- moe_experts: the (token, rank) pairs are sorted by expert (torch.sort, exact); each program
   owns BM rows of ONE expert and BN output columns. Every row's dot runs through linear.py's
   chunk_acc with linear's split_for(N, K): the K order of kernels.linear, so a row's bits are
   linear's for that row whatever the tile shape or how many rows its expert got. GEMM 1 fuses
@@ -228,37 +228,21 @@ class Kept(NamedTuple):
 
 @triton.jit
 def _layout_kernel(ids_ptr, order_ptr, tok_ptr, counts_ptr, row_start_ptr, tile_end_ptr, S, E, TOPK, BM,
-                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, SORT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: per expert the row count (integer sums: exact), the first sorted row
-    (exclusive prefix sum) and the cumulative BM-row tiles; tok = order // k. ``SORT``: the order
-    too, a stable counting sort (a row goes to its expert's first row + the rows of that expert
-    before it: torch.sort(stable=True)'s permutation, which is unique); else order is given."""
+                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: tok = order // k, and per expert the row count (integer sums: exact), the
+    first sorted row (exclusive prefix sum) and the cumulative BM-row tiles."""
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int64)
     for s0 in range(0, S, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         m = offs < S
-        if not SORT:
-            tl.store(tok_ptr + offs, tl.load(order_ptr + offs, mask=m, other=0) // TOPK, mask=m)
+        tl.store(tok_ptr + offs, tl.load(order_ptr + offs, mask=m, other=0) // TOPK, mask=m)
         ids = tl.load(ids_ptr + offs, mask=m, other=-1)
         counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int64), 0)
     me = offs_e < E
-    row_start = tl.cumsum(counts, 0) - counts
     tl.store(counts_ptr + offs_e, counts, mask=me)
-    tl.store(row_start_ptr + offs_e, row_start, mask=me)
+    tl.store(row_start_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=me)
     tl.store(tile_end_ptr + offs_e, tl.cumsum((counts + BM - 1) // BM, 0), mask=me)
-    if SORT:  # int32 inside: S is small here (SORT_IN_LAYOUT_MAX_ROWS)
-        nxt = row_start.to(tl.int32)   # each expert's next free sorted row
-        for s0 in range(0, S, BLOCK_R):
-            offs = s0 + tl.arange(0, BLOCK_R)
-            m = offs < S
-            ids = tl.load(ids_ptr + offs, mask=m, other=-1)
-            hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)          # [rows, experts]
-            before = tl.cumsum(hot, 0) - hot                              # same expert, earlier in the block
-            pos = tl.sum(hot * (before + nxt[None, :]), 1)
-            tl.store(order_ptr + pos, offs.to(tl.int64), mask=m)
-            tl.store(tok_ptr + pos, (offs // TOPK).to(tl.int64), mask=m)
-            nxt += tl.sum(hot, 0)
 
 
 def _grid_m(S, BM, E):
@@ -273,28 +257,19 @@ def row_tiles(counts, BM, S):
     return tile_end, _grid_m(S, BM, counts.shape[0])
 
 
-# Up to this many (token, rank) rows (decode steps: B x top_k), the layout launch sorts them
-# itself (a stable counting sort in one program) instead of a torch.sort launch before it; more
-# rows (prefill, training) keep torch.sort, whose time grows slower with the rows. The same
-# permutation either way (a stable sort's is unique): a speed knob, not part of the order.
-SORT_IN_LAYOUT_MAX_ROWS = 1024
-
-
 def expert_layout(ids, E, BM):
     """The (token, rank) rows sorted by expert, on the device, no host sync: (order: sorted row ->
     flat t*k + r, tok: sorted row -> token, counts and row_start per expert, tile_end, grid_m).
-    The sort is stable (exact): torch.sort, or for few rows the layout launch itself."""
+    The sort is torch.sort (stable: exact); the rest is one launch (integer sums)."""
     flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
     S = flat.numel()
-    in_layout = S <= SORT_IN_LAYOUT_MAX_ROWS
-    order = torch.empty(S, device=ids.device, dtype=torch.int64) if in_layout else torch.sort(flat, stable=True).indices
     tok = torch.empty_like(order)
     counts, row_start, tile_end = (torch.empty(E, device=ids.device, dtype=torch.int64) for _ in range(3))
     block_e = triton.next_power_of_2(E)
     kw = {} if interpreting(ids) else dict(num_warps=4)
     _layout_kernel[(1,)](flat, order, tok, counts, row_start, tile_end, S, E, ids.shape[1], BM,
-                         BLOCK_E=block_e, BLOCK_S=max(16, min(1024, 8192 // block_e)), SORT=in_layout,
-                         BLOCK_R=max(16, min(128, 2048 // block_e)), **kw)
+                         BLOCK_E=block_e, BLOCK_S=max(16, min(1024, 8192 // block_e)), **kw)
     return order, tok, counts, row_start, tile_end, _grid_m(S, BM, E)
 
 
