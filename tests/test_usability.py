@@ -29,8 +29,13 @@ def small():
 
 @pytest.fixture()
 def no_network(monkeypatch):
-    """Every hub request is counted; ``fail`` decides what it raises (default: the network is down)."""
+    """Every hub request is counted; ``fail`` decides what it raises (default: the network is down).
+    Hub access on: huggingface_hub reads HF_HUB_OFFLINE once, at import, and a test that imported it
+    first under HF_HUB_OFFLINE=1 (tests/test_readme.py's blocks) would leave it off for the worker."""
     import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
     class Calls(list):
         fail = staticmethod(lambda name: OSError("[Errno -2] Name or service not known"))
