@@ -127,7 +127,7 @@ def main(argv=None):
 def _conversion_probe(torch):
     """How this machine's Triton converts fp32 -> bf16 (``.to``, the default rounding, and each
     explicit mode) on values whose nearest-even and toward-zero results differ, beside torch's
-    conversion; and which ptxas compiled it."""
+    conversion (all equal when the kernels are compiled; the interpreter truncates)."""
     import triton
     import triton.language as tl
 
@@ -143,26 +143,12 @@ def _conversion_probe(torch):
     x = torch.tensor([0.99999553, 1.0 + 3 * 2.0 ** -9, -3.5156251, 0.5827536, 1.0 + 2.0 ** -8],
                      dtype=torch.float32, device="cuda")
     outs = [torch.empty(x.shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
-    k = conv[(1,)](x, *outs, x.numel(), BLOCK=8)
+    conv[(1,)](x, *outs, x.numel(), BLOCK=8)
     ref = x.to(torch.bfloat16)
     res = {"inputs": x.tolist(), "torch_rn": ref.float().tolist()}
     for name, o in zip(("default", "rtne", "rtz"), outs):
         res[name] = o.float().tolist()
         res[f"{name}_equals_torch"] = bool(torch.equal(o, ref))
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
-        res["ptxas"] = str(get_ptxas())
-        res["ptxas_version"] = str(get_ptxas_version())
-    except Exception as e:
-        res["ptxas"] = repr(e)[:200]
-    asm = getattr(k, "asm", {}) or {}
-    ptx = asm.get("ptx", "")
-    res["ptx_cvt"] = sorted({w for w in ptx.split() if w.startswith("cvt.") and "bf16" in w})
-    try:
-        sass = asm["sass"]
-    except Exception:  # nvdisasm missing: the PTX alone
-        sass = ""
-    res["sass_f2f"] = sorted({ln.split("/*")[0].strip()[:60] for ln in sass.splitlines() if "F2F" in ln})[:8]
     return res
 
 

@@ -343,10 +343,10 @@ def main():
         for key, rows in json.loads(a.tma_rows).items():
             lin.TMA_TABLE[tuple(int(v) for v in key.split(","))] = [tuple(r) for r in rows]
     if a.bwd_tiles:
-        from bitmatch.kernels.triton import attention_bwd as bwd
+        from bitmatch.kernels.triton import attention_bwd
+        from ops_attention import set_bwd_tiles
         dq, kv = (tuple(int(v) for v in part.split(",")) for part in a.bwd_tiles.split("/"))
-        bwd.BWD_DQ_BLOCK_M, bwd.BWD_DQ_BLOCK_N, bwd.BWD_DQ_WARPS, bwd.BWD_DQ_STAGES = dq
-        bwd.BWD_KV_BLOCK_M, bwd.BWD_KV_BLOCK_N, bwd.BWD_KV_WARPS, bwd.BWD_KV_STAGES = kv
+        set_bwd_tiles(attention_bwd, dq, kv)
     os.makedirs(a.out, exist_ok=True)
     rec = Recorder(os.path.join(a.out, "gpu_train.json"), a)
     t0 = time.time()

@@ -389,7 +389,8 @@ BWD_CFGS = {  # (dq BM, BN, warps, stages), (dkdv BM, BN, warps, stages)
 # the first case's winners. 1024 x 4 is the 8B training step's (benchmarks/gpu_train.py).
 BWD_SWEEP_CASES = [(4096, 4)]
 BWD_TIME_S = (512, 1024, 2048, 4096, 8192)
-def _set_bwd(mod, dq=None, kv=None):
+def set_bwd_tiles(mod, dq=None, kv=None):
+    """Set kernels/triton/attention_bwd.py's launch knobs: dq / kv = (BM, BN, warps, stages)."""
     if dq:
         mod.BWD_DQ_BLOCK_M, mod.BWD_DQ_BLOCK_N, mod.BWD_DQ_WARPS, mod.BWD_DQ_STAGES = dq
     if kv:
@@ -481,7 +482,7 @@ def attention_backward(K, quick):
     first = None
     try:
         for S_sw, B_sw in BWD_SWEEP_CASES:
-            _set_bwd(bwd, *old)
+            set_bwd_tiles(bwd, *old)
             q, k, v, do, cu = case(S_sw, B_sw)
             best_dq, best_kv = old
             tag = "" if (S_sw, B_sw) == (4096, 4) else f"S{S_sw}_B{B_sw}_"
@@ -489,7 +490,7 @@ def attention_backward(K, quick):
             for part in ("dq", "kv"):
                 best = None
                 for c in BWD_CFGS[part]:
-                    _set_bwd(bwd, **{part: c})
+                    set_bwd_tiles(bwd, **{part: c})
                     try:
                         t = triton_bench(ours_bwd_fn(q, k, v, do, cu, S_sw))
                     except Exception as e:
@@ -500,7 +501,7 @@ def attention_backward(K, quick):
                         best = (t, c)
                     print("bwd sweep", S_sw, B_sw, part, c, t, flush=True)
                 if best:
-                    _set_bwd(bwd, **{part: best[1]})
+                    set_bwd_tiles(bwd, **{part: best[1]})
                     if part == "dq":
                         best_dq = best[1]
                     else:
@@ -510,7 +511,7 @@ def attention_backward(K, quick):
             del q, k, v, do
             torch.cuda.empty_cache()
         best_dq, best_kv = first
-        _set_bwd(bwd, dq=best_dq, kv=best_kv)
+        set_bwd_tiles(bwd, dq=best_dq, kv=best_kv)
         res["chosen"] = {"dq": best_dq, "kv": best_kv}
         gqa_ok = [True]
         for c in BWD_TIME_S:
@@ -522,7 +523,7 @@ def attention_backward(K, quick):
             torch.cuda.empty_cache()
     finally:
         # the timings above ran with the chosen tiles; leave them set for later sections
-        _set_bwd(bwd, dq=best_dq, kv=best_kv)
+        set_bwd_tiles(bwd, dq=best_dq, kv=best_kv)
     return res
 def _time_bwd_case(S, res, case, ours_bwd_fn, gqa_ok, att, Hq, Hkv, D, scale, B=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -109,8 +109,7 @@ def time_linear_tma(K, ms=None):
                                                                   cfg_t, S)), nbytes),
                  "tma": {}}
             e["table_ratio"] = e["cublas_ms"] / e["table_ms"]
-            flat = getattr(lin, "TMA_FLAT_CONFIGS", []) if S == 1 else []
-            for c in list(lin.TMA_CONFIGS) + list(flat):
+            for c in lin.TMA_CONFIGS + (lin.TMA_FLAT_CONFIGS if S == 1 else []):
                 try:
                     o = lin._launch_tma(xs[0], ws[0], None, c, S)
                     bad = rows_mismatch(o, ref)
