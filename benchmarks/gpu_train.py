@@ -337,6 +337,9 @@ def main():
     ap.add_argument("--tma-rows", default="", help="JSON {\"N,K\": [[min_M, BM, BN, BK, GROUP_M, warps, "
                     "stages(, variant)], ...]} replacing those shapes' rows of kernels/triton/linear.py TMA_TABLE "
                     "for this run (rows whose bits the time_linear_tma harness checked)")
+    ap.add_argument("--attn-bwd", default="", help="comma list of attention backward backends to time "
+                    "in turn (kernels/triton/attention_bwd.py BWD_BACKEND: triton, cudnn, auto); rows "
+                    "recorded as <model>_<backend>")
     a = ap.parse_args()
     if a.tma_rows:
         from bitmatch.kernels.triton import linear as lin
@@ -367,13 +370,20 @@ def main():
             if a.budget_s and time.time() - t0 > a.budget_s:
                 rec.data.setdefault("skipped_for_time", []).append(f"train_{size}")
                 continue
-            for i in range(max(a.repeat, 1)):
-                key = size if i == 0 else f"{size}_run{i + 1}"
-                try:
-                    out[key] = train(size)
-                except Exception:
-                    rec.err(f"train_{key}")
-                rec.put("train", out)
+            for backend in (a.attn_bwd.split(",") if a.attn_bwd else [None]):
+                if backend:
+                    from bitmatch.kernels.triton import attention_bwd
+                    attention_bwd.BWD_BACKEND = backend
+                for i in range(max(a.repeat, 1)):
+                    key = size + (f"_{backend}" if backend else "") + ("" if i == 0 else f"_run{i + 1}")
+                    try:
+                        out[key] = train(size)
+                        if backend:
+                            out[key]["attention_bwd"] = {"backend": backend,
+                                                         "cudnn_check": str(attention_bwd._CUDNN_OK)}
+                    except Exception:
+                        rec.err(f"train_{key}")
+                    rec.put("train", out)
     rec.data["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rec.flush()
 

@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|18|19|20|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -147,8 +147,18 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench dense_train 150 gpu_train.py --sections bwd_gemms,train --models 8b
     ;;
 20) # issue 22: the attention (ours 27.6 ms per 8B step, cuDNN 13.5 ms in HF + Liger's, stage 19):
-    # can the trainer's backward run on cuDNN from our forward's output and logsumexp?
-    bench attn_cudnn 120 gpu_ops.py --only attention_bwd_cudnn
+    # the trainer's backward on cuDNN from our forward's output and logsumexp (BWD_BACKEND), its
+    # gradients on equal and ragged batches, then the 8B and 1.7B steps on each backend; the golden bits
+    bench attn_cudnn 150 gpu_ops.py --only attention_bwd_cudnn
+    bench dense_train 300 gpu_train.py --sections train --models 8b,1.7b --attn-bwd triton,cudnn
+    bench golden 90 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    # the indexer's top-k tie rule at +-0 scores (CUDA's radix sort orders -0.0 below +0.0)
+    python3 -c "import torch, json; from bitmatch.kernels import indexer as I
+s = torch.tensor([[-0., 0., -0., 0., 1., -1.]])
+print(json.dumps({'raw_cuda_sort': torch.sort(s.cuda(), -1, True, stable=True).indices.tolist(),
+  'select_rows_cuda': I.select_rows(s.cuda(), torch.tensor([11]).cuda(), 2, 3).tolist(),
+  'select_rows_cpu': I.select_rows(s, torch.tensor([11]), 2, 3).tolist()}))" > "$OUT/zero_tie.json" 2>&1
+    cat "$OUT/zero_tie.json"
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

@@ -373,6 +373,29 @@ def test_attention_backward_bf16_and_forward_bits():
         assert _rel_err(got, ref) < 0.02
 
 
+def test_attention_backward_backend_choice(monkeypatch):
+    """BWD_BACKEND: 'auto' off CUDA runs the Triton backward (same bits, no warning); 'cudnn'
+    where cuDNN cannot run raises naming why and the knob; an unknown name raises. (The cuDNN
+    backward itself runs on the GPU: benchmarks/gpu_ops.py --only attention_bwd_cudnn.)"""
+    import warnings
+    bwd = importlib.import_module("bitmatch.kernels.triton.attention_bwd")
+    q, k, v, cu = _seqs([21, 12], Hq=4, Hkv=2, D=16, seed=3)
+    do = _randn(q.shape[0], 4, 16, seed=4)
+    out, lse = K.attention.attention_prefill(q, k, v, cu, 0.3, True, None, return_lse=True)
+    ref = bwd.attention_prefill_backward(do, q, k, v, out, lse, cu, 0.3)
+    monkeypatch.setattr(bwd, "BWD_BACKEND", "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = bwd.attention_prefill_backward_any(do, q, k, v, out, lse, cu, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    monkeypatch.setattr(bwd, "BWD_BACKEND", "cudnn")
+    with pytest.raises(RuntimeError, match="not on CUDA.*BITMATCH_ATTENTION_BWD"):
+        bwd.attention_prefill_backward_any(do, q, k, v, out, lse, cu, 0.3)
+    monkeypatch.setattr(bwd, "BWD_BACKEND", "cudn")
+    with pytest.raises(ValueError, match="'triton', 'cudnn' or 'auto'"):
+        bwd.attention_prefill_backward_any(do, q, k, v, out, lse, cu, 0.3)
+
+
 @pytest.mark.slow  # 11 s in the interpreter
 def test_attention_skip_full_block_masks_same_bits(small_partition):
     """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the

@@ -29,7 +29,7 @@ import triton.language as tl
 from .. import order
 from . import interpreting, sm_count
 from ._jit import dot
-from .attention_bwd import attention_prefill_backward
+from .attention_bwd import attention_prefill_backward_any
 
 _LOG2E = 1.4426950408889634
 
@@ -432,8 +432,8 @@ class AttentionPrefillTriton(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, out, lse, cu = ctx.saved_tensors
         scale, causal, window, max_seqlen = ctx.args
-        dq, dk, dv = attention_prefill_backward(g, q, k, v, out, lse, cu, scale, causal, window,
-                                                max_seqlen=max_seqlen)
+        dq, dk, dv = attention_prefill_backward_any(g, q, k, v, out, lse, cu, scale, causal, window,
+                                                    max_seqlen=max_seqlen)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -13,7 +13,18 @@ scores scaled by scale*log2(e)): P is recomputed tile by tile, never stored.
 Gradients need to be correct, not invariant: tile sizes are tuned freely (BWD_* knobs). Every
 sum is still a fixed order for a given launch shape (no atomics), so a backward is
 deterministic run to run.
+
+A second backend, cuDNN's flash backward (what HF's SDPA runs on Hopper), takes the same saved
+tensors: our forward's output and logsumexp (converted to cuDNN's natural-log stats), the packed
+varlen batch through torch's ragged cuDNN op. BWD_BACKEND picks: "triton"; "cudnn" (raises,
+naming the reason, where it cannot run); "auto" = cuDNN where it runs and passed a one-time check
+against the Triton backward on this device, Triton otherwise (a warning says why, once).
+cuDNN's dQ is not deterministic run to run: under torch.use_deterministic_algorithms(True),
+"auto" picks Triton. Either way the forward's bits are untouched.
 """
+import os
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +45,7 @@ BWD_KV_BLOCK_M = 32
 BWD_KV_BLOCK_N = 64
 BWD_KV_WARPS = 4
 BWD_KV_STAGES = 3
+BWD_BACKEND = os.environ.get("BITMATCH_ATTENTION_BWD", "triton")
 
 
 @triton.jit
@@ -216,3 +228,116 @@ def attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal=Tr
         q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), win, Hq, Hkv, G,
         BLOCK_M=bm_kv, BLOCK_N=bn_kv, **common, **kw_kv)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN backend
+
+_CUDNN_OK = {}   # device index -> (usable, reason): the one-time check's verdict
+
+
+_LN2 = 0.6931471805599453
+_STATS = {}      # device index -> ("HT" or "TH", trailing unit dim): the cuDNN forward's stats layout
+
+
+def _stats_for(lse, T, H, dev):
+    """Our base-2 lse [T, H] as cuDNN's natural-log stats, in the layout the cuDNN forward gives
+    its own (learned once per device by _cudnn_check)."""
+    order_, unit = _STATS[dev]
+    nat = lse * _LN2
+    nat = nat.t().contiguous() if order_ == "HT" else nat
+    return nat.unsqueeze(-1) if unit else nat
+
+
+def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen):
+    T, Hq, _ = q.shape
+    dev = q.device.index
+    none = torch.empty(0, device=q.device, dtype=q.dtype)
+    seed = torch.zeros((), device=q.device, dtype=torch.int64)
+    return torch.ops.aten._cudnn_attention_backward(
+        do, q, k, v, o, _stats_for(lse, T, Hq, dev), seed, seed, none, cu, cu, max_seqlen,
+        max_seqlen, 0.0, bool(causal), scale=float(scale))
+
+
+def _cudnn_check(device):
+    """Once per device: learn the cuDNN forward's stats layout on a small ragged batch, then run
+    the cuDNN backward from OUR forward's output and lse there and compare with the Triton
+    backward. (usable, reason)."""
+    from .attention import attention_prefill
+    dev = device.index
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        lens = [40, 88]
+        T, Hq, Hkv, D = sum(lens), 4, 2, 64
+        q, k, v, do = (torch.randn(T, h, D, device=device, dtype=torch.bfloat16, generator=g)
+                       for h in (Hq, Hkv, Hkv, Hq))
+        cu = torch.tensor([0, 40, 128], device=device, dtype=torch.int32)
+        fw = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, 88, 88, True, 0.0,
+                                                     True, False, scale=D ** -0.5)
+        shp = tuple(fw[1].shape)
+        if shp in ((Hq, T), (Hq, T, 1)):
+            _STATS[dev] = ("HT", len(shp) == 3)
+        elif shp in ((T, Hq), (T, Hq, 1)):
+            _STATS[dev] = ("TH", len(shp) == 3)
+        else:
+            return False, f"cuDNN forward's stats shape {shp} is not [H, T] or [T, H]"
+        out, lse = attention_prefill(q, k, v, cu, D ** -0.5, True, None, max_seqlen=88,
+                                     return_lse=True)
+        ref = attention_prefill_backward(do, q, k, v, out, lse, cu, D ** -0.5, max_seqlen=88)
+        got = _cudnn_call(do, q, k, v, out, lse, cu, D ** -0.5, True, 88)
+        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+            err = float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+            if not err < 2e-2:
+                return False, f"cuDNN {name} differs from the Triton backward (rel rms {err:.3g})"
+        return True, "checked against the Triton backward"
+    except Exception as e:  # the op missing in this torch build, cuDNN without ragged SDPA, ...
+        return False, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _cudnn_refusal(q, sliding_window):
+    """Why the cuDNN backward cannot take this call (None: it can)."""
+    if not q.is_cuda:
+        return "tensors are not on CUDA"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (cuDNN's flash backward takes bf16 / fp16)"
+    if sliding_window is not None and sliding_window > 0:
+        return "sliding window"
+    if q.shape[-1] % 8 or q.shape[-1] > 128:
+        return f"head dim {q.shape[-1]}"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "GPU older than sm_80"
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms is on (cuDNN's dQ is not deterministic)"
+    dev = q.device.index
+    if dev not in _CUDNN_OK:
+        _CUDNN_OK[dev] = _cudnn_check(q.device)
+    ok, why = _CUDNN_OK[dev]
+    return None if ok else why
+
+
+_WARNED = set()
+
+
+def attention_prefill_backward_any(do, q, k, v, o, lse, cu_seqlens, scale, causal=True,
+                                   sliding_window=None, *, max_seqlen=None):
+    """attention_prefill_backward on the backend BWD_BACKEND names (module docstring)."""
+    backend = BWD_BACKEND
+    if backend not in ("triton", "cudnn", "auto"):
+        raise ValueError(f"attention backward: BWD_BACKEND / BITMATCH_ATTENTION_BWD must be "
+                         f"'triton', 'cudnn' or 'auto', got {backend!r}")
+    if backend != "triton" and q.shape[0] > 0:
+        why = _cudnn_refusal(q, sliding_window)
+        if why is None:
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+            if max_seqlen is None:
+                max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+            return _cudnn_call(do.contiguous(), q, k, v, o, lse, cu, scale, causal, max_seqlen)
+        if backend == "cudnn":
+            raise RuntimeError(f"attention backward: BWD_BACKEND='cudnn' cannot run here ({why}); "
+                               f"set it (or BITMATCH_ATTENTION_BWD) to 'auto' or 'triton'")
+        if q.is_cuda and why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"attention backward: the Triton kernels run, not cuDNN ({why})",
+                          stacklevel=2)
+    return attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal,
+                                      sliding_window, max_seqlen=max_seqlen)
