@@ -155,7 +155,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # the indexer's top-k tie rule at +-0 scores (CUDA's radix sort orders -0.0 below +0.0)
     python3 -c "import torch, json; from bitmatch.kernels import indexer as I
 s = torch.tensor([[-0., 0., -0., 0., 1., -1.]])
-print(json.dumps({'raw_cuda_sort': torch.sort(s.cuda(), -1, True, stable=True).indices.tolist(),
+print(json.dumps({'raw_cuda_sort': torch.sort(s.cuda(), dim=-1, descending=True, stable=True).indices.tolist(),
   'select_rows_cuda': I.select_rows(s.cuda(), torch.tensor([11]).cuda(), 2, 3).tolist(),
   'select_rows_cpu': I.select_rows(s, torch.tensor([11]), 2, 3).tolist()}))" > "$OUT/zero_tie.json" 2>&1
     cat "$OUT/zero_tie.json"

@@ -252,10 +252,9 @@ def _stats_for(lse, T, H, dev):
 def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen):
     T, Hq, _ = q.shape
     dev = q.device.index
-    none = torch.empty(0, device=q.device, dtype=q.dtype)
-    seed = torch.zeros((), device=q.device, dtype=torch.int64)
+    seed = torch.zeros((), device=q.device, dtype=torch.int64)   # no dropout: never read
     return torch.ops.aten._cudnn_attention_backward(
-        do, q, k, v, o, _stats_for(lse, T, Hq, dev), seed, seed, none, cu, cu, max_seqlen,
+        do, q, k, v, o, _stats_for(lse, T, Hq, dev), seed, seed, None, cu, cu, max_seqlen,
         max_seqlen, 0.0, bool(causal), scale=float(scale))
 
 
