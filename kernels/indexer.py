@@ -49,14 +49,6 @@ def indexer_scores_reference(q, keys, weights, softmax_scale):
     return _exact.tree_sum(per_head.to(F64), 1).float()
 
 
-def _plus_zero(scores):
-    """-0.0 as +0.0 (x + 0.0 is +0.0 for x = -0.0): CUDA's radix sort orders by bit pattern,
-    -0.0 below +0.0, where the comparison sort on CPU calls them equal; a ReLU score times a
-    negative weight is -0.0, so without this a tie at the top-k boundary could break by sign
-    on the GPU instead of by index."""
-    return scores + 0.0
-
-
 def select_topk(scores, qpos, rate, top_k):
     """Boolean [Tq, C]: the top ``top_k`` visible keys of each row, ties to the lowest index."""
     tq, c = scores.shape
@@ -68,7 +60,7 @@ def select_topk(scores, qpos, rate, top_k):
     if k == 0:
         return mask
     # a stable descending sort keeps equal scores in index order: the lowest index wins a tie
-    idx = torch.sort(_plus_zero(masked), dim=-1, descending=True, stable=True).indices[:, :k]
+    idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     mask.scatter_(1, idx, True)
     return mask & visible
 
@@ -109,7 +101,7 @@ def select_rows(scores, qpos, rate, top_k):
     tq, c = scores.shape
     n_vis = torch.div(qpos.long().view(-1, 1) + 1, rate, rounding_mode="floor")
     k = min(int(top_k), c)
-    idx = torch.sort(_plus_zero(scores), dim=-1, descending=True, stable=True).indices[:, :k]
+    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     sel = torch.where(idx < n_vis, idx, c).sort(1).values
     if k < top_k:
         sel = torch.cat([sel, torch.full((tq, top_k - k), c, dtype=sel.dtype, device=sel.device)], 1)

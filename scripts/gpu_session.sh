@@ -152,13 +152,6 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench attn_cudnn 150 gpu_ops.py --only attention_bwd_cudnn
     bench dense_train 300 gpu_train.py --sections train --models 8b,1.7b --attn-bwd triton,cudnn
     bench golden 90 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
-    # the indexer's top-k tie rule at +-0 scores (CUDA's radix sort orders -0.0 below +0.0)
-    python3 -c "import torch, json; from bitmatch.kernels import indexer as I
-s = torch.tensor([[-0., 0., -0., 0., 1., -1.]])
-print(json.dumps({'raw_cuda_sort': torch.sort(s.cuda(), dim=-1, descending=True, stable=True).indices.tolist(),
-  'select_rows_cuda': I.select_rows(s.cuda(), torch.tensor([11]).cuda(), 2, 3).tolist(),
-  'select_rows_cpu': I.select_rows(s, torch.tensor([11]), 2, 3).tolist()}))" > "$OUT/zero_tie.json" 2>&1
-    cat "$OUT/zero_tie.json"
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

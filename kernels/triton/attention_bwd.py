@@ -237,16 +237,31 @@ _CUDNN_OK = {}   # device index -> (usable, reason): the one-time check's verdic
 
 
 _LN2 = 0.6931471805599453
-_STATS = {}      # device index -> ("HT" or "TH", trailing unit dim): the cuDNN forward's stats layout
+_STATS = {}      # device index -> the cuDNN forward's stats layout (_stats_layout)
+
+
+def _stats_layout(stats, T, H):
+    """(names, order) of a cuDNN forward's stats tensor on a batch of T tokens and H heads: each
+    dim named "T", "H" or "1" by its size, and the dims from the slowest stride to the fastest."""
+    names = tuple("T" if n == T else "H" if n == H else "1" if n == 1 else "?" for n in stats.shape)
+    if sorted(n for n in names if n != "1") != ["H", "T"]:
+        raise RuntimeError(f"cuDNN forward's stats shape {tuple(stats.shape)} is not T x H (x 1)")
+    return names, tuple(sorted(range(stats.dim()), key=lambda d: (-stats.stride(d), d)))
 
 
 def _stats_for(lse, T, H, dev):
-    """Our base-2 lse [T, H] as cuDNN's natural-log stats, in the layout the cuDNN forward gives
-    its own (learned once per device by _cudnn_check)."""
-    order_, unit = _STATS[dev]
+    """Our base-2 lse [T, H] as cuDNN's natural-log stats, laid out as the cuDNN forward lays out
+    its own (learned once per device by _cudnn_check): same dims, same stride order."""
+    names, order_ = _STATS[dev]
     nat = lse * _LN2
-    nat = nat.t().contiguous() if order_ == "HT" else nat
-    return nat.unsqueeze(-1) if unit else nat
+    logical = nat if names.index("T") < names.index("H") else nat.t()
+    for d, n in enumerate(names):
+        if n == "1":
+            logical = logical.unsqueeze(d)
+    sizes = [T if n == "T" else H if n == "H" else 1 for n in names]
+    buf = torch.empty([sizes[d] for d in order_], device=lse.device, dtype=torch.float32)
+    buf = buf.permute([order_.index(d) for d in range(len(names))])
+    return buf.copy_(logical)
 
 
 def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen):
@@ -273,13 +288,7 @@ def _cudnn_check(device):
         cu = torch.tensor([0, 40, 128], device=device, dtype=torch.int32)
         fw = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, 88, 88, True, 0.0,
                                                      True, False, scale=D ** -0.5)
-        shp = tuple(fw[1].shape)
-        if shp in ((Hq, T), (Hq, T, 1)):
-            _STATS[dev] = ("HT", len(shp) == 3)
-        elif shp in ((T, Hq), (T, Hq, 1)):
-            _STATS[dev] = ("TH", len(shp) == 3)
-        else:
-            return False, f"cuDNN forward's stats shape {shp} is not [H, T] or [T, H]"
+        _STATS[dev] = _stats_layout(fw[1], T, Hq)
         out, lse = attention_prefill(q, k, v, cu, D ** -0.5, True, None, max_seqlen=88,
                                      return_lse=True)
         ref = attention_prefill_backward(do, q, k, v, out, lse, cu, D ** -0.5, max_seqlen=88)
