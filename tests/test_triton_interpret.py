@@ -396,6 +396,48 @@ def test_attention_backward_backend_choice(monkeypatch):
         bwd.attention_prefill_backward_any(do, q, k, v, out, lse, cu, 0.3)
 
 
+def _fake_cudnn_sdpa_backward(do, q, k, v, o, stats, seed, offset, bias, cq, ck, max_q, max_k, p,
+                              causal, *, scale):
+    """The flash backward math from cuDNN's inputs ([B, H, S, D] views, natural-log stats), in
+    float64: stands in for torch's cuDNN op on CPU so the packing around it is tested here."""
+    G = q.shape[1] // k.shape[1]
+    qd, dod, od = q.double(), do.double(), o.double()
+    kd, vd = (t.double().repeat_interleave(G, 1) for t in (k, v))
+    st = stats.double().reshape(q.shape[0], q.shape[1], q.shape[2], 1)
+    s = scale * qd @ kd.transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -torch.inf)
+    pm = torch.exp(s - st)
+    dv = pm.transpose(-1, -2) @ dod
+    ds = pm * (dod @ vd.transpose(-1, -2) - (dod * od).sum(-1, keepdim=True))
+    dq, dk = scale * ds @ kd, scale * ds.transpose(-1, -2) @ qd
+    B, Hk, S, D = k.shape
+    dk, dv = (t.view(B, Hk, G, S, D).sum(2) for t in (dk, dv))
+    # outputs laid out like the inputs, as cuDNN's empty_like does
+    return tuple(torch.empty_like(a).copy_(b) for a, b in zip((q, k, v), (dq, dk, dv)))
+
+
+@pytest.mark.parametrize("lens", [[24, 24, 24], [9, 31, 20]])       # views / padded
+@pytest.mark.parametrize("layout", [(("B", "H", "S", "1"), (0, 1, 2, 3), "gqa"),
+                                    (("B", "H", "S", "1"), (0, 2, 1, 3), "expand")])
+def test_attention_backward_cudnn_packing(monkeypatch, lens, layout):
+    """The cuDNN backend's packing (kernels/triton/attention_bwd.py _cudnn_call: [B, H, S, D]
+    views, a ragged batch padded with zero rows, our base-2 lse as natural-log stats in either
+    stride order, GQA native or expanded and summed back) around the flash backward math in
+    float64 gives the float64 gradients of the packed causal batch. cuDNN itself runs on the GPU
+    (benchmarks/gpu_ops.py --only attention_bwd_cudnn)."""
+    bwd = importlib.import_module("bitmatch.kernels.triton.attention_bwd")
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
+                        _fake_cudnn_sdpa_backward)
+    q, k, v, cu = _seqs(lens, Hq=4, Hkv=2, D=16, seed=11)
+    q, k, v = q.float(), k.float(), v.float()
+    do = _randn(q.shape[0], 4, 16, seed=12).float()
+    out, lse = K.attention.attention_prefill(q, k, v, cu, 0.3, True, None, return_lse=True)
+    got = bwd._cudnn_call(do, q, k, v, out, lse, cu, 0.3, True, max(lens), layout)
+    for g, ref in zip(got, _ref_attn_grads(q, k, v, cu, 0.3, True, None, do)):
+        assert g.shape == ref.shape and _rel_err(g, ref) < 1e-5
+
+
 @pytest.mark.slow  # 11 s in the interpreter
 def test_attention_skip_full_block_masks_same_bits(small_partition):
     """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the

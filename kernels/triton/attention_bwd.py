@@ -15,8 +15,9 @@ sum is still a fixed order for a given launch shape (no atomics), so a backward 
 deterministic run to run.
 
 A second backend, cuDNN's flash backward (what HF's SDPA runs on Hopper), takes the same saved
-tensors: our forward's output and logsumexp (converted to cuDNN's natural-log stats), the packed
-varlen batch through torch's ragged cuDNN op. BWD_BACKEND picks: "triton"; "cudnn" (raises,
+tensors: our forward's output and logsumexp (converted to cuDNN's natural-log stats) on
+[B, H, S, D] views of the packed batch (a ragged causal batch is padded, see _cudnn_call).
+BWD_BACKEND picks: "triton"; "cudnn" (raises,
 naming the reason, where it cannot run); "auto" = cuDNN where it runs and passed a one-time check
 against the Triton backward on this device, Triton otherwise (a warning says why, once).
 cuDNN's dQ is not deterministic run to run: under torch.use_deterministic_algorithms(True),
@@ -234,71 +235,111 @@ def attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal=Tr
 # cuDNN backend
 
 _CUDNN_OK = {}   # device index -> (usable, reason): the one-time check's verdict
-
-
+_LAYOUT = {}     # device index -> (stats dim names, stride order, "gqa" | "expand")
 _LN2 = 0.6931471805599453
-_STATS = {}      # device index -> the cuDNN forward's stats layout (_stats_layout)
 
 
-def _stats_layout(stats, T, H):
-    """(names, order) of a cuDNN forward's stats tensor on a batch of T tokens and H heads: each
-    dim named "T", "H" or "1" by its size, and the dims from the slowest stride to the fastest."""
-    names = tuple("T" if n == T else "H" if n == H else "1" if n == 1 else "?" for n in stats.shape)
-    if sorted(n for n in names if n != "1") != ["H", "T"]:
-        raise RuntimeError(f"cuDNN forward's stats shape {tuple(stats.shape)} is not T x H (x 1)")
+def _stats_layout(stats, B, H, S):
+    """(names, order) of a cuDNN forward's stats tensor on a batch (B, H heads, S long): each dim
+    named "B", "H", "S" or "1" by its size, and the dims from the slowest stride to the fastest."""
+    names = tuple({B: "B", H: "H", S: "S", 1: "1"}.get(n, "?") for n in stats.shape)
+    if sorted(n for n in names if n != "1") != ["B", "H", "S"]:
+        raise RuntimeError(f"cuDNN forward's stats shape {tuple(stats.shape)} is not B x H x S (x 1)")
     return names, tuple(sorted(range(stats.dim()), key=lambda d: (-stats.stride(d), d)))
 
 
-def _stats_for(lse, T, H, dev):
-    """Our base-2 lse [T, H] as cuDNN's natural-log stats, laid out as the cuDNN forward lays out
-    its own (learned once per device by _cudnn_check): same dims, same stride order."""
-    names, order_ = _STATS[dev]
-    nat = lse * _LN2
-    logical = nat if names.index("T") < names.index("H") else nat.t()
+def _stats_for(lse_bsh, names, order_):
+    """Our base-2 lse as [B, S, H] -> cuDNN's natural-log stats with the forward's dims and
+    stride order."""
+    B, S, H = lse_bsh.shape
+    logical = (lse_bsh * _LN2).permute([{"B": 0, "S": 1, "H": 2}[n] for n in names if n != "1"])
     for d, n in enumerate(names):
         if n == "1":
             logical = logical.unsqueeze(d)
-    sizes = [T if n == "T" else H if n == "H" else 1 for n in names]
-    buf = torch.empty([sizes[d] for d in order_], device=lse.device, dtype=torch.float32)
-    buf = buf.permute([order_.index(d) for d in range(len(names))])
-    return buf.copy_(logical)
+    sizes = [{"B": B, "S": S, "H": H, "1": 1}[n] for n in names]
+    buf = torch.empty([sizes[d] for d in order_], device=lse_bsh.device, dtype=torch.float32)
+    return buf.permute([order_.index(d) for d in range(len(names))]).copy_(logical)
 
 
-def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen):
-    T, Hq, _ = q.shape
-    dev = q.device.index
+def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen, layout=None):
+    """cuDNN's dense SDPA backward on [B, H, S, D] views. torch 2.11's ragged op takes the head
+    dim for the longest sequence (its s_q is query.size(2) of the packed [T, H, D] tensor), which
+    breaks every sequence longer than D, so a ragged batch is padded: pad rows have q = dO = 0,
+    so under the causal mask they add exactly nothing to dK / dV (dS = P * (dO V^T - rowsum(dO O))
+    = 0), and their dQ is dropped."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    B, S = cu.numel() - 1, int(max_seqlen)
+    names, order_, gqa = layout or _LAYOUT[q.device.index]
+    if B * S == T:    # every sequence S long (the sum of B lengths <= S is T): views, no copies
+        flat = None
+        pad = lambda t: t.view(B, S, t.shape[1], t.shape[2]) if t.dim() == 3 else t.view(B, S, -1)  # noqa: E731
+    else:
+        lens = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(B, device=q.device), lens, output_size=T)
+        flat = seq * S + torch.arange(T, device=q.device) - cu[:-1].long()[seq]
+
+        def pad(t):
+            buf = t.new_zeros((B * S,) + tuple(t.shape[1:]))
+            buf[flat] = t
+            return buf.view((B, S) + tuple(t.shape[1:]))
+    qv, kv, vv, ov, dov = (pad(t).transpose(1, 2) for t in (q, k, v, o, do))
+    if gqa == "expand" and Hkv != Hq:
+        kv, vv = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kv, vv))
+    stats = _stats_for(pad(lse), names, order_)
     seed = torch.zeros((), device=q.device, dtype=torch.int64)   # no dropout: never read
-    return torch.ops.aten._cudnn_attention_backward(
-        do, q, k, v, o, _stats_for(lse, T, Hq, dev), seed, seed, None, cu, cu, max_seqlen,
-        max_seqlen, 0.0, bool(causal), scale=float(scale))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dov, qv, kv, vv, ov, stats, seed, seed, None, None, None, S, S, 0.0, bool(causal),
+        scale=float(scale))
+    if gqa == "expand" and Hkv != Hq:
+        dk, dv = (t.view(B, Hkv, Hq // Hkv, S, D).float().sum(2).to(t.dtype) for t in (dk, dv))
+    dq, dk, dv = (t.transpose(1, 2).reshape(B * S, t.shape[1], D) for t in (dq, dk, dv))
+    if flat is not None:
+        dq, dk, dv = dq[flat], dk[flat], dv[flat]
+    return dq, dk, dv
 
 
 def _cudnn_check(device):
-    """Once per device: learn the cuDNN forward's stats layout on a small ragged batch, then run
-    the cuDNN backward from OUR forward's output and lse there and compare with the Triton
-    backward. (usable, reason)."""
+    """Once per device: learn the cuDNN forward's stats layout (and whether it takes GQA's
+    fewer K/V heads), then run the cuDNN backward from OUR forward's output and lse on an equal
+    and a ragged batch, both longer than the head dim, and compare with the Triton backward.
+    (usable, reason)."""
     from .attention import attention_prefill
-    dev = device.index
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        lens = [40, 88]
-        T, Hq, Hkv, D = sum(lens), 4, 2, 64
-        q, k, v, do = (torch.randn(T, h, D, device=device, dtype=torch.bfloat16, generator=g)
-                       for h in (Hq, Hkv, Hkv, Hq))
-        cu = torch.tensor([0, 40, 128], device=device, dtype=torch.int32)
-        fw = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, 88, 88, True, 0.0,
-                                                     True, False, scale=D ** -0.5)
-        _STATS[dev] = _stats_layout(fw[1], T, Hq)
-        out, lse = attention_prefill(q, k, v, cu, D ** -0.5, True, None, max_seqlen=88,
-                                     return_lse=True)
-        ref = attention_prefill_backward(do, q, k, v, out, lse, cu, D ** -0.5, max_seqlen=88)
-        got = _cudnn_call(do, q, k, v, out, lse, cu, D ** -0.5, True, 88)
-        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
-            err = float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
-            if not err < 2e-2:
-                return False, f"cuDNN {name} differs from the Triton backward (rel rms {err:.3g})"
-        return True, "checked against the Triton backward"
-    except Exception as e:  # the op missing in this torch build, cuDNN without ragged SDPA, ...
+        Hq, Hkv, D, scale = 4, 2, 64, 0.125
+        q, k, v = (torch.randn(2 * 80, h, D, device=device, dtype=torch.bfloat16, generator=g)
+                   for h in (Hq, Hkv, Hkv))
+        bhsd = lambda t: t.view(2, 80, t.shape[1], D).transpose(1, 2)  # noqa: E731
+        fw = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            bhsd(q), bhsd(k).repeat_interleave(2, 1), bhsd(v).repeat_interleave(2, 1), None, True,
+            0.0, True, False, scale=scale)
+        names, order_ = _stats_layout(fw[1], 2, Hq, 80)
+        verdicts = []
+        for gqa in ("gqa", "expand"):
+            layout = (names, order_, gqa)
+            try:
+                for lens in ([80, 80], [40, 150, 7]):
+                    T, S = sum(lens), max(lens)
+                    q, k, v, do = (torch.randn(T, h, D, device=device, dtype=torch.bfloat16,
+                                               generator=g) for h in (Hq, Hkv, Hkv, Hq))
+                    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+                    out, lse = attention_prefill(q, k, v, cu, scale, True, None, max_seqlen=S,
+                                                 return_lse=True)
+                    ref = attention_prefill_backward(do, q, k, v, out, lse, cu, scale, max_seqlen=S)
+                    got = _cudnn_call(do, q, k, v, out, lse, cu, scale, True, S, layout)
+                    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+                        err = float((a.float() - b.float()).pow(2).mean().sqrt()
+                                    / b.float().pow(2).mean().sqrt())
+                        if not err < 2e-2:
+                            raise RuntimeError(f"cuDNN {name} differs from the Triton backward "
+                                               f"(rel rms {err:.3g}, lengths {lens})")
+                _LAYOUT[device.index] = layout
+                return True, f"checked against the Triton backward ({gqa})"
+            except Exception as e:
+                verdicts.append(f"{gqa}: {type(e).__name__}: {str(e)[:200]}")
+        return False, "; ".join(verdicts)
+    except Exception as e:  # the op missing in this torch build, no cuDNN SDPA, ...
         return False, f"{type(e).__name__}: {str(e)[:300]}"
 
 
@@ -339,7 +380,9 @@ def attention_prefill_backward_any(do, q, k, v, o, lse, cu_seqlens, scale, causa
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
             if max_seqlen is None:
                 max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-            return _cudnn_call(do.contiguous(), q, k, v, o, lse, cu, scale, causal, max_seqlen)
+            if causal or cu.numel() - 1 == 1 or max_seqlen * (cu.numel() - 1) == q.shape[0]:
+                return _cudnn_call(do.contiguous(), q, k, v, o, lse, cu, scale, causal, max_seqlen)
+            why = "a ragged non-causal batch (padding would be seen)"
         if backend == "cudnn":
             raise RuntimeError(f"attention backward: BWD_BACKEND='cudnn' cannot run here ({why}); "
                                f"set it (or BITMATCH_ATTENTION_BWD) to 'auto' or 'triton'")
