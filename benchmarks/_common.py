@@ -54,6 +54,8 @@ def sync():
 
 
 def empty_cache():
+    import gc
+    gc.collect()   # a failed run's frames (its models) go now, not at some later collection
     if DEV == "cuda":
         torch.cuda.empty_cache()
 

@@ -179,11 +179,13 @@ def _peak(model, fn):
 def train(size, profile=True, iters=3):
     import bitmatch
     B, L = TRAIN_SHAPES[size]
+    empty_cache()
+    held = torch.cuda.memory_allocated() / 2**30 if DEV == "cuda" else 0.0
     model = build_model(size)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (B, L), device=DEV)
     stock, ours = train_step_fns(model, ids)
-    res = {"batch": [B, L]}
+    res = {"batch": [B, L], "gib_held_at_start": held}
     res["stock_peak_gib"], res["weights_gib"] = _peak(model, stock)
     t_s = cuda_ms(stock, iters=iters, warmup=1)
     if profile:
@@ -200,7 +202,7 @@ def train(size, profile=True, iters=3):
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
     model.zero_grad(set_to_none=True)
-    del model
+    del model, stock, ours   # the step closures hold the model too
     empty_cache()
     res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters, profile))
     print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)

@@ -601,7 +601,7 @@ def attention_bwd_cudnn(K, Hq=32, Hkv=8, D=128, cases=((1024,) * 4, (1500, 300, 
             ref = _ref_grads_fp32(q, k, v, list(lens), scale, True, None, do)
             case = {}
             if "verdict" not in res:
-                res["verdict"] = {"refusal": bwd._cudnn_refusal(q, None), "stats_layout": str(bwd._STATS)}
+                res["verdict"] = {"refusal": bwd._cudnn_refusal(q, None), "layout": str(bwd._LAYOUT)}
             for name in ("triton", "cudnn"):
                 bwd.BWD_BACKEND = name
                 run = lambda: bwd.attention_prefill_backward_any(do, q, k, v, out, lse2, cu, scale, True,  # noqa: E731

@@ -148,10 +148,9 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     ;;
 20) # issue 22: the attention (ours 27.6 ms per 8B step, cuDNN 13.5 ms in HF + Liger's, stage 19):
     # the trainer's backward on cuDNN from our forward's output and logsumexp (BWD_BACKEND), its
-    # gradients on equal and ragged batches, then the 8B and 1.7B steps on each backend; the golden bits
+    # gradients on equal and ragged batches, then the 8B and 1.7B steps on each backend
     bench attn_cudnn 150 gpu_ops.py --only attention_bwd_cudnn
-    bench dense_train 300 gpu_train.py --sections train --models 8b,1.7b --attn-bwd triton,cudnn
-    bench golden 90 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench dense_train 300 gpu_train.py --sections train --models 8b,1.7b --attn-bwd cudnn,triton
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
