@@ -372,12 +372,15 @@ def main():
             if a.budget_s and time.time() - t0 > a.budget_s:
                 rec.data.setdefault("skipped_for_time", []).append(f"train_{size}")
                 continue
-            for backend in (a.attn_bwd.split(",") if a.attn_bwd else [None]):
+            backends = a.attn_bwd.split(",") if a.attn_bwd else [None]
+            for j, backend in enumerate(backends):
                 if backend:
                     from bitmatch.kernels.triton import attention_bwd
                     attention_bwd.BWD_BACKEND = backend
+                    nth = backends[:j].count(backend)   # alternating backends: rows _b, _b_2, ...
                 for i in range(max(a.repeat, 1)):
-                    key = size + (f"_{backend}" if backend else "") + ("" if i == 0 else f"_run{i + 1}")
+                    key = (size + (f"_{backend}" if backend else "") + (f"_{nth + 1}" if backend and nth else "")
+                           + ("" if i == 0 else f"_run{i + 1}"))
                     try:
                         out[key] = train(size)
                         if backend:

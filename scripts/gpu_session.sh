@@ -150,7 +150,8 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # the trainer's backward on cuDNN from our forward's output and logsumexp (BWD_BACKEND), its
     # gradients on equal and ragged batches, then the 8B and 1.7B steps on each backend
     bench attn_cudnn 150 gpu_ops.py --only attention_bwd_cudnn
-    bench dense_train 300 gpu_train.py --sections train --models 8b,1.7b --attn-bwd cudnn,triton
+    bench dense_train 300 gpu_train.py --sections train --models 8b --attn-bwd cudnn,triton,cudnn,triton
+    bench dense_train_17 120 gpu_train.py --sections train --models 1.7b --attn-bwd triton,auto
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
