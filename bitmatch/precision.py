@@ -24,8 +24,17 @@ def compute_cast(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
     return t.to(dtype)
 
 
+# Set by bitmatch.models.lora: inside an engine step that reads kept weights, a parameter's cast
+# kept between steps (same bits, refreshed in place), not a fresh cast per call.
+_kept_cast = None
+
+
 def cast_param(p: torch.Tensor | None, dtype: torch.dtype):
     """``compute_cast`` of a parameter at use (None stays None): fp32 master, bf16 compute."""
     if p is None or p.dtype == dtype:
         return p
+    if _kept_cast is not None and isinstance(p, torch.nn.Parameter):
+        kept = _kept_cast(p, dtype)
+        if kept is not None:
+            return kept
     return compute_cast(p, dtype)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 20
-# (the trainer's attention backward on cuDNN from our forward), then 13, 11, 9, 7, 1, 2. The golden
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 21
+# (LoRA with kept casts; the default attention backward), then 13, 11, 9, 7, 1, 2. The golden
 # bits compare with golden_gpu_h200_compiled.json (the earlier golden files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -152,6 +152,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench attn_cudnn 150 gpu_ops.py --only attention_bwd_cudnn
     bench dense_train 300 gpu_train.py --sections train --models 8b --attn-bwd cudnn,triton,cudnn,triton
     bench dense_train_17 120 gpu_train.py --sections train --models 1.7b --attn-bwd triton,auto
+    ;;
+21) # issue 27's LoRA row with kept casts of the fp32 masters (no LM head re-cast per decode step),
+    # then issue 22's 8B / 1.7B steps on the default attention backward ("auto": cuDNN at equal lengths)
+    bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora --steps 5
+    bench dense_train 160 gpu_train.py --sections train --models 8b,1.7b
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

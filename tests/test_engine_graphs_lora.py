@@ -132,3 +132,65 @@ def test_control_fused_part_without_adapters_differs(monkeypatch):
     outs = _generate(Engine(pm, num_gpu_blocks=96, max_num_seqs=8), prompts, params)
     with pytest.raises(AssertionError, match="differ"):
         assert_bitmatch(pm, outs, params)
+
+
+def _fp32_master_peft(seed=5):
+    """fp32 master weights computed in bf16 (TRL's mixed precision on shared weights)."""
+    base = tiny_model("qwen3", dtype=torch.float32, seed=seed)
+    torch.manual_seed(seed + 1)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                                   init_lora_weights=False))
+    pm.eval()
+    return bitmatch.patch(pm, compute_dtype=torch.bfloat16)
+
+
+def _update_plain_params(pm, how):
+    """Change the norms' and the LM head's weights: in place (version bump) or through .data."""
+    lm = unwrap_causal_lm(pm)
+    with torch.no_grad():
+        for p in (lm.model.norm.weight, lm.lm_head.weight, lm.model.layers[0].input_layernorm.weight):
+            if how == "optimizer":
+                p.mul_(1.25)
+            else:
+                v = p._version
+                p.data.mul_(0.75)
+                assert p._version == v
+
+
+def test_kept_casts_of_fp32_masters_follow_updates():
+    """An engine step reads each fp32 parameter it casts at use (norms, the LM head) from a kept
+    bf16 cast (same bits as the cast, no re-cast per decode step); an in-place update or a write
+    through .data between generate calls reaches it: eager engine == simulated replays == trainer."""
+    pm = _fp32_master_peft()
+    lm = unwrap_causal_lm(pm)
+    prompts, params = _staggered()
+    eager = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    graphs = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    graphs.model_runner.simulate_buckets = True
+    for update in (None, "optimizer", "data"):
+        if update:
+            _update_plain_params(pm, update)
+        a = _generate(eager, prompts, params)
+        b = _generate(graphs, prompts, params)
+        assert graphs.model_runner.num_simulated_steps > 0
+        assert same_outputs(a, b), update
+        assert assert_bitmatch(pm, b, params) > 0, update
+        kept = lora._KEPT_CASTS.get(lm.lm_head.weight, {}).get(torch.bfloat16)
+        assert kept is not None and torch.equal(kept[1].view(torch.int16),
+                                                cast_param(lm.lm_head.weight, torch.bfloat16).view(torch.int16))
+        assert lora._KEPT_CASTS.get(lm.model.norm.weight)
+
+
+def test_control_stale_kept_casts_differ(monkeypatch):
+    """Kept casts never refreshed after their first fill: the same update makes the engine differ
+    from the trainer (the comparison sees a stale cast)."""
+    pm = _fp32_master_peft(seed=6)
+    prompts, params = _staggered()
+    eng = Engine(pm, num_gpu_blocks=96, max_num_seqs=8)
+    assert assert_bitmatch(pm, _generate(eng, prompts, params), params) > 0
+    orig = lora._cast_into
+    monkeypatch.setattr(lora, "_cast_into", lambda entry, p, dtype, force=False:
+                        entry[1] if entry[1] is not None else orig(entry, p, dtype))
+    _update_plain_params(pm, "optimizer")
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitmatch(pm, _generate(eng, prompts, params), params)

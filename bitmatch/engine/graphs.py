@@ -128,7 +128,7 @@ class DecodeGraphs:
         sampled logprobs)."""
         i64, _, _, _, f32 = self._buffers
         hidden = forward_hidden(self.runner.model, i64[0, :b], self._ctx(b, cap))
-        logits = compute_logits(self.runner.model, hidden)
+        logits = compute_logits(self.runner.model, hidden, kept=True)
         return self.runner.sampler.device_step(logits, f32[:, :b], i64[4:, :b], *flags)
 
     def _capture(self, b, cap, flags):

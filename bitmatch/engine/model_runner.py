@@ -270,7 +270,7 @@ class ModelRunner:
             return [], [], [], []
         if rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, rows)
-        logits = compute_logits(self.model, hidden)
+        logits = compute_logits(self.model, hidden, kept=True)
         tokens, lps, sampled = self.sampler(logits, params, seeds, indices)
         return seqs, tokens, lps, sampled
 
@@ -292,7 +292,7 @@ class ModelRunner:
         f32, i64 = torch.from_numpy(f32).to(self.device), torch.from_numpy(i64).to(self.device)
 
         def step():
-            logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx))
+            logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx), kept=True)
             return self.sampler.device_step(logits, f32, i64, *flags)
         key = (bucket, p.max_seq_len, flags)
         if key not in self._simulated_keys:  # a capture: its warm-up runs the step once before the replay

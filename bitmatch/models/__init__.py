@@ -93,12 +93,17 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     return fam.forward_hidden(lm, spec, input_ids, ctx, dt, recorder)
 
 
-def compute_logits(model, hidden: torch.Tensor, *, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """hidden [N, hidden] -> logits [N, vocab] in the compute dtype (the family's head on kernels.linear)."""
+def compute_logits(model, hidden: torch.Tensor, *, compute_dtype: torch.dtype | None = None,
+                   kept: bool = False) -> torch.Tensor:
+    """hidden [N, hidden] -> logits [N, vocab] in the compute dtype (the family's head on kernels.linear).
+    ``kept``: an engine step's head, reading the kept cast of a head weight held in another dtype
+    (bitmatch.models.lora ``kept_weights``; same bits) instead of casting it again."""
+    from bitmatch.models import lora
     lm = unwrap_causal_lm(model)
     fam, spec = spec_of(lm)
     dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)
-    return fam.compute_logits(lm, spec, hidden, dt)
+    with lora.kept_weights(kept):
+        return fam.compute_logits(lm, spec, hidden, dt)
 
 
 def cache_groups(model, *, compute_dtype: torch.dtype | None = None) -> list[CacheGroup]:

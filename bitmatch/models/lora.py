@@ -28,10 +28,12 @@ import contextlib
 import threading
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import bitmatch.kernels as K
+import bitmatch.precision as precision
 from bitmatch.models.state import create_state, get_state
-from bitmatch.precision import cast_param
+from bitmatch.precision import cast_param, compute_cast
 
 __all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
            "refresh_rollout_weights", "graph_capturable", "kept_weights"]
@@ -168,11 +170,47 @@ def rollout_weight(mod, dtype: torch.dtype, force: bool = False) -> torch.Tensor
 
 
 def refresh_rollout_weights(lm, force: bool = False) -> None:
-    """Bring every kept rollout weight of ``lm``'s LoRA layers up to date in place (before a CUDA
-    graph replay, which runs no host code)."""
+    """Bring every kept rollout weight of ``lm``'s LoRA layers, and every kept parameter cast,
+    up to date in place (before a CUDA graph replay, which runs no host code)."""
     for m in lm.modules():
         for dtype in list(rollout_weights_of(m)):
             rollout_weight(m, dtype, force)
+    for p in lm.parameters():
+        for dtype, entry in _KEPT_CASTS.get(p, {}).items():
+            _cast_into(entry, p, dtype, force)
+
+
+# Parameters cast at use (fp32 masters, bf16 compute: norms, the LM head, plain linears) read in
+# an engine step: the cast kept between steps, keyed on the parameter's pointer and version and
+# refreshed in place (the rollout_weight rule), so a decode step stops re-casting every one of
+# them (a TRL LoRA step on shared fp32 weights re-cast its whole untied LM head per token).
+_KEPT_CASTS = WeakIdKeyDictionary()   # Parameter -> {dtype: [key, cast tensor]}
+
+
+def _cast_into(entry, p, dtype, force=False):
+    key = (p.data_ptr(), p._version)
+    if force or entry[0] != key:
+        with torch.no_grad():
+            w = compute_cast(p.detach(), dtype)
+            if entry[1] is not None and entry[1].shape == w.shape:
+                entry[1].copy_(w)  # in place: a captured graph keeps reading this address
+            else:
+                entry[1] = w
+        entry[0] = key
+    return entry[1]
+
+
+def _kept_cast(p, dtype):
+    """cast_param's engine-step path (precision._kept_cast): None outside a kept-weights step."""
+    if not kept_on():
+        return None
+    per = _KEPT_CASTS.get(p)
+    if per is None:
+        per = _KEPT_CASTS[p] = {}
+    return _cast_into(per.setdefault(dtype, [None, None]), p, dtype)
+
+
+precision._kept_cast = _kept_cast
 
 
 def rollout_weights_of(mod) -> dict:

@@ -48,7 +48,7 @@ BWD_KV_BLOCK_M = 32
 BWD_KV_BLOCK_N = 64
 BWD_KV_WARPS = 4
 BWD_KV_STAGES = 3
-BWD_BACKEND = os.environ.get("BITMATCH_ATTENTION_BWD", "triton")
+BWD_BACKEND = os.environ.get("BITMATCH_ATTENTION_BWD", "auto")
 
 
 @triton.jit
