@@ -125,6 +125,10 @@ def summarize(data):
             summ["attention_fwd_bwd_vs_sdpa_cudnn"] = {
                 k: e["sdpa_cudnn_fwd_bwd_ms"] / e["ours_fwd_bwd_ms"] for k, e in t.items() if "sdpa_cudnn_bwd_ms" in e}
         summ["attention_fwd_bwd_geomean"] = geomean([e["ratio_fwd_bwd"] for e in t.values()])
+    cd = s.get("attention_bwd_cudnn") or {}
+    speed = {k: e["cudnn_speedup"] for k, e in cd.items() if isinstance(e, dict) and "cudnn_speedup" in e}
+    if speed:  # our Triton backward's time / cuDNN's, both fed our forward's output and lse
+        summ["attention_bwd_cudnn_over_triton"] = speed
     if "time_rowwise" in s:
         summ["rowwise_ratios"] = {k: v["ratio"] for k, v in s["time_rowwise"].items()}
     data["summary"] = summ

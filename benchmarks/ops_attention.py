@@ -584,7 +584,7 @@ def attention_bwd_cudnn(K, Hq=32, Hkv=8, D=128, cases=((1024,) * 4, (1500, 300, 
     (kernels/triton/attention_bwd.py BWD_BACKEND, the forward's bits untouched): the one-time
     check's verdict, then per batch (equal lengths, ragged) each backend's gradient error against
     fp32 autograd, its time, and whether two runs give the same bits. (torch 2.11's ragged cuDNN
-    backward breaks past the head dim: attention_bwd_cudnn_h100_ragged_diag.json.)"""
+    backward breaks past the head dim: probe_h100_cudnn_ragged_backward.json.)"""
     att = K.attention
     bwd = importlib.import_module(att.__name__.rsplit(".", 1)[0] + ".attention_bwd")
     scale = D ** -0.5

@@ -24,9 +24,16 @@ def compute_cast(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
     return t.to(dtype)
 
 
-# Set by bitmatch.models.lora: inside an engine step that reads kept weights, a parameter's cast
-# kept between steps (same bits, refreshed in place), not a fresh cast per call.
+# Set by bitmatch.models.lora (set_kept_cast): inside an engine step that reads kept weights, a
+# parameter's cast kept between steps (same bits, refreshed in place), not a fresh cast per call.
 _kept_cast = None
+
+
+def set_kept_cast(fn) -> None:
+    """Register ``fn(param, dtype) -> tensor | None``: the kept cast ``cast_param`` returns for a
+    parameter when ``fn`` gives one (bitmatch.models.lora's engine-step casts)."""
+    global _kept_cast
+    _kept_cast = fn
 
 
 def cast_param(p: torch.Tensor | None, dtype: torch.dtype):

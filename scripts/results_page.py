@@ -116,6 +116,8 @@ def r_gpu_ops(d):
         rows.append([f"attention backward vs SDPA cuDNN backward, {k}", v])
     for k, v in (s.get("attention_fwd_bwd_vs_sdpa_cudnn") or {}).items():
         rows.append([f"attention fwd+bwd vs SDPA cuDNN, {k}", v])
+    for k, v in (s.get("attention_bwd_cudnn_over_triton") or {}).items():
+        rows.append([f"attention backward on cuDNN (from our forward) vs our Triton backward, lengths {k}", v])
     for k, v in (s.get("linear_tma_best_vs_cublas") or {}).items():
         rows.append([f"linear vs cuBLAS, {k} (best bit-equal TMA config)", v])
     rows = [r for r in rows if r[1] is not None]
@@ -556,7 +558,20 @@ def r_deepseek_tiny_cpu(d):
 
 
 # name -> (title, renderer); a file matches the longest name its stem starts with
+def r_probe(d) -> list[str]:
+    """A one-question GPU probe: what it asked, how, the answer."""
+    m = d.get("machine") or {}
+    out = [f"- Question: {d.get('what', '-')}", f"- Command: `{d.get('command', '-')}`",
+           f"- Machine: {m.get('gpu', '-')}, torch {d.get('torch') or m.get('torch', '-')}"]
+    res = d.get("result", d.get("diag"))
+    if res is not None:
+        out.append(f"- Measured: `{json.dumps(res)[:600]}`")
+    out.append(f"- Answer: {d.get('conclusion', '-')}")
+    return out
+
+
 RENDERERS = {
+    "probe_h200": ("GPU probes (one question each)", r_probe),
     "h200": ("Ops on the GPU (`benchmarks/gpu_ops.py`)", r_gpu_ops),
     "gpu_e2e_h200": ("End to end on the GPU: Diff, rollout, training, controls (`benchmarks/gpu_e2e.py`)", r_gpu_e2e),
     "engine_step_h200": ("Where an engine step's time goes (`benchmarks/engine_step.py`)", r_engine_step),

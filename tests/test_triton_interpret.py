@@ -438,6 +438,25 @@ def test_attention_backward_cudnn_packing(monkeypatch, lens, layout):
         assert g.shape == ref.shape and _rel_err(g, ref) < 1e-5
 
 
+def test_attention_backward_cudnn_check(monkeypatch):
+    """The one-time check (_cudnn_check) around stand-in cuDNN ops: it learns the forward's stats
+    layout and passes; a backward that reads the stats as base-2 (the conversion skipped) fails it
+    and the verdict names the gradient."""
+    bwd = importlib.import_module("bitmatch.kernels.triton.attention_bwd")
+
+    def fake_fwd(q, k, v, bias, lse_on, p, causal, dbg, *, scale):   # stats [B, H, S, 1], S fastest
+        return None, torch.zeros(q.shape[0], q.shape[1], q.shape[2], 1)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake_fwd)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
+                        _fake_cudnn_sdpa_backward)
+    ok, why = bwd._cudnn_check(torch.device("cpu"))
+    assert ok, why
+    assert bwd._LAYOUT[None] == (("B", "H", "S", "1"), (0, 1, 2, 3), "gqa")
+    monkeypatch.setattr(bwd, "_LN2", 1.0)
+    ok, why = bwd._cudnn_check(torch.device("cpu"))
+    assert not ok and "differs from the Triton backward" in why
+
+
 @pytest.mark.slow  # 11 s in the interpreter
 def test_attention_skip_full_block_masks_same_bits(small_partition):
     """SKIP_FULL_BLOCK_MASKS (no mask select on blocks every valid row sees whole) keeps the

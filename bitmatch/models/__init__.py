@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bitmatch.models import lora
 from bitmatch.models.pack import Packed, pack
 from bitmatch.models.registry import (
     CacheGroup, Family, PatchState, allocate_caches, check_config, families, family_for_architecture,
@@ -98,7 +99,6 @@ def compute_logits(model, hidden: torch.Tensor, *, compute_dtype: torch.dtype | 
     """hidden [N, hidden] -> logits [N, vocab] in the compute dtype (the family's head on kernels.linear).
     ``kept``: an engine step's head, reading the kept cast of a head weight held in another dtype
     (bitmatch.models.lora ``kept_weights``; same bits) instead of casting it again."""
-    from bitmatch.models import lora
     lm = unwrap_causal_lm(model)
     fam, spec = spec_of(lm)
     dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)

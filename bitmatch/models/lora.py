@@ -201,7 +201,7 @@ def _cast_into(entry, p, dtype, force=False):
 
 
 def _kept_cast(p, dtype):
-    """cast_param's engine-step path (precision._kept_cast): None outside a kept-weights step."""
+    """cast_param's engine-step path (precision.set_kept_cast): None outside a kept-weights step."""
     if not kept_on():
         return None
     per = _KEPT_CASTS.get(p)
@@ -210,7 +210,7 @@ def _kept_cast(p, dtype):
     return _cast_into(per.setdefault(dtype, [None, None]), p, dtype)
 
 
-precision._kept_cast = _kept_cast
+precision.set_kept_cast(_kept_cast)
 
 
 def rollout_weights_of(mod) -> dict:

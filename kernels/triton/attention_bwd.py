@@ -301,12 +301,28 @@ def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen, layout=None)
     return dq, dk, dv
 
 
+def _math_forward(q, k, v, lens, scale):
+    """(out, base-2 lse) of causal GQA attention per sequence in fp32 torch math: the check's
+    forward (the bits of ours do not matter there; its saved-tensor format does)."""
+    G = q.shape[1] // k.shape[1]
+    outs, lses, s0 = [], [], 0
+    for L in lens:
+        qs, ks, vs = (t[s0:s0 + L].float().transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0)
+        sc = (qs @ ks.transpose(1, 2)) * scale
+        sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), -torch.inf)
+        lse = torch.logsumexp(sc, -1)
+        outs.append((torch.exp(sc - lse[..., None]) @ vs).transpose(0, 1))
+        lses.append((lse * _LOG2E).t())
+        s0 += L
+    return torch.cat(outs).to(q.dtype).contiguous(), torch.cat(lses).contiguous()
+
+
 def _cudnn_check(device):
     """Once per device: learn the cuDNN forward's stats layout (and whether it takes GQA's
-    fewer K/V heads), then run the cuDNN backward from OUR forward's output and lse on an equal
-    and a ragged batch, both longer than the head dim, and compare with the Triton backward.
-    (usable, reason)."""
-    from .attention import attention_prefill
+    fewer K/V heads), then run the cuDNN backward from a forward's output and base-2 lse (our
+    saved-tensor format) on an equal and a ragged batch, both longer than the head dim, and
+    compare with the Triton backward fed the same. (usable, reason)."""
     try:
         g = torch.Generator(device=device).manual_seed(0)
         Hq, Hkv, D, scale = 4, 2, 64, 0.125
@@ -326,8 +342,7 @@ def _cudnn_check(device):
                     q, k, v, do = (torch.randn(T, h, D, device=device, dtype=torch.bfloat16,
                                                generator=g) for h in (Hq, Hkv, Hkv, Hq))
                     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-                    out, lse = attention_prefill(q, k, v, cu, scale, True, None, max_seqlen=S,
-                                                 return_lse=True)
+                    out, lse = _math_forward(q, k, v, lens, scale)
                     ref = attention_prefill_backward(do, q, k, v, out, lse, cu, scale, max_seqlen=S)
                     got = _cudnn_call(do, q, k, v, out, lse, cu, scale, True, S, layout)
                     for name, a, b in zip(("dq", "dk", "dv"), got, ref):
