@@ -63,7 +63,8 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     """Bytes left for the KV cache on the model's CUDA device (vLLM's profile run, ``kv_budget``):
     the activation peak is that of one step of ``max_tokens`` fresh-prefill tokens whose
     ``max_seqs`` rows are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights
-    created by the step (fused projections) stay allocated and are counted as in use."""
+    created by the step (fused projections, kept casts of parameters held in another dtype) stay
+    allocated and are counted as in use."""
     dev = next(model.parameters()).device
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
@@ -87,7 +88,8 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     inp.fresh_prefill = True
     ids, ctx, _ = inp.context(dev, caches)
     hidden = forward_hidden(model, ids, ctx)
-    logits = compute_logits(model, hidden[torch.arange(S, device=dev) % T])
+    # kept=True: the head's kept cast (fp32 masters) is made here and counted as in use
+    logits = compute_logits(model, hidden[torch.arange(S, device=dev) % T], kept=True)
     Sampler()(logits, [SamplingParams()] * S, list(range(S)), [0] * S)
     del hidden, logits, ctx, ids, caches
     torch.cuda.synchronize(dev)
