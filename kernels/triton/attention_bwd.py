@@ -17,13 +17,13 @@ deterministic run to run.
 A second backend, cuDNN's flash backward (what HF's SDPA runs on Hopper), takes the same saved
 tensors: our forward's output and logsumexp (converted to cuDNN's natural-log stats) on
 [B, H, S, D] views of the packed batch (a ragged causal batch is padded, see _cudnn_call).
-BWD_BACKEND picks: "triton"; "cudnn" (raises,
-naming the reason, where it cannot run; a ragged causal batch is padded); "auto" = cuDNN for
-batches of equal-length sequences where it runs and passed a one-time check against the Triton
-backward on this device, Triton for ragged batches (padding costs more than cuDNN saves) and
-where cuDNN cannot run (a warning says why, once).
-torch calls cuDNN's attention backward non-deterministic (two runs gave equal bits on an H100,
-which proves nothing): under torch.use_deterministic_algorithms(True) "auto" picks Triton. Either way the forward's bits are untouched.
+BWD_BACKEND picks: "triton"; "cudnn" (raises, naming the reason, where it cannot run; a
+ragged causal batch is padded); "auto" = cuDNN for causal batches of equal-length sequences
+where it runs and passed a one-time check against the Triton backward on this device, Triton
+for ragged or non-causal batches (padding costs more than cuDNN saves; the check covers causal
+batches) and where cuDNN cannot run (a warning says why, once). torch calls cuDNN's attention
+backward non-deterministic (two runs gave equal bits on an H100, which proves nothing): under
+torch.use_deterministic_algorithms(True) "auto" picks Triton. The forward's bits are untouched.
 """
 import os
 import warnings
@@ -397,10 +397,11 @@ def attention_prefill_backward_any(do, q, k, v, o, lse, cu_seqlens, scale, causa
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
             if max_seqlen is None:
                 max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-            if max_seqlen * (cu.numel() - 1) == q.shape[0] or (backend == "cudnn" and causal):
+            # causal only: the one-time check covers causal batches (what the trainer runs)
+            if causal and (max_seqlen * (cu.numel() - 1) == q.shape[0] or backend == "cudnn"):
                 return _cudnn_call(do.contiguous(), q, k, v, o, lse, cu, scale, causal, max_seqlen)
             if backend == "cudnn":
-                why = "a ragged non-causal batch (the padding would be attended)"
+                why = "a non-causal batch (the one-time check covers causal ones)"
         if backend == "cudnn":
             raise RuntimeError(f"attention backward: BWD_BACKEND='cudnn' cannot run here ({why}); "
                                f"set it (or BITMATCH_ATTENTION_BWD) to 'auto' or 'triton'")
@@ -408,7 +409,7 @@ def attention_prefill_backward_any(do, q, k, v, o, lse, cu_seqlens, scale, causa
             _WARNED.add(why)
             warnings.warn(f"attention backward: the Triton kernels run, not cuDNN ({why})",
                           stacklevel=2)
-    # "auto" on a ragged batch lands here too: padding it for cuDNN costs more than cuDNN saves
-    # (H100, 4 sequences of 300-1500 tokens: 1.07 ms against Triton's 0.53)
+    # "auto" on a ragged or non-causal batch lands here too: padding a ragged batch for cuDNN
+    # costs more than cuDNN saves (H100, 4 sequences of 300-1500 tokens: 1.07 ms against 0.53)
     return attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal,
                                       sliding_window, max_seqlen=max_seqlen)
