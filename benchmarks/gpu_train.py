@@ -309,19 +309,27 @@ def liger(size, ids, ours_ms, ours_peak, iters, profile=True) -> dict:
         import liger_kernel
     except ImportError as e:
         return {"liger": f"not installed ({e}); carry the liger-kernel wheel"}
-    model = build_model(size)
-    model.train()
-    apply_liger_kernel_to_qwen3(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=False)
-    stock, _ = train_step_fns(model, ids)
-    peak, _ = _peak(model, stock)
-    t_l = cuda_ms(stock, iters=iters, warmup=1)
-    prof = {"profile_liger": top_kernels(stock, k=16)} if profile else {}
+    import transformers.models.qwen3.modeling_qwen3 as mq
+    saved = dict(vars(mq))   # Liger swaps module-level functions and classes: put them back after,
+    try:                     # or every later "stock HF" row of this process would be HF + Liger
+        model = build_model(size)
+        model.train()
+        apply_liger_kernel_to_qwen3(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+        stock, _ = train_step_fns(model, ids)
+        peak, _ = _peak(model, stock)
+        t_l = cuda_ms(stock, iters=iters, warmup=1)
+        prof = {"profile_liger": top_kernels(stock, k=16)} if profile else {}
+    finally:
+        for k in set(vars(mq)) - set(saved):
+            delattr(mq, k)
+        for k, v in saved.items():
+            setattr(mq, k, v)
     out = {**prof, "liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l, "liger_peak_gib": peak,
            "liger_tokens_per_s": ids.numel() / t_l * 1e3, "tokens_per_s_ratio_vs_liger": t_l / ours_ms,
            "peak_memory_ratio_vs_liger": ours_peak / max(peak, 1e-9)}
     model.zero_grad(set_to_none=True)
-    del model
+    del model, stock
     empty_cache()
     return out
 

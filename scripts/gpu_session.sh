@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 21
-# (LoRA with kept casts; the default attention backward), then 13, 11, 9, 7, 1, 2. The golden
+# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 22
+# (the 8B row on an H200 with the cuDNN attention backward; LoRA), then 13, 11, 9, 7, 1, 2. The golden
 # bits compare with golden_gpu_h200_compiled.json (the earlier golden files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -157,6 +157,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # then issue 22's 8B / 1.7B steps on the default attention backward ("auto": cuDNN at equal lengths)
     bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora --steps 5
     bench dense_train 160 gpu_train.py --sections train --models 8b,1.7b
+    ;;
+22) # next: issue 22's 8B row on an H200 with the cuDNN attention backward (the H200 row is still the
+    # Triton backward's 0.94; an H100 gives H100 rows), then issue 27's LoRA step with kept casts
+    bench dense_train 200 gpu_train.py --sections train --models 8b,1.7b --repeat 2
+    bench trl_lora 200 trl_step.py --runs stock_lora,attach_lora --steps 5
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
