@@ -145,14 +145,19 @@ def _rollout_key(mod, live):
     return (tuple((p.data_ptr(), p._version) for p in ps), tuple(live), tuple(float(mod.scaling[a]) for a in live))
 
 
+def _store(entry, w, key):
+    """entry = [key, tensor] takes ``w``: in place where it fits (a captured graph keeps reading
+    the old address), else the new tensor."""
+    if entry[1] is not None and entry[1].shape == w.shape and entry[1].dtype == w.dtype:
+        entry[1].copy_(w)
+    else:
+        entry[1] = w
+    entry[0] = key
+
+
 def _fill(entry, mod, dtype, key):
     with torch.no_grad():
-        w = cast_param(merged_weight(mod), dtype)
-        if entry[1] is not None and entry[1].shape == w.shape and entry[1].dtype == w.dtype:
-            entry[1].copy_(w)  # in place: a captured graph keeps reading this address
-        else:
-            entry[1] = w
-    entry[0] = key
+        _store(entry, cast_param(merged_weight(mod), dtype), key)
 
 
 def rollout_weight(mod, dtype: torch.dtype, force: bool = False) -> torch.Tensor:
@@ -191,12 +196,7 @@ def _cast_into(entry, p, dtype, force=False):
     key = (p.data_ptr(), p._version)
     if force or entry[0] != key:
         with torch.no_grad():
-            w = compute_cast(p.detach(), dtype)
-            if entry[1] is not None and entry[1].shape == w.shape:
-                entry[1].copy_(w)  # in place: a captured graph keeps reading this address
-            else:
-                entry[1] = w
-        entry[0] = key
+            _store(entry, compute_cast(p.detach(), dtype), key)
     return entry[1]
 
 

@@ -275,7 +275,7 @@ def _cudnn_call(do, q, k, v, o, lse, cu, scale, causal, max_seqlen, layout=None)
     names, order_, gqa = layout or _LAYOUT[q.device.index]
     if B * S == T:    # every sequence S long (the sum of B lengths <= S is T): views, no copies
         flat = None
-        pad = lambda t: t.view(B, S, t.shape[1], t.shape[2]) if t.dim() == 3 else t.view(B, S, -1)  # noqa: E731
+        pad = lambda t: t.view((B, S) + tuple(t.shape[1:]))  # noqa: E731
     else:
         lens = cu[1:] - cu[:-1]
         seq = torch.repeat_interleave(torch.arange(B, device=q.device), lens, output_size=T)
@@ -392,24 +392,24 @@ def attention_prefill_backward_any(do, q, k, v, o, lse, cu_seqlens, scale, causa
         raise ValueError(f"attention backward: BWD_BACKEND / BITMATCH_ATTENTION_BWD must be "
                          f"'triton', 'cudnn' or 'auto', got {backend!r}")
     if backend != "triton" and q.shape[0] > 0:
-        why = _cudnn_refusal(q, sliding_window)
-        if why is None:
-            cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-            if max_seqlen is None:
-                max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-            # causal only: the one-time check covers causal batches (what the trainer runs)
-            if causal and (max_seqlen * (cu.numel() - 1) == q.shape[0] or backend == "cudnn"):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+        equal = max_seqlen * (cu.numel() - 1) == q.shape[0]
+        # "auto" sends ragged and non-causal batches to Triton before any check: padding a ragged
+        # batch for cuDNN costs more than cuDNN saves (H100, 4 sequences of 300-1500 tokens:
+        # 1.07 ms against 0.53), and the one-time check covers causal batches only
+        if backend == "cudnn" or (causal and equal):
+            why = _cudnn_refusal(q, sliding_window) if causal else \
+                "a non-causal batch (the one-time check covers causal ones)"
+            if why is None:
                 return _cudnn_call(do.contiguous(), q, k, v, o, lse, cu, scale, causal, max_seqlen)
             if backend == "cudnn":
-                why = "a non-causal batch (the one-time check covers causal ones)"
-        if backend == "cudnn":
-            raise RuntimeError(f"attention backward: BWD_BACKEND='cudnn' cannot run here ({why}); "
-                               f"set it (or BITMATCH_ATTENTION_BWD) to 'auto' or 'triton'")
-        if why is not None and q.is_cuda and why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"attention backward: the Triton kernels run, not cuDNN ({why})",
-                          stacklevel=2)
-    # "auto" on a ragged or non-causal batch lands here too: padding a ragged batch for cuDNN
-    # costs more than cuDNN saves (H100, 4 sequences of 300-1500 tokens: 1.07 ms against 0.53)
+                raise RuntimeError(f"attention backward: BWD_BACKEND='cudnn' cannot run here ({why}); "
+                                   f"set it (or BITMATCH_ATTENTION_BWD) to 'auto' or 'triton'")
+            if q.is_cuda and why not in _WARNED:
+                _WARNED.add(why)
+                warnings.warn(f"attention backward: the Triton kernels run, not cuDNN ({why})",
+                              stacklevel=2)
     return attention_prefill_backward(do, q, k, v, o, lse, cu_seqlens, scale, causal,
                                       sliding_window, max_seqlen=max_seqlen)
