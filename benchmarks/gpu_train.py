@@ -202,9 +202,13 @@ def train(size, profile=True, iters=3):
                ours_tokens_per_s=B * L / t_o * 1e3, tokens_per_s_ratio=t_s / t_o,
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
     model.zero_grad(set_to_none=True)
-    del model, stock, ours   # the step closures hold the model too
+    with torch.no_grad():
+        probe = bitmatch.token_logprobs(model, ids[:1], None)
+    del stock
     empty_cache()
-    res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters, profile))
+    res.update(liger(size, ids, t_o, res["ours_peak_gib"], iters, profile, ours=(model, ours, probe)))
+    del model, ours   # the step closure holds the model too
+    empty_cache()
     print("train", size, json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}), flush=True)
     return res
 
@@ -301,9 +305,28 @@ def bwd_gemm_layouts(M=4096, reps=20):
     return out
 
 
-def liger(size, ids, ours_ms, ours_peak, iters, profile=True) -> dict:
+def alternate(steps: dict, iters: int) -> dict:
+    """Median wall ms of each ``name: (model, step)``, the steps taken in turn ``iters`` times
+    (a, b, a, b, ...: clock and thermal drift fall on both sides alike); grads freed after each
+    step, outside its time, so one side's gradients do not sit in memory while the other runs."""
+    ts = {k: [] for k in steps}
+    for _ in range(iters):
+        for k, (model, fn) in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts[k].append((time.perf_counter() - t0) * 1e3)
+            model.zero_grad(set_to_none=True)
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def liger(size, ids, ours_ms, ours_peak, iters, profile=True, ours=None) -> dict:
     """The training baseline TRL users enable (GRPOConfig(use_liger_kernel=True)): HF + Liger's
-    Triton rms_norm, swiglu and rope on a fresh copy of the same model (same seed)."""
+    Triton rms_norm, swiglu and rope on a fresh copy of the same model (same seed). With ``ours``
+    = (patched model, its step, its logprobs of ids[:1] before Liger) the two steps are timed in
+    turn (``alternate``) and the ratio is theirs; the logprobs are checked unchanged with Liger's
+    module-level swaps in place (bitmatch's forward must not read HF's functions)."""
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
         import liger_kernel
@@ -320,6 +343,16 @@ def liger(size, ids, ours_ms, ours_peak, iters, profile=True) -> dict:
         peak, _ = _peak(model, stock)
         t_l = cuda_ms(stock, iters=iters, warmup=1)
         prof = {"profile_liger": top_kernels(stock, k=16)} if profile else {}
+        if ours is not None:
+            import bitmatch
+            om, ostep, probe = ours
+            with torch.no_grad():
+                same = bool(torch.equal(bitmatch.token_logprobs(om, ids[:1], None), probe))
+            alt = alternate({"liger": (model, stock), "ours": (om, ostep)}, iters=max(iters, 6))
+            prof.update(ours_bits_unchanged_beside_liger=same, alternating={
+                "iters": max(iters, 6), "liger_step_ms": alt["liger"], "ours_step_ms": alt["ours"],
+                "tokens_per_s_ratio_vs_liger": alt["liger"] / alt["ours"]})
+            t_l, ours_ms = alt["liger"], alt["ours"]
     finally:
         for k in set(vars(mq)) - set(saved):
             delattr(mq, k)

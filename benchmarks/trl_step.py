@@ -138,7 +138,51 @@ class StepProfiler(TrainerCallback):
             "host_self_ms": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 2),
             "top_kernels": [{"ms": round(dev(e) / 1e3, 2), "calls": e.count, "name": e.key[:80]} for e in gpu[:self.k]],
             "top_host": [{"self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count, "name": e.key[:80]}
-                         for e in cpu[:self.k]]}
+                         for e in cpu[:self.k]],
+            "phases": phases(self.prof.events(), GENERATE_RANGE, self.k)}
+
+
+GENERATE_RANGE = "trl_step.generate"
+
+
+def phases(events, marker: str, k: int) -> dict:
+    """The profiled step split at the ``marker`` range (trainer._generate, drained at its end):
+    per phase the kernel time (device events only: an op's and its kernels' times are not both
+    counted), the host self time, and the top kernels and host ops. An event is in the phase its
+    start falls in (a kernel of the generation runs before the drain that ends the range)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == marker]
+    if not spans:
+        return {}
+    inside = lambda e: any(a <= e.time_range.start <= b for a, b in spans)  # noqa: E731
+    out = {}
+    for phase in ("generate", "rest"):
+        dev, host = {}, {}
+        for e in events:
+            if (phase == "generate") != inside(e) or e.name == marker:
+                continue
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                c = host.setdefault(e.name, [0.0, 0])
+                c[0] += e.self_cpu_time_total
+                c[1] += 1
+            else:
+                c = dev.setdefault(e.name, [0.0, 0])
+                c[0] += e.device_time_total
+                c[1] += 1
+        top = lambda d: [{"ms": round(v[0] / 1e3, 2), "calls": v[1], "name": n[:80]}  # noqa: E731
+                         for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:k]]
+        out[phase] = {"kernel_ms": round(sum(v[0] for v in dev.values()) / 1e3, 2),
+                      "kernels": sum(v[1] for v in dev.values()),
+                      "host_self_ms": round(sum(v[0] for v in host.values()) / 1e3, 2),
+                      "top_kernels": top(dev), "top_host": top(host)}
+    return out
+
+
+def marked(fn, name: str):
+    """``fn`` inside a profiler range named ``name`` (free when no profiler runs)."""
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def per_step(box: dict, steps: int):
@@ -202,7 +246,7 @@ def run_one(name, a, shape, base, workdir):
     profiler = StepProfiler(a.profile_step) if a.profile_step is not None else None
     if profiler is not None:
         trainer.add_callback(profiler)
-    trainer._generate = timed(trainer._generate, a.device, gen, step_of)   # not one of the methods attach rebinds
+    trainer._generate = timed(marked(trainer._generate, GENERATE_RANGE), a.device, gen, step_of)   # not one of the methods attach rebinds
     orig_publish = bitmatch.sync.publish
     if attached:
         bm = trainer._bitmatch
