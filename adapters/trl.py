@@ -299,6 +299,18 @@ class TrlAdapter:
         return dict(gpu_memory_utilization=float(getattr(self.trainer.args, "vllm_gpu_memory_utilization", 0.3)),
                     memory_share="engine")
 
+    def engine_batch(self) -> dict:
+        """The engine's ``max_num_seqs`` as TRL sizes its colocated vLLM: the whole generation
+        batch of this rank (``per_device_train_batch_size * steps_per_generation``) runs at once,
+        so a step of 32 prompts x 8 generations is 48 decode steps of 256 rows, not four rounds of
+        64 (unless ``engine_kwargs`` sets it). Bits do not depend on it: every kernel is
+        batch-invariant."""
+        if "max_num_seqs" in self.engine_kwargs:
+            return {}
+        args = self.trainer.args
+        steps = getattr(args, "steps_per_generation", None) or getattr(args, "gradient_accumulation_steps", 1) or 1
+        return dict(max_num_seqs=max(1, int(args.per_device_train_batch_size) * int(steps)))
+
     def sync_rollout(self):
         """Make the rollout hold the current weights (once per optimizer step, as TRL's vLLM sync)."""
         step = self.trainer.state.global_step
@@ -311,6 +323,7 @@ class TrlAdapter:
                 model = self.trainer.accelerator.unwrap_model(self.trainer.model)
             kw = dict(seed=int(self.trainer.args.seed) + self.trainer.accelerator.process_index)
             kw.update(self.engine_budget())
+            kw.update(self.engine_batch())
             kw.update(self.engine_kwargs)
             self.engine = bitmatch.Engine(model, **kw)
         if self.rollout_weights == "copy" and self._synced_step != step:

@@ -260,6 +260,21 @@ def test_engine_takes_trls_colocate_memory_share(tmp_path):
     assert tr._bitmatch.engine_budget() == {}
 
 
+def test_engine_runs_trls_whole_generation_batch(tmp_path):
+    # max_num_seqs as TRL's colocated vLLM: per_device_train_batch_size * steps_per_generation
+    # (one round of decode steps for the whole generation batch); engine_kwargs wins
+    import bitmatch.adapters.trl as bt
+
+    tr = bt.attach(make_trainer(tmp_path, steps=1))
+    args = tr.args
+    want = args.per_device_train_batch_size * args.steps_per_generation
+    assert tr._bitmatch.engine_batch() == dict(max_num_seqs=want)
+    tr.train()
+    assert tr._bitmatch.engine.max_num_seqs == want
+    tr = bt.attach(make_trainer(tmp_path / "b", steps=1), engine_kwargs=dict(max_num_seqs=3))
+    assert tr._bitmatch.engine_batch() == {}
+
+
 def test_use_vllm_without_plugin_enabled_is_refused(tmp_path, monkeypatch):
     """use_vllm=True needs the bitmatch vLLM plugin enabled (BITMATCH=1) before vLLM is built;
     the colocate run itself is tests/test_trl_vllm.py."""
