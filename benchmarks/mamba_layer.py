@@ -370,12 +370,14 @@ class Bench:
         r["ratio_update_ours_over_stock"] = r["ours_update_ms"] / r["stock_update_ms"]
         return r
 
-    def variant(self, s, override, prefill, batches):
-        """Our prefill / decode timings and bitwise prefill == decode under another config."""
+    def variant(self, s, override, prefill, batches, decode_only=False):
+        """Our prefill / decode timings and bitwise prefill == decode under another config (of
+        every call, or with ``decode_only`` of the one-token-per-sequence calls only)."""
         base = self.ssd_mod.config_for
-        self.ssd_mod.config_for = lambda *args: {**base(*args), **override}
+        self.ssd_mod.config_for = lambda *args, **kw: {**base(*args, **kw),
+                                                       **(override if kw.get("decode") or not decode_only else {})}
         try:
-            r = {"override": override}
+            r = {"override": override, "decode_only": decode_only}
             p, Q = self.params(s), s["chunk"]
             seq = self.inputs(2 * Q + 5, s, seed=6)
             full = self.ours(seq, s, p)
@@ -427,6 +429,9 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help='JSON list of scan config overrides timed beside the canonical one, ours only, e.g. '
                          '\'[{"num_warps": 8}]\' (other bits: data for choosing the next order, not a result)')
+    ap.add_argument("--decode-variants", default=None,
+                    help='JSON list of scan config overrides of the decode calls only (one token per sequence), '
+                         'e.g. \'[{"BM": 64}]\' (the former decode tile): timed, bits checked against the prefill')
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     if a.device == "cpu":  # Triton's interpreter: before triton is imported
@@ -483,6 +488,10 @@ def main(argv=None):
             for v in json.loads(a.variants) if a.variants else []:
                 out.setdefault("variants", []).append(b.variant(s, v, prefill, batches))
                 print(name, "variant", json.dumps(out["variants"][-1]), flush=True)
+                dump()
+            for v in json.loads(a.decode_variants) if a.decode_variants else []:
+                out.setdefault("decode_variants", []).append(b.variant(s, v, [], batches, decode_only=True))
+                print(name, "decode variant", json.dumps(out["decode_variants"][-1]), flush=True)
                 dump()
     print("wrote", path)
 

@@ -108,7 +108,7 @@ def test_p_blocks_split_a_head_over_programs(monkeypatch):
     with K.use_backend("triton"):
         full = _scan([seq])
         base = mamba_ssd.config_for
-        monkeypatch.setattr(mamba_ssd, "config_for", lambda *a: {**base(*a), "BP": 8})
+        monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, **k: {**base(*a, **k), "BP": 8})
         assert_bitwise_equal(_scan([seq]), full, "BP 8 prefill")
         for splits in ([5, 13, 3, 16], [20] + [1] * 17):
             got, _ = _in_calls(seq, splits, BF)
@@ -237,3 +237,26 @@ def test_nemotron_h_engine_equals_trainer_at_chunk_128_on_triton():
         outs = eng.generate(prompts, params, use_tqdm=False)
         assert eng.model_runner.num_simulated_steps > 0
         assert assert_bitmatch(m, outs, params) == 12
+
+
+def test_decode_calls_run_their_own_row_tile(monkeypatch):
+    """A call of one token per sequence runs 16-row tiles (bf16), a prefill 64-row ones; the
+    decode rows still carry the prefill's bits (the splits above, here with the configs seen)."""
+    assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True)["BM"] == 16
+    assert mamba_ssd.config_for(BF, 64, 128, 128)["BM"] == 64
+    assert mamba_ssd.config_for(F32, 64, 128, 128, decode=True) == mamba_ssd.config_for(F32, 64, 128, 128)
+    seen = []
+    base = mamba_ssd.config_for
+    monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, **k: seen.append(k.get("decode")) or base(*a, **k))
+    seq = _seq(70, seed=5)   # chunk 64: the prefill's tile is 64 rows, the decode calls' 16
+    with K.use_backend("triton"):
+        full = _scan([seq], q=64)
+        got, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
+    assert_bitwise_equal(got, full, "prefill, one-token calls across the chunk boundary, prefill")
+    assert seen.count(True) == 4 and seen.count(False) == 3, seen
+    # control: a decode config that changes the K blocks (the order) is caught by the same check
+    monkeypatch.setattr(mamba_ssd, "config_for",
+                        lambda *a, **k: {**base(*a, **k), **({"BK": 16} if k.get("decode") else {})})
+    with K.use_backend("triton"):
+        bad, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
+    assert not torch.equal(bad, full)

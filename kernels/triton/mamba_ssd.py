@@ -23,7 +23,9 @@ after the call's last token exact zeros:
   (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
 mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages) is fixed per (dtype, P,
-N, Q): never autotuned, since tile shapes and warps pick the MMA instructions a row's bits come from.
+N, Q) and call kind (a decode call runs 16-row tiles), never autotuned: BK and the K-block walk fix a
+row's bits, and warps pick the MMA instructions; the row tile does not change them (DESIGN section
+4), and every config change is checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
 not value-specialised, misaligned inputs are copied to aligned ones and a misaligned cache is
 refused, so no launch compiles a variant. A token's row never depends on the tile's other rows;
@@ -195,7 +197,7 @@ def _stash_kernel(B_ptr, dtp_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, db_ptr, Q
     tl.store(db_ptr + slot * (Q * H) + rows[:, None] * H + offs_h[None, :], d, mask=mh)
 
 
-def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
+def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False) -> dict:
     """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc).
     From sm_90 compiles (ptxas -v) at Nemotron-H 8B shapes: bf16 64-row tiles (wgmma) with
     32-position K blocks use 255 registers (~150 bytes of spills on 4 warps, ~50 on 8; 64-position
@@ -203,10 +205,16 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int) -> dict:
     (sequence, head) programs overlaps their latencies; a long prefill has one program per head
     either way. fp32 "ieee" dots run on FMAs with their operands in registers: 32-row tiles.
     BP < P splits a head's P channels over P / BP programs (more programs for a long prefill of few
-    sequences; each recomputes C B^T)."""
+    sequences; each recomputes C B^T).
+    ``decode`` (one token per sequence on average: T == sequences) with bf16 / fp16 operands: 16-row
+    tiles, the same K blocks. A 64-row tile spent its wgmma on 63 empty rows of a one-token call;
+    the row tile does not change a row's bits (each row's K order is fixed by BK and the K-block
+    walk, as for linear's tiles and attention's query tiles: DESIGN section 4), which the prefill ==
+    decode checks prove (tests/test_mamba_ssd.py in the interpreter, benchmarks/mamba_layer.py on the
+    GPU)."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2)
-    return dict(BM=min(64, Q), BK=min(32, Q), BP=P, num_warps=4, num_stages=2)
+    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=P, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -237,7 +245,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     if nb == 0 or T == 0:
         return y
     interp = interpreting(x)
-    cfg = config_for(x.dtype, P, N, Q)
+    cfg = config_for(x.dtype, P, N, Q, decode=T == nb)
     cu = _index(cu_seqlens)
     xa, Ba = aligned(x), aligned(B)
     has_cache = cache is not None
