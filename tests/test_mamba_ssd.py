@@ -245,6 +245,10 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True)["BM"] == 16
     assert mamba_ssd.config_for(BF, 64, 128, 128)["BM"] == 64
     assert mamba_ssd.config_for(F32, 64, 128, 128, decode=True) == mamba_ssd.config_for(F32, 64, 128, 128)
+    # a prefill of few (sequence, head) programs splits P over two programs (bits: the BP test above)
+    assert mamba_ssd.config_for(BF, 64, 128, 128, programs=128, sms=132)["BP"] == 32
+    assert mamba_ssd.config_for(BF, 64, 128, 128, programs=8192, sms=132)["BP"] == 64
+    assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=128, sms=132)["BP"] == 64
     seen = []
     base = mamba_ssd.config_for
     monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, **k: seen.append(k.get("decode")) or base(*a, **k))

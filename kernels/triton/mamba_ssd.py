@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 from ._jit import dot as _dot  # the interpreter's exact-dot switch (kernels/triton/_jit.py)
 
 # Triton specialises a pointer on 16-byte alignment, which picks vector widths and so layouts:
@@ -197,7 +197,8 @@ def _stash_kernel(B_ptr, dtp_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, db_ptr, Q
     tl.store(db_ptr + slot * (Q * H) + rows[:, None] * H + offs_h[None, :], d, mask=mh)
 
 
-def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False) -> dict:
+def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False, programs: int | None = None,
+               sms: int | None = None) -> dict:
     """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc).
     From sm_90 compiles (ptxas -v) at Nemotron-H 8B shapes: bf16 64-row tiles (wgmma) with
     32-position K blocks use 255 registers (~150 bytes of spills on 4 warps, ~50 on 8; 64-position
@@ -211,10 +212,15 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False)
     the row tile does not change a row's bits (each row's K order is fixed by BK and the K-block
     walk, as for linear's tiles and attention's query tiles: DESIGN section 4), which the prefill ==
     decode checks prove (tests/test_mamba_ssd.py in the interpreter, benchmarks/mamba_layer.py on the
-    GPU)."""
+    GPU).
+    A prefill launch of fewer (sequence, head) ``programs`` than two per SM (``sms``; one or two
+    long sequences) splits each head's P channels over two programs: a row's dots over N and K do
+    not depend on how many output columns a program holds (BP < P: same bits, checked as above)."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2)
-    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=P, num_warps=4, num_stages=2)
+    BP = P // 2 if (not decode and programs is not None and sms is not None and programs < 2 * sms
+                    and P // 2 >= 16) else P
+    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,7 +251,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     if nb == 0 or T == 0:
         return y
     interp = interpreting(x)
-    cfg = config_for(x.dtype, P, N, Q, decode=T == nb)
+    cfg = config_for(x.dtype, P, N, Q, decode=T == nb, programs=nb * H, sms=sm_count(x.device))
     cu = _index(cu_seqlens)
     xa, Ba = aligned(x), aligned(B)
     has_cache = cache is not None
