@@ -465,8 +465,22 @@ def r_mamba_ssd(d):
                          r.get("ours_fwd_bwd_ms"), r.get("mamba_ssm_fwd_bwd_ms"), r.get("ratio_mamba_ssm_over_ours")])
     out += table(["shape", "what", "bitmatch ms", "mamba_ssm ms",
                   "ratio (prefill, backward: theirs / ours; decode: ours / theirs)"], rows)
-    return out + [""] + table(["shape", "prefill == chunked", "prefill == decode", "prefill == token by token",
-                               "packed == alone"], checks)
+    out += [""] + table(["shape", "prefill == chunked", "prefill == decode", "prefill == token by token",
+                         "packed == alone"], checks)
+    var = []   # launch-config variants of the same run (bitmatch only), bits checked against the prefill
+    for name, s in d.get("shapes", {}).items():
+        for key in ("variants", "decode_variants"):
+            for v in s.get(key, []):
+                times = [f"prefill {r.get('tokens')}: {fmt(r.get('ours_ms'))}" for r in v.get("prefill", [])]
+                times += [f"decode B = {r.get('batch')}: {fmt(r.get('ours_graph_ms'))}" for r in v.get("decode", [])]
+                var.append([name, fmt(v.get("override")) + (" (decode calls)" if key == "decode_variants" else ""),
+                            v.get("prefill_vs_decode_equal"), "; ".join(times) or v.get("error", "")])
+    if var:
+        out += ["", "Config variants of this run (bitmatch ms; decode graph-timed):", ""]
+        out += table(["shape", "override", "prefill == decode", "ms"], var)
+    if d.get("note"):
+        out += ["", f"Note: {d['note']}"]
+    return out
 
 
 def r_mamba(d):
