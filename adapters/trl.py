@@ -543,7 +543,8 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
     ``bitmatch.sync`` every step), "auto" (= "shared"). repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
     engine_kwargs: passed to ``bitmatch.Engine`` (block_size, kv_cache_bytes, max_num_seqs, ...).
     Without a KV budget there, the engine takes ``GRPOConfig.vllm_gpu_memory_utilization`` of the
-    GPU for itself, as TRL's colocated vLLM does (``Engine(memory_share="engine")``).
+    GPU for itself, as TRL's colocated vLLM does (``Engine(memory_share="engine")``), and without
+    ``max_num_seqs`` there it runs the rank's whole generation batch at once (TRL's rule for it).
 
     Invariance: after attach, every logprob the rollout reports equals the trainer's logprob of
     the same token bit for bit, and each generation step checks it.
