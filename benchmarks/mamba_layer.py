@@ -86,13 +86,17 @@ class Bench:
                 torch.zeros(nb, s["chunk"], s["groups"], s["state"], device=dev, dtype=self.bf),
                 torch.zeros(nb, s["chunk"], s["heads"], device=dev))
 
-    def ours(self, seq, s, p, cu=None, start=None, cache=None, slots=None):
+    def ours(self, seq, s, p, cu=None, start=None, cache=None, slots=None, host=None):
+        """``host``: cu_seqlens on the host too, as the engine's decode steps give it (one token per
+        sequence: no device assert, no buffer-copy launch)."""
         x, dt, B, C = seq
         A, D, db = p
         torch = self.torch
         if cu is None:
             cu = torch.tensor([0, x.shape[0]], device=self.dev, dtype=torch.int32)
         kw = {} if cache is None else dict(seq_start=start, cache=cache, state_slots=slots)
+        if host is not None:
+            kw["cu_seqlens_host"] = host
         return self.K.mamba_chunk_scan(x, dt, A, B, C, s["chunk"], cu, D=D, dt_bias=db, dt_min=1e-3, **kw)
 
     # ------------------------------------------------------------- timing
@@ -141,13 +145,13 @@ class Bench:
                                            for i in range(3))
         seq, n = seqs[0], lens[0]
         cuts = [n // 5, n // 3, 1, n // 3]
-        for name, splits in (("decode", [n - 40] + [1] * 40), ("chunked", cuts + [n - sum(cuts)]),
-                             ("token_by_token", [1] * n)):
+        for name, splits, host in (("decode", [n - 40] + [1] * 40, False), ("chunked", cuts + [n - sum(cuts)], False),
+                                   ("token_by_token", [1] * n, False), ("token_by_token_host_bounds", [1] * n, True)):
             cache, at, parts = self.cache(4, s), 0, []
             for k in splits:
                 part = tuple(t[at:at + k] for t in seq)
                 parts.append(self.ours(part, s, p, start=torch.tensor([at], device=self.dev), cache=cache,
-                                       slots=torch.tensor([2], device=self.dev)))
+                                       slots=torch.tensor([2], device=self.dev), host=(0, k) if host else None))
                 at += k
             y = torch.cat(parts)
             out[f"prefill_vs_{name}_equal"] = bool(torch.equal(y, alone[0]))
@@ -316,12 +320,14 @@ class Bench:
         slots = torch.arange(nb, device=self.dev, dtype=torch.int32)
         starts = [torch.full((nb,), self.a.context + i, device=self.dev, dtype=torch.int32) for i in range(Q)]
 
+        host = tuple(range(nb + 1))  # the engine's decode steps pass the layout on the host
+
         def ours():
             for st in starts:
-                self.ours(seq, s, p, cu=cu, start=st, cache=cache, slots=slots)
+                self.ours(seq, s, p, cu=cu, start=st, cache=cache, slots=slots, host=host)
         errors = []
         g = self.graphed(ours, errors)
-        r = {"batch": nb, "context": self.a.context, "ours_ms": self.timed(ours) / Q,
+        r = {"batch": nb, "context": self.a.context, "host_bounds": True, "ours_ms": self.timed(ours) / Q,
              "ours_graph_ms": g / Q if g else None, "graph_errors": errors}
         if ssu is not None and self.dev == "cuda":
             state = torch.zeros(nb, H, P, N, device=self.dev).normal_(0, 0.1)

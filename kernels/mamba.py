@@ -371,11 +371,11 @@ def scan_plain(x, dt, A, B, C, D, Q, cu, cu_host=None):
     return y.reshape(nc * Q, H, P).index_select(0, out_rows)
 
 
-def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache, slots):
+def _scan_forward(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache, slots, stash=True):
     if backend_for(x) == "reference":
         return scan_reference(x, process_dt(dt_raw, dt_bias, dt_min), A, B, C, D, Q, cu, seq_start, cache, slots)
     return triton_impl("mamba", "mamba_chunk_scan")(x, dt_raw, A, B, C, D, dt_bias, Q, cu, dt_min, seq_start, cache,
-                                                    slots)
+                                                    slots, stash=stash)
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -454,8 +454,11 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
             raise ValueError(f"{op}: with a cache, seq_start must be [{nb}] (each sequence's first position)")
     Df = None if D is None else D.float().contiguous()
     if cache is not None:
+        # host bounds of one token per sequence (a decode step): no call closes a chunk and leaves
+        # open rows, so the Triton scan needs no second launch for the buffers
+        single = cu_host is not None and all(b - a <= 1 for a, b in zip(cu_host[:-1], cu_host[1:]))
         return _scan_forward(x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), Df, dt_bias,
-                             chunk_size, cu_seqlens, float(dt_min), seq_start, cache, state_slots)
+                             chunk_size, cu_seqlens, float(dt_min), seq_start, cache, state_slots, stash=not single)
     args = (x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), Df, dt_bias)
     if needs_autograd(*args):
         return _ScanFunction.apply(*args, chunk_size, cu_seqlens, float(dt_min), cu_host)

@@ -45,12 +45,15 @@ def _cache(dtype, slots=4, q=Q):
             torch.zeros(slots, q, G, N, dtype=dtype), torch.zeros(slots, q, H))
 
 
-def _scan(parts, starts=None, cache=None, slots=None, params=None, q=Q):
-    """One launch over the packed ``parts`` (tuples x, dt, B, C) continuing at ``starts``."""
+def _scan(parts, starts=None, cache=None, slots=None, params=None, q=Q, host=False):
+    """One launch over the packed ``parts`` (tuples x, dt, B, C) continuing at ``starts``
+    (``host``: cu_seqlens on the host too, as the engine's decode steps give it)."""
     A, D, db = params or _params()
     cat = [torch.cat([p[j] for p in parts]) for j in range(4)]
     cu = torch.tensor([0] + list(torch.tensor([p[0].shape[0] for p in parts]).cumsum(0)))
     kw = {} if cache is None else dict(seq_start=torch.tensor(starts), cache=cache, state_slots=torch.tensor(slots))
+    if host:
+        kw["cu_seqlens_host"] = tuple(int(v) for v in cu)
     return K.mamba_chunk_scan(cat[0], cat[1], A, cat[2], cat[3], q, cu, D=D, dt_bias=db, dt_min=DT_MIN, **kw)
 
 
@@ -264,3 +267,47 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
     with K.use_backend("triton"):
         bad, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
     assert not torch.equal(bad, full)
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then runs it (or not)."""
+
+    def __init__(self, kernel, run=True):
+        self.kernel, self.run, self.grids = kernel, run, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid] if self.run else (lambda *a, **k: None)
+
+
+def test_one_token_calls_with_host_bounds_need_no_stash_launch(monkeypatch):
+    """One-token calls given their layout on the host (the engine's decode steps) write their open
+    chunk's B and dt rows from the scan itself and skip the stash launch: three sequences in shuffled
+    slots, prefilled to 5, 17 (closing a chunk, one open row) and 16 tokens (closing it exactly), then
+    decoded together, get their full prefills' bits with no stash launch. Control: without the stash
+    launch, a call that closes a chunk and leaves open rows loses them (the bits differ), which is
+    why only one-token calls skip it."""
+    spy = _LaunchSpy(mamba_ssd._stash_kernel)
+    monkeypatch.setattr(mamba_ssd, "_stash_kernel", spy)
+    seqs = [_seq(n, seed=20 + n) for n in (21, 35, 18)]
+    starts, slots = [5, 17, 16], [3, 0, 1]
+    with K.use_backend("triton"):
+        alone = [_scan([s]) for s in seqs]
+        cache = _cache(BF, slots=4)
+        outs = [[_scan([tuple(t[:k] for t in s)], [0], cache, [sl])] for s, k, sl in zip(seqs, starts, slots)]
+        spy.grids.clear()
+        at = list(starts)
+        while any(at[i] < seqs[i][0].shape[0] for i in range(3)):
+            live = [i for i in (2, 0, 1) if at[i] < seqs[i][0].shape[0]]
+            y = _scan([tuple(t[at[i]:at[i] + 1] for t in seqs[i]) for i in live], [at[i] for i in live], cache,
+                      [slots[i] for i in live], host=True)
+            for j, i in enumerate(live):
+                outs[i].append(y[j:j + 1])
+                at[i] += 1
+        assert spy.grids == []
+        for i in range(3):
+            assert_bitwise_equal(torch.cat(outs[i]), alone[i], f"sequence {i}")
+        # control
+        monkeypatch.setattr(mamba_ssd, "_stash_kernel", _LaunchSpy(spy.kernel, run=False))
+        got, _ = _in_calls(seqs[1], [5, 13, 3, 14], BF)
+    assert not torch.equal(got, alone[1])

@@ -181,11 +181,16 @@ def mamba_mixer(z, xbc, dt, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, 
     Hm, Pm, G, N = spec.mamba_heads, spec.mamba_head_dim, spec.n_groups, spec.ssm_state
     inter = Hm * Pm
     if ctx.paged:
-        cu, state = ctx.query_start_loc, ctx.cache("mamba", i)
-        slots, start = ctx.state_slots, ctx.positions[ctx.query_start_loc[:-1].long()]
+        cu, state, slots = ctx.query_start_loc, ctx.cache("mamba", i), ctx.state_slots
+        if ctx.max_query_len == 1 and T == cu.shape[0] - 1:
+            # a decode step (a graph replay's too): one token per sequence, so the layout is known
+            # on the host (no device assert, no buffer-copy launch) and each start is the position
+            start, scan_kw = ctx.positions, dict(cu_seqlens_host=tuple(range(T + 1)))
+        else:
+            start, scan_kw = ctx.positions[ctx.query_start_loc[:-1].long()], {}
     else:
         cu, state, slots, start = ctx.cu_seqlens, None, None, None
-    scan_kw = {} if ctx.paged else dict(cu_seqlens_host=ctx.cu_seqlens_host)
+        scan_kw = dict(cu_seqlens_host=ctx.cu_seqlens_host)
     xbc = K.causal_conv1d(xbc.contiguous(), conv_weight, conv_bias, cu,
                           conv_state=None if state is None else state[0], state_slots=slots, **scan_kw)
     _rec(rec, f"{prefix}.conv1d", xbc)

@@ -35,8 +35,12 @@ zeros of W, so only a row whose every term is zero could differ, in the sign of 
 Cache (seq_start / cache / state_slots of kernels.mamba_chunk_scan): the kernel reads S_c and the
 open chunk's x / B / dt before the call's first position, writes S back when a chunk closed, and
 writes the x of the call's positions in its open chunk (the program's own columns); B rows are
-shared by a group's heads and dt rows by a head's P blocks, so a second launch copies them (dt as
-the scan computed it) once every program has read the old ones.
+shared by a group's heads and dt rows by a head's P blocks. A call that closes no chunk for a
+sequence writes only rows after the ones any program reads (rows before p0), so the scan writes
+that sequence's B and dt rows itself (one program each); a call that closed a chunk may reuse rows
+other programs still read, so a second launch copies them (dt as the scan computed it) once every
+program has read the old ones. That launch is skipped when the caller knows every sequence has at
+most one token (kernels.mamba_chunk_scan given host bounds: the engine's decode steps).
 The CPU interpreter (TRITON_INTERPRET=1) computes each dot in float64: its bits are its own, with
 the same structure.
 """
@@ -153,11 +157,22 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 acc = acc + Dh * xr.to(tl.float32)
             tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
             # an open chunk's rows for the next call's replay: x in this program's columns; dt, shared
-            # by the head's P blocks, staged per token and copied by the stash launch
+            # by the head's P blocks, staged per token for the stash launch
             keep = row_in & keep_open
             tl.store(xb + rows[:, None] * (H * P) + offs_p[None, :], xr.to(xb_ptr.dtype.element_ty),
                      mask=keep[:, None])
-            tl.store(dtp_ptr + tok * H + h, tl.gather(dtc, rows, 0), mask=keep & (pb == 0))
+            d_rows = tl.gather(dtc, rows, 0)
+            tl.store(dtp_ptr + tok * H + h, d_rows, mask=keep & (pb == 0))
+            # a call that closes no chunk (every decode call) writes only rows after every row any
+            # program reads from the buffers (those before p0): its dt rows (the head's first P
+            # block) and B rows (the group's first head) go straight in; a call that closed one
+            # leaves its open rows to the stash launch, which runs after every read
+            own = keep & (c == c_first)
+            tl.store(db + rows * H, d_rows, mask=own & (pb == 0))
+            lead = (pb == 0) & (h % (H // G) == 0)
+            Bm = tl.load(B_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=(own & lead)[:, None],
+                         other=0.0)
+            tl.store(bb + rows[:, None] * (G * N) + offs_n[None, :], Bm, mask=(own & lead)[:, None])
         if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
             a_last = tl.sum(tl.where(offs_q == Q - 1, acum, 0.0), axis=0)
             S = S * tl.exp(a_last)
@@ -239,7 +254,11 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min, seq_start, cache, state_slots):
+def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min, seq_start, cache, state_slots,
+                     stash=True):
+    """``stash=False``: the caller knows no sequence both closes a chunk and leaves open rows in this
+    call (one token per sequence: kernels.mamba_chunk_scan with host bounds), so the scan's own
+    buffer writes are all there is and the stash launch is skipped."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     Q = chunk_size
@@ -278,7 +297,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                                   HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
                                   PREC="ieee" if (x.dtype == torch.float32 or interp) else "tf32",
                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if has_cache:  # after the scan: its programs have read the old B and dt rows of the open chunks
+    if has_cache and stash:  # after the scan: its programs have read the old B and dt rows of the open chunks
         GN = G * N
         RB, BLOCK = 16, min(256, triton.next_power_of_2(GN))
         _stash_kernel[(nb, Q // RB, triton.cdiv(GN, BLOCK))](Ba, dtp, cu, start, slots, bb, db, Q=Q, GN=GN, H=H,
