@@ -230,12 +230,16 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     GPU).
     A prefill launch of fewer (sequence, head) ``programs`` than two per SM (``sms``; one or two
     long sequences) splits each head's P channels over two programs: a row's dots over N and K do
-    not depend on how many output columns a program holds (BP < P: same bits, checked as above)."""
+    not depend on how many output columns a program holds (BP < P: same bits, checked as above);
+    a decode launch that small runs 8 warps."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2)
-    BP = P // 2 if (not decode and programs is not None and sms is not None and programs < 2 * sms
-                    and P // 2 >= 16) else P
-    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=4, num_stages=2)
+    few = programs is not None and sms is not None and programs < 2 * sms
+    BP = P // 2 if (not decode and few and P // 2 >= 16) else P
+    # a decode launch of few programs (one sequence) is latency-bound: 8 warps issue its loads
+    # sooner (warps split a tile's columns, never a row's K order)
+    warps = 8 if decode and few else 4
+    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2)
 
 
 @functools.lru_cache(maxsize=64)
