@@ -445,7 +445,7 @@ def r_mamba_ssd(d):
     out = header(d) + [f"Kernels: {fmt(d.get('kernels'))}", ""]
     rows, checks = [], []
     for name, s in d.get("shapes", {}).items():
-        c = s.get("checks", {})
+        c = s.get("checks") or {}   # None: a run with --no-checks
         checks.append([name, c.get("prefill_vs_chunked_equal"), c.get("prefill_vs_decode_equal"),
                        c.get("prefill_vs_token_by_token_equal"), c.get("packed_vs_alone_equal")])
         for r in s.get("prefill", []):
