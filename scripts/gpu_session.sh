@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 22, 27), in device-tool calls of < 600 s each. Next: 22
-# (the 8B row on an H200 with the cuDNN attention backward; LoRA), then 13, 11, 9, 7, 1, 2. The golden
+# The GPU rows of the open speed issues (21, 27; 22 is done), in device-tool calls of < 600 s each.
+# Next: 21 (V4 mid decode), 27 (B = 1 Mamba decode), then 13, 11, 9, 7, 1, 2. The golden
 # bits compare with golden_gpu_h200_compiled.json (the earlier golden files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
