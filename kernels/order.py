@@ -56,9 +56,11 @@ class CanonicalOrder:
     rowsum_mma: bool = True
     # (N, K) -> K chunks; any shape not listed: 1 (plain sequential K). Fixed per weight shape,
     # never per M, so every batch size sums the same chunks; chosen where a small-M launch has too
-    # few tiles to fill the GPU (Qwen3-8B o_proj: 2 chunks of 2048, down_proj: 3 of 4096). Changing
-    # an entry changes that shape's bits (and the stamp).
-    linear_split_table: tuple = field(default=(((4096, 4096), 2), ((4096, 12288), 3)))
+    # few tiles to fill the GPU (Qwen3-8B o_proj: 2 chunks of 2048, down_proj: 3 of 4096; the
+    # DeepSeek-V4 routers' fp32 logits, FMA code on few tiles: mid's 64 experts x 2048, Flash's 256
+    # x 4096). Changing an entry changes that shape's bits (and the stamp).
+    linear_split_table: tuple = field(default=(((4096, 4096), 2), ((4096, 12288), 3), ((64, 2048), 4),
+                                               ((256, 4096), 8)))
     # a K chunk's length is a multiple of this (every BK in linear's tile tables divides it); a
     # listed split that does not fit falls to the next smaller one
     linear_chunk_align: int = 256
@@ -70,8 +72,9 @@ class CanonicalOrder:
     # mHC (kernels/triton/mhc.py): the mix projection and the sum of squares of a token's N*D
     # stream values run over fixed K chunks of ``hc_k_chunk`` (a multiple of ``hc_block_k``), the
     # chunk partials added in chunk order; the squares sit in ``hc_block_k`` lanes, summed in lane
-    # order at the chunk's end
-    hc_k_chunk: int = 1024
+    # order at the chunk's end; 256 so a decode step's few tokens still spread over many programs
+    # (V4 mid, T = 64: hc_pre 27 us at 256, 51 us at 1024; benchmarks/deepseek_v4_decode_ops.py)
+    hc_k_chunk: int = 256
     hc_block_k: int = 64
     # one version per op family (the kernels/ module defining the op), bumped by hand when that
     # family's code changes its bits on either backend

@@ -9,7 +9,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -200,6 +200,12 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
 30) # issue 21: where the V4 mid decode step's kernel time goes (linears by shape), each linear shape
     # cold per tile and K split, the mHC mix per K chunk
     bench v4_ops 540 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64
+    ;;
+31) # issue 21 after 30: the routers' fp32 tiles and K split, mHC's 256-wide chunks, the rank-launch
+    # expert sort: the golden GPU bits (a new stamp), the V4 mid step's kernels, Diff and decode
+    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench v4_ops 150 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step,mix
+    bench v4_mid 240 deepseek_v4_layer.py --device cuda --config mid --sections rollout,decode --batch 16 --seq 256 --new 32 --decode-batch 64
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

@@ -154,7 +154,7 @@ def test_control_chunk_length_is_part_of_the_bits():
         a = _triton(K.hc_pre, x, fn, base, scale, **KW)
     b = _triton(K.hc_pre, x, fn, base, scale, **KW)
     assert not all(torch.equal(u, v) for u, v in zip(a, b))
-    assert order.stamp("triton")["hc_k_chunk"] == 1024 and "hc_k_chunk" not in order.stamp("reference")
+    assert order.stamp("triton")["hc_k_chunk"] == 256 and "hc_k_chunk" not in order.stamp("reference")
 
 
 # ---------------------------------------------------------------- gradients, errors

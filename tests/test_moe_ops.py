@@ -414,3 +414,24 @@ def test_triton_combine_rank_order_equals_reference():
     assert_bitwise_equal(out, K.moe.combine_reference(y, w), "combine")
     rev = K.moe.combine_reference(y.flip(1).contiguous(), w.flip(1).contiguous())
     assert not torch.equal(rev, out)
+
+
+@triton_only
+def test_triton_layout_rank_launch_is_the_stable_sort(monkeypatch):
+    """A decode step's expert sort (one rank launch) is torch.sort(stable=True)'s permutation, ties
+    (one expert's rows) in row order; the experts' output is bit-equal to the torch.sort path's.
+    Control: the same check catches an unstable order of the tied rows."""
+    tm = _tm()
+    for T, k, e in ((1, 1, 3), (64, 6, 64), (341, 6, 8)):   # 341 x 6 = 2046 rows: tied in long runs
+        ids = torch.randint(0, e, (T, k), generator=_g(50 + T))
+        order_, tok, counts, row_start, *_ = tm.expert_layout(ids, e, 16)
+        want = torch.sort(ids.reshape(-1), stable=True).indices
+        assert torch.equal(order_, want) and torch.equal(tok, want // k), (T, k, e)
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=e))
+        if (counts > 1).any():                              # control: an unstable tie order fails
+            assert not torch.equal(torch.cat([g.flip(0) for g in want.split(counts.tolist())]), want)
+    x, ids, w, w_in, w_out = _tri_case("swiglu", BF, T=24, h=136, i=32)
+    fast = tm.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, config=_TRI_CONFIGS[0])
+    monkeypatch.setattr(tm, "RANK_MAX_S", 0)                 # every row count takes torch.sort
+    assert_bitwise_equal(tm.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, config=_TRI_CONFIGS[0]), fast,
+                         "rank launch vs torch.sort")

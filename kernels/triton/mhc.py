@@ -1,12 +1,14 @@
 """mHC on the Triton backend: hc_pre / hc_head in two launches, hc_post in one (the canonical
 order is stated in kernels/mhc.py, "Triton backend").
 
-- ``_mix_kernel`` (grid: token blocks x K chunks): for each token, over one K chunk of its N*D
+- ``_mix_kernel`` (grid: token blocks x K chunks x output blocks): for each token, over one K chunk of its N*D
   stream values (``hc_k_chunk`` of the active order): the mix projection dot(x, fn) as one
   sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused multiply-adds in K
   order, each row's chain its own), and the squares x^2 in ``hc_block_k`` lanes (lane j holds the
   chunk's k = j mod hc_block_k, added in K order), the lanes summed in lane order by a dot with
-  ones. Fp32 partials per (chunk, token); the token block size does not change a token's bits.
+  ones. Fp32 partials per (chunk, token); neither the token block nor the output block changes
+  a value's bits (each output's chain is its own; every output block computes the same squares,
+  the first stores them).
 - ``_finish_kernel`` (grid: tokens x D blocks): folds the chunk partials in chunk order, the
   gates, the softmax and the Sinkhorn iterations on the token's N x N matrix (every sum over N a
   stream-order fold of exact one-element extractions, not a tl.sum tree), then the collapse of
@@ -30,6 +32,8 @@ BLOCK_T = 16      # tokens per _mix_kernel program (speed only: each row's dot c
 BLOCK_D = 1024    # stream channels per _finish / _post program (speed only: elementwise in d)
 ONES_N = 16       # width of the lane-sum dot (tl.dot's smallest N); column 0 is read
 MIX_UNROLL = 4    # K blocks per _mix_kernel trip (speed only: the blocks still run in K order)
+MIX_BM = 16       # mix outputs per _mix_kernel program (speed only; tl.dot's smallest N): hc_pre's
+#                   (2 + N) * N outputs over two programs, so a decode step's T = 64 tokens fill more SMs
 
 
 @triton.jit
@@ -37,10 +41,11 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, K_CHUNK,
                 BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ONES: tl.constexpr,
                 UNROLL: tl.constexpr, INTERP: tl.constexpr):
     s = tl.program_id(1)
+    pm = tl.program_id(2)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
     offs_k = tl.arange(0, BK)
-    offs_m = tl.arange(0, BM)
+    offs_m = pm * BM + tl.arange(0, BM)
     mmask = offs_m < M
     acc = tl.zeros((BT, BM), tl.float32)
     lanes = tl.zeros((BT, BK), tl.float32)
@@ -69,7 +74,7 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, K_CHUNK,
     ssq = tl.sum(tl.where(tl.arange(0, ONES)[None, :] == 0, ssq, 0.0), 1)  # column 0: exact
     base = (s * T + rows).to(tl.int64)
     tl.store(part_ptr + base[:, None] * M + offs_m[None, :], acc, mask=rmask[:, None] & mmask[None, :])
-    tl.store(sq_ptr + base, ssq, mask=rmask)
+    tl.store(sq_ptr + base, ssq, mask=rmask & (pm == 0))
 
 
 @triton.jit
@@ -287,10 +292,10 @@ def _mixes(x, fn, interp):
     S = triton.cdiv(K, chunk)
     part = torch.empty((S, T, M), device=x.device, dtype=torch.float32)
     sq = torch.empty((S, T), device=x.device, dtype=torch.float32)
-    BM = max(16, triton.next_power_of_2(M))
+    BM = MIX_BM
     blocks = chunk // o.hc_block_k   # the order keeps the chunk a multiple of the block
     unroll = next(u for u in (MIX_UNROLL, 2, 1) if blocks % u == 0)
-    _mix_kernel[(triton.cdiv(T, BLOCK_T), S)](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM,
+    _mix_kernel[(triton.cdiv(T, BLOCK_T), S, triton.cdiv(M, BM))](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM,
                                               BK=o.hc_block_k, ONES=ONES_N, UNROLL=unroll, INTERP=interp,
                                               **_kw(interp))
     return part, sq, S

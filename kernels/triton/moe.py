@@ -228,21 +228,47 @@ class Kept(NamedTuple):
 
 @triton.jit
 def _layout_kernel(ids_ptr, order_ptr, tok_ptr, counts_ptr, row_start_ptr, tile_end_ptr, S, E, TOPK, BM,
-                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program: tok = order // k, and per expert the row count (integer sums: exact), the
-    first sorted row (exclusive prefix sum) and the cumulative BM-row tiles."""
+                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, TOK: tl.constexpr):
+    """One program: per expert the row count (integer sums: exact), the first sorted row
+    (exclusive prefix sum) and the cumulative BM-row tiles; with TOK, tok = order // k."""
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int64)
     for s0 in range(0, S, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         m = offs < S
-        tl.store(tok_ptr + offs, tl.load(order_ptr + offs, mask=m, other=0) // TOPK, mask=m)
+        if TOK:
+            tl.store(tok_ptr + offs, tl.load(order_ptr + offs, mask=m, other=0) // TOPK, mask=m)
         ids = tl.load(ids_ptr + offs, mask=m, other=-1)
         counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int64), 0)
     me = offs_e < E
     tl.store(counts_ptr + offs_e, counts, mask=me)
     tl.store(row_start_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=me)
     tl.store(tile_end_ptr + offs_e, tl.cumsum((counts + BM - 1) // BM, 0), mask=me)
+
+
+@triton.jit
+def _rank_kernel(ids_ptr, row_start_ptr, order_ptr, tok_ptr, S, TOPK, BI: tl.constexpr, BJ: tl.constexpr):
+    """The stable sort by expert for this program's rows i: row i lands at its expert's first
+    sorted row plus the count of rows j < i of the same expert (integer counts), which is the
+    permutation torch.sort(stable=True) returns; tok = i // k beside it."""
+    i = tl.program_id(0) * BI + tl.arange(0, BI)
+    mi = i < S
+    e = tl.load(ids_ptr + i, mask=mi, other=-1)
+    cnt = tl.zeros((BI,), dtype=tl.int64)
+    for j0 in range(0, tl.program_id(0) * BI + BI, BJ):
+        j = j0 + tl.arange(0, BJ)
+        ej = tl.load(ids_ptr + j, mask=j < S, other=-2)
+        cnt += tl.sum(((ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])).to(tl.int64), 1)
+    pos = tl.load(row_start_ptr + e, mask=mi, other=0) + cnt
+    tl.store(order_ptr + pos, i.to(tl.int64), mask=mi)
+    tl.store(tok_ptr + pos, (i // TOPK).to(tl.int64), mask=mi)
+
+
+# The rank launch's sort (expert_layout): O(S^2) comparisons over S / RANK_BI programs, for the few
+# hundred rows of a decode step, where torch.sort's radix passes took 27 us a layer (V4 mid, B = 64,
+# H100: benchmarks/deepseek_v4_decode_ops.py).
+RANK_MAX_S = 2048
+RANK_BI, RANK_BJ = 32, 128
 
 
 def _grid_m(S, BM, E):
@@ -260,16 +286,21 @@ def row_tiles(counts, BM, S):
 def expert_layout(ids, E, BM):
     """The (token, rank) rows sorted by expert, on the device, no host sync: (order: sorted row ->
     flat t*k + r, tok: sorted row -> token, counts and row_start per expert, tile_end, grid_m).
-    The sort is torch.sort (stable: exact); the rest is one launch (integer sums)."""
+    The sort is stable (so exact and unique): up to RANK_MAX_S rows (decode steps) one rank launch
+    after the counts, more rows torch.sort; the counts are one launch (integer sums)."""
     flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
     S = flat.numel()
+    small = S <= RANK_MAX_S
+    order = torch.empty_like(flat) if small else torch.sort(flat, stable=True).indices
     tok = torch.empty_like(order)
     counts, row_start, tile_end = (torch.empty(E, device=ids.device, dtype=torch.int64) for _ in range(3))
     block_e = triton.next_power_of_2(E)
     kw = {} if interpreting(ids) else dict(num_warps=4)
     _layout_kernel[(1,)](flat, order, tok, counts, row_start, tile_end, S, E, ids.shape[1], BM,
-                         BLOCK_E=block_e, BLOCK_S=max(16, min(1024, 8192 // block_e)), **kw)
+                         BLOCK_E=block_e, BLOCK_S=max(16, min(1024, 8192 // block_e)), TOK=not small, **kw)
+    if small and S:
+        _rank_kernel[(triton.cdiv(S, RANK_BI),)](flat, row_start, order, tok, S, ids.shape[1], BI=RANK_BI,
+                                                 BJ=RANK_BJ, **kw)
     return order, tok, counts, row_start, tile_end, _grid_m(S, BM, E)
 
 
