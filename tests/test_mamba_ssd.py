@@ -252,6 +252,9 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
     assert mamba_ssd.config_for(BF, 64, 128, 128, programs=128, sms=132)["BP"] == 32
     assert mamba_ssd.config_for(BF, 64, 128, 128, programs=8192, sms=132)["BP"] == 64
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=128, sms=132)["BP"] == 64
+    # decode calls load their C and first K block with the state (PRELOAD), a prefill does not
+    assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True)["PRELOAD"]
+    assert not mamba_ssd.config_for(BF, 64, 128, 128)["PRELOAD"]
     # and a decode launch that small runs 8 warps, a large one 4
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=128, sms=132)["num_warps"] == 8
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=8192, sms=132)["num_warps"] == 4
@@ -270,6 +273,13 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
     with K.use_backend("triton"):
         bad, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
     assert not torch.equal(bad, full)
+    # PRELOAD is the same operations in the same order: on every call (prefill row tiles after the
+    # first, their K blocks after the first) it keeps the bits
+    monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, **k: {**base(*a, **k), "PRELOAD": True})
+    with K.use_backend("triton"):
+        assert_bitwise_equal(_scan([seq], q=64), full, "prefill with PRELOAD")
+        pre, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
+    assert_bitwise_equal(pre, full, "calls with PRELOAD")
 
 
 class _LaunchSpy:

@@ -83,12 +83,33 @@ def _chunk_rows(in_ptr, in_row, in_col, buf_ptr, buf_row, cq, rows, p0, pend, t0
     return tl.load(src, mask=(q < pend)[:, None], other=0.0)
 
 
+@triton.jit
+def _c_rows(C_ptr, c_row, c_col, t0, cq, p0, rows, lo, hi, offs_n):
+    """C of chunk rows ``rows`` (the call's tokens in [lo, hi); other rows exact zeros)."""
+    row_in = (rows >= lo) & (rows < hi)
+    tok = t0 + (cq + rows - p0)
+    return tl.load(C_ptr + tok[:, None] * c_row + c_col + offs_n[None, :], mask=row_in[:, None], other=0.0)
+
+
+@triton.jit
+def _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+           PREC: tl.constexpr):
+    """acc + W x_k for one K block: W[l, s] = dot(C_l, B_s) * exp(min(Acum_l - Acum_s, 0)) * dt_s
+    for s <= l, exact zeros above the diagonal."""
+    a_k = tl.gather(acum, cols, 0)
+    d_k = tl.gather(dtc, cols, 0)
+    cb = _dot(Cm, tl.trans(Bk), tl.zeros((BM, BK), tl.float32), INTERP, PREC)
+    w = cb * tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0)) * d_k[None, :]
+    w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
+    return _dot(w.to(xk.dtype), xk, acc, INTERP, PREC)
+
+
 @triton.jit(do_not_specialize=["has_cache"], do_not_specialize_on_alignment=_NO_ALIGN)
 def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr,
                 S_ptr, xb_ptr, bb_ptr, db_ptr, dtp_ptr, dt_lo, has_cache,
                 H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)  # this program's BP of the head's P channels (their state rows are independent)
@@ -134,24 +155,32 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
         hi = (tl.minimum(pend, cq + Q) - cq).to(tl.int32)
         keep_open = cached & (hi < Q)  # the chunk stays open: the call's rows go to the buffers
         tl.debug_barrier()  # this program's reads of older buffer rows (earlier chunks) are done
+        if PRELOAD:  # the first row tile's C and the chunk's first K block, loaded before S is waited on
+            Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, lo // BM * BM + offs_m, lo, hi, offs_n)
+            B0 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, offs_k, p0, pend, t0, offs_n)
+            x0 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, offs_k, p0, pend, t0, offs_p)
         S_op = tl.trans(S).to(x_ptr.dtype.element_ty)
         for m in range(lo // BM, (hi + BM - 1) // BM):
             rows = m * BM + offs_m
             row_in = (rows >= lo) & (rows < hi)
             tok = t0 + (cq + rows - p0)
-            Cm = tl.load(C_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=row_in[:, None], other=0.0)
+            if PRELOAD:
+                Cm = Cn
+            else:
+                Cm = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows, lo, hi, offs_n)
             a_m = tl.gather(acum, rows, 0)
             acc = _dot(Cm, S_op, tl.zeros((BM, BP), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
-            for k in range(0, ((m + 1) * BM + BK - 1) // BK):
+            k_from = 0
+            if PRELOAD:  # the K block k = 0, as the loop below would run it
+                acc = _w_dot(acc, Cm, B0, x0, rows, offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
+                k_from = 1
+            for k in range(k_from, ((m + 1) * BM + BK - 1) // BK):
                 cols = k * BK + offs_k
                 Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
                 xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
-                a_k = tl.gather(acum, cols, 0)
-                d_k = tl.gather(dtc, cols, 0)
-                cb = _dot(Cm, tl.trans(Bk), tl.zeros((BM, BK), tl.float32), INTERP, PREC)
-                w = cb * tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0)) * d_k[None, :]
-                w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
-                acc = _dot(w.to(xk.dtype), xk, acc, INTERP, PREC)
+                acc = _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM, BK, INTERP, PREC)
+            if PRELOAD:  # the next row tile's C (none past hi: masked)
+                Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows + BM, lo, hi, offs_n)
             xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
             if HAS_D:
                 acc = acc + Dh * xr.to(tl.float32)
@@ -239,7 +268,10 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     # a decode launch of few programs (one sequence) is latency-bound: 8 warps issue its loads
     # sooner (warps split a tile's columns, never a row's K order)
     warps = 8 if decode and few else 4
-    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2)
+    # a decode call issues its row's C and the chunk's first K block with the state's load, not
+    # after it (one round of dependent loads less; the same operations in the same order)
+    return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2,
+                PRELOAD=decode)
 
 
 @functools.lru_cache(maxsize=64)
@@ -300,6 +332,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                                   H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], BP=BP,
                                   HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
                                   PREC="ieee" if (x.dtype == torch.float32 or interp) else "tf32",
+                                  PRELOAD=cfg.get("PRELOAD", False),
                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if has_cache and stash:  # after the scan: its programs have read the old B and dt rows of the open chunks
         GN = G * N
