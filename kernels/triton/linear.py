@@ -96,11 +96,12 @@ HALF_TABLES = {
 }
 
 
-# fp32 operands at decode M (the MoE routers: logits in fp32, HF's parity): an IEEE fp32 dot is FMA
-# code, not tensor cores, so a program's time is its tile's multiply-adds and the launch needs
-# the smallest tiles for the most programs. V4 mid's router (64 x 2048, M = 64), cold in the step:
-# 199 us on 64 x 64 tiles (one program), 51 us on these, 17 us with its split of 4 on separate
-# programs (benchmarks/deepseek_v4_decode_ops.py, H100; every tile's bits equal).
+# fp32 operands at decode M on few columns (the MoE routers' fp32 logits, HF's parity; N <= 1024,
+# where 64 x 64 tiles leave most SMs idle): an IEEE fp32 dot is FMA code, not tensor cores, so a
+# program's time is its tile's multiply-adds and the launch wants the smallest tiles. V4 mid's
+# router (64 x 2048, M = 64), cold in the step: 199 us on 64 x 64 tiles (one program), 51 us on
+# these, 17 us with its split of 4 on separate programs (benchmarks/deepseek_v4_decode_ops.py, H100;
+# every tile's bits equal).
 F32_DECODE_TABLE = [(64, 16, 16, 128, 8, 4, 1, "split")] + [r for r in CONFIG_TABLE if r[0] > 64]
 
 
@@ -108,7 +109,7 @@ def config_for(M: int, N: int, K: int, dtype: torch.dtype | None = None):
     table = CONFIG_TABLES.get((N, K))
     if table is None and dtype in (torch.bfloat16, torch.float16):
         table = HALF_TABLES.get((N, K))
-    if table is None and dtype == torch.float32:
+    if table is None and dtype == torch.float32 and N <= 1024:  # a router's few columns
         table = F32_DECODE_TABLE
     for row in table or CONFIG_TABLE:
         if M <= row[0]:
