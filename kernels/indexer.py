@@ -97,7 +97,8 @@ def indexer_topk(q, qpos, keys, weights, *, rate: int, top_k: int, softmax_scale
 
 def select_rows(scores, qpos, rate, top_k):
     """int32 [T, top_k]: the top ``top_k`` visible keys of each row of ``scores`` [T, C] (ties to
-    the lowest index), ascending, -1 padded; device ops only (no host read)."""
+    the lowest index), ascending, -1 padded; device ops only (no host read). The definition the
+    Triton backend's one-launch ``select_rows`` (kernels/triton/indexer.py) is tested against."""
     tq, c = scores.shape
     n_vis = torch.div(qpos.long().view(-1, 1) + 1, rate, rounding_mode="floor")
     k = min(int(top_k), c)
@@ -157,4 +158,4 @@ def indexer_select(q, qpos, keys, weights, rows: KeyRows, *, rate: int, top_k: i
     n_cols = max(1, rows.max_len // rate)
     scores = triton_impl("indexer", "indexer_scores_rows")(q, qpos, keys, weights, rows, rate, n_cols,
                                                           float(softmax_scale))
-    return select_rows(scores, qpos, rate, top_k)
+    return triton_impl("indexer", "select_rows")(scores, qpos, rate, top_k)

@@ -462,3 +462,32 @@ def test_triton_model_rows_alone_equal_packed():
     assert_bitwise_equal(packed[8:16], alone, "prefix of a, packed after b")
     err = (got32 - ref).abs().max() / ref.abs().max()
     assert err < 1e-4  # fp32 on another backend: close, not equal
+
+
+@interpret
+def test_triton_select_rows_is_the_stable_sort():
+    """The indexer's one-launch selection (kernels/triton/indexer.py select_rows) picks what the
+    stable descending sort picks (kernels.indexer.select_rows): ties to the lowest index, -0.0 equal
+    to +0.0, NaN first, fewer visible entries than top_k (no search) and more (the bitwise search
+    over 256-score blocks). Control: ties to the highest index select other entries."""
+    from bitmatch.kernels.indexer import select_rows as by_sort
+    from bitmatch.kernels.triton.indexer import select_rows
+    g = _g(60)
+    for T, C, rate, top_k in ((5, 40, 4, 8), (7, 300, 4, 16), (3, 20, 1, 64), (4, 700, 2, 100)):
+        for kind in ("randn", "ties", "special"):
+            s = torch.randn(T, C, generator=g)
+            if kind == "ties":
+                s = torch.randint(0, 4, (T, C), generator=g).float()
+            if kind == "special":
+                s[:, ::7], s[:, 3::11], s[:, 5::11] = float("-inf"), 0.0, -0.0
+                s[:, 2::13], s[:, 1::17] = float("nan"), float("inf")
+            qpos = torch.randint(0, C * rate, (T,), generator=g)
+            # entries not complete at a row's position score -inf (the score kernels' rule)
+            s = torch.where(torch.arange(C)[None, :] < ((qpos + 1) // rate)[:, None], s, float("-inf"))
+            got = select_rows(s, qpos, rate, top_k)
+            assert torch.equal(got, by_sort(s, qpos, rate, top_k)), (T, C, kind)
+            if kind == "ties" and C >= 300:  # control: the highest index winning ties differs
+                r = int(((qpos + 1) // rate).argmax())
+                n_vis, k = int((qpos[r] + 1) // rate), min(top_k, C)
+                high = sorted(sorted(range(n_vis), key=lambda c: (-float(s[r, c]), -c))[:k])
+                assert n_vis > k and high != [c for c in got[r].tolist() if c >= 0]
