@@ -93,7 +93,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # moved: order version 2; expect a stamp change there, and the rest equal)
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 170 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 5 --profile-step 4
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
     ;;
 12) # issue 21 after stage 10's profile: the kept pinned upload buffers (CUDA test), the V4 decode
     # linears' tiles swept at decode M (bits against the table's), the decode step side by side:
@@ -106,7 +106,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
 13) # after 12: the golden bits (the mHC mix kernel now runs 4 K blocks a trip: expect no change;
     # apply_rotary_interleaved's GPU bits are open), V4 mid decode with the decode tiles, profiled
     # (21); TRL's LoRA step, the check on the loss's logprobs beside the extra-forward one (27)
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
     bench v4_mid_decode 150 deepseek_v4_layer.py --device cuda --config mid --sections decode --seq 512 --decode-batch 64 --profile
     bench trl_lora 260 trl_step.py --runs stock_lora,attach_lora,attach_lora_gencheck --steps 4
     ;;
@@ -114,7 +114,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # trainer's shape (4 x 1024) beside cuDNN's (HF's SDPA on Hopper), the TMA linear with its tile
     # and K loops flattened at M = 4096 (bits against the table kernel), the training step before
     # any change; and issue 21's open golden row: apply_rotary_interleaved's GPU bits explained
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
     bench ops_bwd_tma 240 gpu_ops.py --only attention_backward,time_linear_tma --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4 --tma-ms 4096
     bench dense_train 150 gpu_train.py --sections train --models 1.7b,8b --budget-s 130
     ;;
@@ -122,7 +122,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     # trainer's shape, then the 8B / 1.7B training step twice each with the default tiles and with
     # the sweep's pick for 4 x 1024, side by side (22); the fp32 -> bf16 probe beside the rotary
     # explanation (21)
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json" --explain apply_rotary_interleaved
     bench ops_bwd 200 gpu_ops.py --only attention_backward --bwd-cases 1024x4,4096x4 --bwd-times 1024x4,4096x4
     T=$(python3 -c "import json; c = json.load(open('$OUT/ops_bwd/gpu_ops.json'))['sections']['attention_backward']['chosen_by_case']['S1024_B4']; print(','.join(map(str, c['dq'])) + '/' + ','.join(map(str, c['kv'])))")
     echo "bwd tiles for 4 x 1024: $T"
@@ -203,11 +203,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     ;;
 31) # issue 21 after 30: the routers' fp32 tiles and K split, mHC's 256-wide chunks, the rank-launch
     # expert sort: the golden GPU bits (a new stamp), the V4 mid step's kernels, Diff and decode
-    bench golden 60 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
-    bench v4_ops 120 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step,mix
-    bench v4_mid 220 deepseek_v4_layer.py --device cuda --config mid --sections rollout,decode --batch 16 --seq 256 --new 32 --decode-batch 64
+    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench v4_ops 110 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step,mix
+    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections rollout,decode --batch 16 --seq 256 --new 32 --decode-batch 64
     # issue 27: the decode scan's C and first K block loaded with the state (PRELOAD) vs after it
-    bench mamba_preload 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
+    bench mamba_preload 110 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants '[{"PRELOAD": false}]'
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)

@@ -80,15 +80,19 @@ def test_linear_batch_invariance_and_split_k_structure():
 
 def test_linear_half_decode_rows_same_bits():
     """The bf16 decode rows (HALF_TABLES: 16x16 tiles, K blocks of 256 at 33..64 rows) give a row
-    the bits it has alone (another table row); fp32 operands never take them."""
+    the bits it has alone (another table row); fp32 operands never take them, but a router's few
+    fp32 columns (N <= 1024) take their own 16x16 rows, split in four for V4 mid's (64, 2048)."""
     lin = K.linear
     N, Kd = 512, 2048
     assert lin.config_for(40, N, Kd, torch.bfloat16)[:3] == (16, 16, 256)
-    assert lin.config_for(40, N, Kd, torch.float32) == lin.config_for(40, N, Kd)
-    x, w = _randn(40, Kd, seed=7).bfloat16(), _randn(N, Kd, seed=8).bfloat16()
-    full = lin.linear(x, w)
-    for r in (0, 23, 39):
-        assert torch.equal(lin.linear(x[r:r + 1].contiguous(), w), full[r:r + 1])
+    assert lin.config_for(40, N, Kd, torch.float32)[:3] == (16, 16, 128)
+    assert lin.config_for(40, 4096, Kd, torch.float32) == lin.config_for(40, 4096, Kd)
+    assert lin.split_for(64, 2048) == 4 and lin.split_for(256, 4096) == 8
+    for n, dt in ((N, torch.bfloat16), (64, torch.float32)):
+        x, w = _randn(40, Kd, seed=7).to(dt), _randn(n, Kd, seed=8).to(dt)
+        full = lin.linear(x, w)
+        for r in (0, 23, 39):
+            assert torch.equal(lin.linear(x[r:r + 1].contiguous(), w), full[r:r + 1])
 
 
 def test_linear_ragged_k():
