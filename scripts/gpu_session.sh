@@ -202,13 +202,14 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_ops 540 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64
     ;;
 31) # issue 21 after 30: the routers' fp32 tiles and K split, mHC's 256-wide chunks, the rank-launch
-    # expert sort: the golden GPU bits (a new stamp), the V4 mid step's kernels, Diff and decode
-    bench golden 50 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
-    bench v4_ops 110 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step,mix
-    bench v4_mid 200 deepseek_v4_layer.py --device cuda --config mid --sections rollout,decode --batch 16 --seq 256 --new 32 --decode-batch 64
-    # issue 27: the decode scan's C and first K block loaded with the state (PRELOAD) vs after it
-    bench mamba_preload 110 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
+    # expert sort, the one-launch indexer selection: V4 mid's Diff and decode step, then issue 27's
+    # decode scan with its C and first K block loaded with the state (PRELOAD) vs after it, the
+    # V4 step's kernels, the golden GPU bits (a new stamp)
+    bench v4_mid 190 deepseek_v4_layer.py --device cuda --config mid --sections rollout,decode --batch 16 --seq 256 --new 32 --decode-batch 64
+    bench mamba_preload 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants '[{"PRELOAD": false}]'
+    bench v4_ops 90 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step
+    bench golden 45 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
