@@ -441,6 +441,36 @@ def _dsv4_decode(k, dec, tiles):
     return out
 
 
+def r_dsv4_decode_ops(d):
+    """deepseek_v4_decode_ops.py: the step's kernels, its linears by shape, cold linears per split, mix."""
+    res, out = d.get("results", {}), header(d)
+    st = res.get("step")
+    if st:
+        out += [f"Decode step (B = {fmt(st.get('batch'))}): {fmt(st.get('step_ms'))} ms median (graphs), "
+                f"{fmt(st.get('kernels'))} kernels busy {fmt(st.get('kernel_busy_ms'))} ms in one profiled replay.", ""]
+        out += table(["kernel", "calls", "ms"], [[k[:60], v.get("calls"), v.get("ms")]
+                                                 for k, v in list(st.get("by_kernel_ms", {}).items())[:12]])
+        out += ["", "The invariant linear's launches of that replay by shape (launch order matched to an eager step's):", ""]
+        out += table(["shape", "calls", "us per call", "tiles"],
+                     [[k, v.get("calls"), v.get("us", 0) / max(v.get("calls") or 1, 1), fmt(v.get("cfg"))]
+                      for k, v in st.get("linear_by_shape", {}).items()])
+    cold = res.get("linears_cold")
+    if cold:
+        out += ["", "Each linear shape cold (weights rotated past L2, one CUDA graph), the fastest bit-equal tiles "
+                "per K split (split 1: the order of that run; others: other orders):", ""]
+        out += table(["shape", "calls per step", "split 1 us", "split 2 us", "split 4 us", "split 1 tiles"],
+                     [[k, v.get("calls_per_step"), get(v, "splits", "1", "best_us"), get(v, "splits", "2", "best_us"),
+                       get(v, "splits", "4", "best_us"), get(v, "splits", "1", "best")] for k, v in cold.items()])
+    mix = res.get("mix")
+    if mix:
+        out += ["", f"mHC mix at T = {fmt(mix.get('T'))} per K chunk (hc_k_chunk):", ""]
+        out += table(["hc_k_chunk", "programs", "mix us", "hc_pre us"],
+                     [[k, v.get("programs"), v.get("mix_us"), v.get("hc_pre_us")] for k, v in mix.get("hc_k_chunk", {}).items()])
+    if d.get("note"):
+        out += ["", f"Note: {fmt(d['note'])}"]
+    return out
+
+
 def r_mamba_ssd(d):
     out = header(d) + [f"Kernels: {fmt(d.get('kernels'))}", ""]
     rows, checks = [], []
@@ -602,6 +632,8 @@ RENDERERS = {
                                 r_deepseek_v4),
     "deepseek_v4_mid_h200": ("DeepSeek-V4, mid-size config (`benchmarks/deepseek_v4_layer.py --config mid`)",
                              r_deepseek_v4),
+    "deepseek_v4_decode_ops_h200": ("DeepSeek-V4 decode step op by op (`benchmarks/deepseek_v4_decode_ops.py`)",
+                                    r_dsv4_decode_ops),
     "mamba_h200": ("Mamba2 SSM scan, one layer (`benchmarks/mamba_layer.py`)", r_mamba),
     "mamba_ssd_h200": ("Mamba2 chunked-SSD scan vs mamba_ssm's Triton kernels (`benchmarks/mamba_layer.py`)",
                        r_mamba_ssd),
