@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issues (21, 27; 22 is done), in device-tool calls of < 600 s each.
-# Next: 21 (V4 mid decode), 27 (B = 1 Mamba decode), then 13, 11, 9, 7, 1, 2. The golden
-# bits compare with golden_gpu_h200_compiled.json (the earlier golden files ran the interpreter).
+# Next: 27 (B = 1 Mamba decode), V4 training at the order of 1b44447 (stage 11's v4 rows), then 13,
+# 11, 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
+# 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -209,7 +210,7 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench mamba_preload 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants '[{"PRELOAD": false}]'
     bench v4_ops 90 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step
-    bench golden 45 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h200_compiled.json"
+    bench golden 45 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100_compiled.json"
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
