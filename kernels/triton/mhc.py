@@ -1,10 +1,10 @@
 """mHC on the Triton backend: hc_pre / hc_head in two launches, hc_post in one (the canonical
 order is stated in kernels/mhc.py, "Triton backend").
 
-- ``_mix_kernel`` (grid: token blocks x K chunks x output blocks): for each token, over one K chunk of its N*D
-  stream values (``hc_k_chunk`` of the active order): the mix projection dot(x, fn) as one
-  sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused multiply-adds in K
-  order, each row's chain its own), and the squares x^2 in ``hc_block_k`` lanes (lane j holds the
+- ``_mix_kernel`` (grid: token blocks x K chunks x output blocks): for each token, over one K
+  chunk of its N*D stream values (``hc_k_chunk`` of the active order): the mix projection
+  dot(x, fn) as one sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused
+  multiply-adds in K order, each row's chain its own), and the squares x^2 in ``hc_block_k`` lanes (lane j holds the
   chunk's k = j mod hc_block_k, added in K order), the lanes summed in lane order by a dot with
   ones. Fp32 partials per (chunk, token); neither the token block nor the output block changes
   a value's bits (each output's chain is its own; every output block computes the same squares,
@@ -295,9 +295,9 @@ def _mixes(x, fn, interp):
     BM = MIX_BM
     blocks = chunk // o.hc_block_k   # the order keeps the chunk a multiple of the block
     unroll = next(u for u in (MIX_UNROLL, 2, 1) if blocks % u == 0)
-    _mix_kernel[(triton.cdiv(T, BLOCK_T), S, triton.cdiv(M, BM))](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM,
-                                              BK=o.hc_block_k, ONES=ONES_N, UNROLL=unroll, INTERP=interp,
-                                              **_kw(interp))
+    grid = (triton.cdiv(T, BLOCK_T), S, triton.cdiv(M, BM))
+    _mix_kernel[grid](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM, BK=o.hc_block_k, ONES=ONES_N,
+                      UNROLL=unroll, INTERP=interp, **_kw(interp))
     return part, sq, S
 
 
