@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issues (21, 27; 22 is done), in device-tool calls of < 600 s each.
-# Next: 27 (B = 1 Mamba decode), V4 training at the order of 1b44447 (stage 11's v4 rows), then 13,
+# Next: 32 (V4 training at the order of 1b44447, B = 1 Mamba decode), 27's B = 1 row, then 13,
 # 11, 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
 # 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
@@ -10,7 +10,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -211,6 +211,13 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
       --no-backward --no-checks --decode-variants '[{"PRELOAD": false}]'
     bench v4_ops 90 deepseek_v4_decode_ops.py --config mid --seq 512 --decode-batch 64 --sections step
     bench golden 45 golden_gpu.py --expect "$R/benchmarks/results/golden_gpu_h100_compiled.json"
+    ;;
+32) # issue 21's training rows at the order of 1b44447 (router K splits, mHC chunks of 256; not
+    # re-timed when they landed), issue 27's B = 1 decode rows again
+    bench v4_mid_train 150 deepseek_v4_layer.py --device cuda --config mid --sections train --batch 2 --seq 512 --reps 2
+    bench v4_train 150 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2
+    bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
+      --no-backward --no-checks
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
