@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU rows of the open speed issues (21, 27; 22 is done), in device-tool calls of < 600 s each.
+# The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
 # Next: 32 (V4 training at the order of 1b44447, B = 1 Mamba decode), 27's B = 1 row, then 13,
 # 11, 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
 # 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
