@@ -452,7 +452,7 @@ def r_dsv4_decode_ops(d):
                                                  for k, v in list(st.get("by_kernel_ms", {}).items())[:12]])
         out += ["", "The invariant linear's launches of that replay by shape (launch order matched to an eager step's):", ""]
         out += table(["shape", "calls", "us per call", "tiles"],
-                     [[k, v.get("calls"), v.get("us", 0) / max(v.get("calls") or 1, 1), fmt(v.get("cfg"))]
+                     [[k, v["calls"], v["us"] / v["calls"], fmt(v.get("cfg"))]
                       for k, v in st.get("linear_by_shape", {}).items()])
     cold = res.get("linears_cold")
     if cold:

@@ -22,8 +22,9 @@ after the call's last token exact zeros:
 - when the chunk's last position is in the call: S_{c+1} = dot over K blocks in order of
   (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
-mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages) is fixed per (dtype, P,
-N, Q) and call kind (a decode call runs 16-row tiles), never autotuned: BK and the K-block walk fix a
+mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD) is fixed per
+(dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and first K block
+with the state's load), never autotuned: BK and the K-block walk fix a
 row's bits, and warps pick the MMA instructions; the row tile does not change them (DESIGN section
 4), and every config change is checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
