@@ -10,7 +10,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -218,6 +218,12 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_train 150 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2
     bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks
+    ;;
+33) # issue 27's B = 1 decode: every K block loaded with the state (KALL), the token's own rows
+    # loaded with it (XEARLY), both, both over two P blocks; each timed and its bits checked
+    bench mamba_kall 150 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
+      --no-backward --no-checks --decode-variants \
+      '[{"KALL": true}, {"XEARLY": true}, {"KALL": true, "XEARLY": true}, {"KALL": true, "XEARLY": true, "BP": 32}]'
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

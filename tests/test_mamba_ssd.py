@@ -280,6 +280,21 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
         assert_bitwise_equal(_scan([seq], q=64), full, "prefill with PRELOAD")
         pre, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
     assert_bitwise_equal(pre, full, "calls with PRELOAD")
+    # KALL (every K block's loads at once, W over the whole chunk, each block's product with the
+    # other blocks' columns exact zeros) and XEARLY (the token's own rows loaded with the state)
+    # keep them too, on every call
+    for knobs in ({"KALL": True}, {"XEARLY": True}, {"KALL": True, "XEARLY": True}):
+        monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, kn=knobs, **k: {**base(*a, **k), "PRELOAD": True, **kn})
+        with K.use_backend("triton"):
+            assert_bitwise_equal(_scan([seq], q=64), full, f"prefill with {knobs}")
+            got, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
+        assert_bitwise_equal(got, full, f"calls with {knobs}")
+    # control: KALL with a K block of 16 (another order) is caught
+    monkeypatch.setattr(mamba_ssd, "config_for",
+                        lambda *a, **k: {**base(*a, **k), **({"BK": 16, "KALL": True} if k.get("decode") else {})})
+    with K.use_backend("triton"):
+        bad, _ = _in_calls(seq, [60, 1, 1, 1, 1, 6], BF, q=64)
+    assert not torch.equal(bad, full)
 
 
 class _LaunchSpy:

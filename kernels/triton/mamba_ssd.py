@@ -22,9 +22,12 @@ after the call's last token exact zeros:
 - when the chunk's last position is in the call: S_{c+1} = dot over K blocks in order of
   (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
-mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD) is fixed per
-(dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and first K block
-with the state's load), never autotuned: BK and the K-block walk fix a
+mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD, KALL, XEARLY)
+is fixed per (dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and
+first K block with the state's load; KALL: every K block's loads with it, W over the whole chunk
+and each block's product taken with the other blocks' columns exact zeros, the same sums onto acc
+in the same order; XEARLY: the token's own x and B rows with it too), never autotuned: BK and the
+K-block walk fix a
 row's bits, and warps pick the MMA instructions; the row tile does not change them (DESIGN section
 4), and every config change is checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
@@ -93,6 +96,21 @@ def _c_rows(C_ptr, c_row, c_col, t0, cq, p0, rows, lo, hi, offs_n):
 
 
 @triton.jit
+def _own_rows(x_ptr, B_ptr, t0, cq, p0, rows, lo, hi, own_chunk, h, pb, H: tl.constexpr, P: tl.constexpr,
+              G: tl.constexpr, N: tl.constexpr, g, offs_p, offs_n):
+    """x of the call's tokens among chunk rows ``rows`` in this program's columns (y's D term, the
+    open chunk's buffer) and, in a group's lead program, their B rows when the call writes that
+    buffer itself (``own_chunk``: the chunk stays open and is the call's first); zeros elsewhere."""
+    row_in = (rows >= lo) & (rows < hi)
+    tok = t0 + (cq + rows - p0)
+    xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
+    lead = (pb == 0) & (h % (H // G) == 0)
+    own = row_in & own_chunk & lead
+    Bm = tl.load(B_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=own[:, None], other=0.0)
+    return xr, Bm
+
+
+@triton.jit
 def _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
            PREC: tl.constexpr):
     """acc + W x_k for one K block: W[l, s] = dot(C_l, B_s) * exp(min(Acum_l - Acum_s, 0)) * dt_s
@@ -110,7 +128,8 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 S_ptr, xb_ptr, bb_ptr, db_ptr, dtp_ptr, dt_lo, has_cache,
                 H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr):
+                HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr,
+                KALL: tl.constexpr, XEARLY: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)  # this program's BP of the head's P channels (their state rows are independent)
@@ -158,8 +177,16 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
         tl.debug_barrier()  # this program's reads of older buffer rows (earlier chunks) are done
         if PRELOAD:  # the first row tile's C and the chunk's first K block, loaded before S is waited on
             Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, lo // BM * BM + offs_m, lo, hi, offs_n)
-            B0 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, offs_k, p0, pend, t0, offs_n)
-            x0 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, offs_k, p0, pend, t0, offs_p)
+            if KALL:  # every K block of the chunk (rows past the call's last token masked: no reads)
+                Ba = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, offs_q, p0, pend, t0, offs_n)
+                xa = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, offs_q, p0, pend, t0, offs_p)
+            else:
+                B0 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, offs_k, p0, pend, t0, offs_n)
+                x0 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, offs_k, p0, pend, t0, offs_p)
+            if XEARLY:  # the first row tile's own x rows and (group leads) B rows for the buffers
+                rows_n = lo // BM * BM + offs_m
+                xrn, Bmn = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows_n, lo, hi, keep_open & (c == c_first), h, pb,
+                                     H, P, G, N, g, offs_p, offs_n)
         S_op = tl.trans(S).to(x_ptr.dtype.element_ty)
         for m in range(lo // BM, (hi + BM - 1) // BM):
             rows = m * BM + offs_m
@@ -171,18 +198,37 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 Cm = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows, lo, hi, offs_n)
             a_m = tl.gather(acum, rows, 0)
             acc = _dot(Cm, S_op, tl.zeros((BM, BP), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
-            k_from = 0
-            if PRELOAD:  # the K block k = 0, as the loop below would run it
-                acc = _w_dot(acc, Cm, B0, x0, rows, offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
-                k_from = 1
-            for k in range(k_from, ((m + 1) * BM + BK - 1) // BK):
-                cols = k * BK + offs_k
-                Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
-                xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
-                acc = _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM, BK, INTERP, PREC)
+            k_end = ((m + 1) * BM + BK - 1) // BK
+            if PRELOAD and KALL:
+                # W over the whole chunk at once (each entry the formula of _w_dot: the dot over N
+                # does not depend on the output tile's width), then the K blocks in order, each as
+                # a product with the other blocks' columns exact zeros: the same sums onto acc
+                cb = _dot(Cm, tl.trans(Ba), tl.zeros((BM, Q), tl.float32), INTERP, PREC)
+                w = cb * tl.exp(tl.minimum(a_m[:, None] - acum[None, :], 0.0)) * dtc[None, :]
+                w = tl.where(rows[:, None] >= offs_q[None, :], w, 0.0)
+                for k in tl.static_range(Q // BK):
+                    if k < k_end:
+                        wk = tl.where((offs_q // BK == k)[None, :], w, 0.0)
+                        acc = _dot(wk.to(xa.dtype), xa, acc, INTERP, PREC)
+            else:
+                k_from = 0
+                if PRELOAD:  # the K block k = 0, as the loop below would run it
+                    acc = _w_dot(acc, Cm, B0, x0, rows, offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
+                    k_from = 1
+                for k in range(k_from, k_end):
+                    cols = k * BK + offs_k
+                    Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
+                    xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
+                    acc = _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM, BK, INTERP, PREC)
+            if PRELOAD and XEARLY:
+                xr, Bm = xrn, Bmn
+                xrn, Bmn = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows + BM, lo, hi, keep_open & (c == c_first), h, pb,
+                                     H, P, G, N, g, offs_p, offs_n)
+            else:
+                xr, Bm = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows, lo, hi, keep_open & (c == c_first), h, pb,
+                                   H, P, G, N, g, offs_p, offs_n)
             if PRELOAD:  # the next row tile's C (none past hi: masked)
                 Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows + BM, lo, hi, offs_n)
-            xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
             if HAS_D:
                 acc = acc + Dh * xr.to(tl.float32)
             tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
@@ -200,8 +246,6 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
             own = keep & (c == c_first)
             tl.store(db + rows * H, d_rows, mask=own & (pb == 0))
             lead = (pb == 0) & (h % (H // G) == 0)
-            Bm = tl.load(B_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=(own & lead)[:, None],
-                         other=0.0)
             tl.store(bb + rows[:, None] * (G * N) + offs_n[None, :], Bm, mask=(own & lead)[:, None])
         if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
             a_last = tl.sum(tl.where(offs_q == Q - 1, acum, 0.0), axis=0)
@@ -333,7 +377,8 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                                   H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], BP=BP,
                                   HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
                                   PREC="ieee" if (x.dtype == torch.float32 or interp) else "tf32",
-                                  PRELOAD=cfg.get("PRELOAD", False),
+                                  PRELOAD=cfg.get("PRELOAD", False), KALL=cfg.get("KALL", False),
+                                  XEARLY=cfg.get("XEARLY", False),
                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if has_cache and stash:  # after the scan: its programs have read the old B and dt rows of the open chunks
         GN = G * N
