@@ -219,16 +219,13 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks
     ;;
-33) # issue 27's B = 1 decode with every load issued with the state's (KALL: every K block; XEARLY:
-    # the token's own rows; the default of one-sequence decode calls since this stage) against the
-    # former config, each knob alone, both on large launches, over two P blocks, on 4 warps; each
-    # timed with its bits checked; then the whole model's Diff with graphs under the new default
+33) # issue 27's B = 1 decode: every K block loaded with the state (KALL), the token's own rows
+    # loaded with it (XEARLY), both, both over two P blocks, both on 4 warps; each timed and its bits
+    # checked
     bench mamba_kall 150 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants \
-      '[{"KALL": false, "XEARLY": false}, {"KALL": true, "XEARLY": false}, {"KALL": false, "XEARLY": true},
-       {"KALL": true, "XEARLY": true}, {"KALL": true, "XEARLY": true, "BP": 32},
+      '[{"KALL": true}, {"XEARLY": true}, {"KALL": true, "XEARLY": true}, {"KALL": true, "XEARLY": true, "BP": 32},
        {"KALL": true, "XEARLY": true, "num_warps": 4}]'
-    bench nh_diff 150 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

@@ -305,9 +305,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     A prefill launch of fewer (sequence, head) ``programs`` than two per SM (``sms``; one or two
     long sequences) splits each head's P channels over two programs: a row's dots over N and K do
     not depend on how many output columns a program holds (BP < P: same bits, checked as above);
-    a decode launch that small runs 8 warps and issues every load of the call with the state's
-    (KALL, XEARLY: one round of loads instead of one per K block and one for the token's own rows;
-    the same operations in the same order, checked as above)."""
+    a decode launch that small runs 8 warps."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2)
     few = programs is not None and sms is not None and programs < 2 * sms
@@ -318,7 +316,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     # a decode call issues its row's C and the chunk's first K block with the state's load, not
     # after it (one round of dependent loads less; the same operations in the same order)
     return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2,
-                PRELOAD=decode, KALL=decode and few, XEARLY=decode and few)
+                PRELOAD=decode)
 
 
 @functools.lru_cache(maxsize=64)
