@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
-# Next: 32 (V4 training at the order of 1b44447, B = 1 Mamba decode), 27's B = 1 row, then 13,
-# 11, 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
+# Next: 33 (27's B = 1 decode: the KALL / XEARLY load knobs; if one wins, make it the one-sequence
+# decode default and rerun the whole model's Diff, nemotron_h_e2e.py --sections diff), then 13, 11,
+# 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
 # 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
