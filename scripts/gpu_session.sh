@@ -221,12 +221,12 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
       --no-backward --no-checks
     ;;
 33) # issue 27's B = 1 decode: every K block loaded with the state (KALL), the token's own rows
-    # loaded with it (XEARLY), both, both over two P blocks, both on 4 warps; each timed and its bits
-    # checked
+    # loaded with it (XEARLY), both, both over two P blocks and / or on 4 warps; each timed and its bits
+    # checked (the whole model's Diff after a default changes: nemotron_h_e2e.py --sections diff)
     bench mamba_kall 150 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants \
       '[{"KALL": true}, {"XEARLY": true}, {"KALL": true, "XEARLY": true}, {"KALL": true, "XEARLY": true, "BP": 32},
-       {"KALL": true, "XEARLY": true, "num_warps": 4}]'
+       {"KALL": true, "XEARLY": true, "num_warps": 4}, {"KALL": true, "XEARLY": true, "BP": 32, "num_warps": 4}]'
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
