@@ -73,7 +73,7 @@ class CanonicalOrder:
     # stream values run over fixed K chunks of ``hc_k_chunk`` (a multiple of ``hc_block_k``), the
     # chunk partials added in chunk order; the squares sit in ``hc_block_k`` lanes, summed in lane
     # order at the chunk's end; 256 so a decode step's few tokens still spread over many programs
-    # (V4 mid, T = 64: hc_pre 27 us at 256, 51 us at 1024; benchmarks/deepseek_v4_decode_ops.py)
+    # (the V4 mid step per chunk size: benchmarks/deepseek_v4_decode_ops.py and its results)
     hc_k_chunk: int = 256
     hc_block_k: int = 64
     # one version per op family (the kernels/ module defining the op), bumped by hand when that

@@ -152,7 +152,7 @@ def select_rows(scores, qpos, rate, top_k):
     ascending, -1 padded) in one launch: int32 [T, top_k] from scores fp32 [T, C] whose entries past
     a row's visible count score -inf (as the score kernels write them), so they never outrank a
     visible one and only the visible entries are read. Replaces two sorts and four elementwise
-    launches a CSA layer and step (V4 mid decode at B = 64: 136 us of sorts a step, H100)."""
+    launches a CSA layer and step (their cost in the V4 decode step: deepseek_v4_decode_ops.py)."""
     T, C = scores.shape
     out = torch.empty((T, top_k), dtype=torch.int32, device=scores.device)
     if T:

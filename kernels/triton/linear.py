@@ -98,10 +98,8 @@ HALF_TABLES = {
 
 # fp32 operands at decode M on few columns (the MoE routers' fp32 logits, HF's parity; N <= 1024,
 # where 64 x 64 tiles leave most SMs idle): an IEEE fp32 dot is FMA code, not tensor cores, so a
-# program's time is its tile's multiply-adds and the launch wants the smallest tiles. V4 mid's
-# router (64 x 2048, M = 64), cold in the step: 199 us on 64 x 64 tiles (one program), 51 us on
-# these, 17 us with its split of 4 on separate programs (benchmarks/deepseek_v4_decode_ops.py, H100;
-# every tile's bits equal).
+# program's time is its tile's multiply-adds and the launch wants the smallest tiles (V4's routers
+# per tile and K split: benchmarks/deepseek_v4_decode_ops.py; every tile's bits equal there).
 F32_DECODE_TABLE = [(64, 16, 16, 128, 8, 4, 1, "split")] + [r for r in CONFIG_TABLE if r[0] > 64]
 
 

@@ -4,9 +4,9 @@ order is stated in kernels/mhc.py, "Triton backend").
 - ``_mix_kernel`` (grid: token blocks x K chunks x output blocks): for each token, over one K
   chunk of its N*D stream values (``hc_k_chunk`` of the active order): the mix projection
   dot(x, fn) as one sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused
-  multiply-adds in K order, each row's chain its own), and the squares x^2 in ``hc_block_k`` lanes (lane j holds the
-  chunk's k = j mod hc_block_k, added in K order), the lanes summed in lane order by a dot with
-  ones. Fp32 partials per (chunk, token); neither the token block nor the output block changes
+  multiply-adds in K order, each row's chain its own), and the squares x^2 in ``hc_block_k``
+  lanes (lane j holds the chunk's k = j mod hc_block_k, added in K order), the lanes summed in
+  lane order by a dot with ones. Fp32 partials per (chunk, token); neither the token block nor the output block changes
   a value's bits (each output's chain is its own; every output block computes the same squares,
   the first stores them).
 - ``_finish_kernel`` (grid: tokens x D blocks): folds the chunk partials in chunk order, the
@@ -292,11 +292,10 @@ def _mixes(x, fn, interp):
     S = triton.cdiv(K, chunk)
     part = torch.empty((S, T, M), device=x.device, dtype=torch.float32)
     sq = torch.empty((S, T), device=x.device, dtype=torch.float32)
-    BM = MIX_BM
     blocks = chunk // o.hc_block_k   # the order keeps the chunk a multiple of the block
     unroll = next(u for u in (MIX_UNROLL, 2, 1) if blocks % u == 0)
-    grid = (triton.cdiv(T, BLOCK_T), S, triton.cdiv(M, BM))
-    _mix_kernel[grid](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=BM, BK=o.hc_block_k, ONES=ONES_N,
+    grid = (triton.cdiv(T, BLOCK_T), S, triton.cdiv(M, MIX_BM))
+    _mix_kernel[grid](x, fn, part, sq, T, K, M, chunk, BT=BLOCK_T, BM=MIX_BM, BK=o.hc_block_k, ONES=ONES_N,
                       UNROLL=unroll, INTERP=interp, **_kw(interp))
     return part, sq, S
 

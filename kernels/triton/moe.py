@@ -265,8 +265,8 @@ def _rank_kernel(ids_ptr, row_start_ptr, order_ptr, tok_ptr, S, TOPK, BI: tl.con
 
 
 # The rank launch's sort (expert_layout): O(S^2) comparisons over S / RANK_BI programs, for the few
-# hundred rows of a decode step, where torch.sort's radix passes took 27 us a layer (V4 mid, B = 64,
-# H100: benchmarks/deepseek_v4_decode_ops.py).
+# hundred rows of a decode step, where torch.sort's several radix passes cost more than one launch
+# (both timed in benchmarks/deepseek_v4_decode_ops.py); above RANK_MAX_S rows torch.sort.
 RANK_MAX_S = 2048
 RANK_BI, RANK_BJ = 32, 128
 
