@@ -220,15 +220,14 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                     Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
                     xk = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, cols, p0, pend, t0, offs_p)
                     acc = _w_dot(acc, Cm, Bk, xk, rows, cols, a_m, acum, dtc, BM, BK, INTERP, PREC)
-            if PRELOAD and XEARLY:
+            if PRELOAD:  # the next row tile's C (none past hi: masked)
+                Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows + BM, lo, hi, offs_n)
+            if PRELOAD and XEARLY:  # this tile's own rows were loaded with the state; the next tile's now
                 xr, Bm = xrn, Bmn
                 xrn, Bmn = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows + BM, lo, hi, keep_open & (c == c_first), h, pb,
                                      H, P, G, N, g, offs_p, offs_n)
             else:
-                xr, Bm = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows, lo, hi, keep_open & (c == c_first), h, pb,
-                                   H, P, G, N, g, offs_p, offs_n)
-            if PRELOAD:  # the next row tile's C (none past hi: masked)
-                Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, rows + BM, lo, hi, offs_n)
+                xr = tl.load(x_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], mask=row_in[:, None], other=0.0)
             if HAS_D:
                 acc = acc + Dh * xr.to(tl.float32)
             tl.store(y_ptr + tok[:, None] * (H * P) + h * P + offs_p[None, :], acc, mask=row_in[:, None])
@@ -246,6 +245,9 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
             own = keep & (c == c_first)
             tl.store(db + rows * H, d_rows, mask=own & (pb == 0))
             lead = (pb == 0) & (h % (H // G) == 0)
+            if not (PRELOAD and XEARLY):
+                Bm = tl.load(B_ptr + tok[:, None] * (G * N) + g * N + offs_n[None, :], mask=(own & lead)[:, None],
+                             other=0.0)
             tl.store(bb + rows[:, None] * (G * N) + offs_n[None, :], Bm, mask=(own & lead)[:, None])
         if hi == Q:  # the chunk closes in this call: S_{c+1} from all Q positions
             a_last = tl.sum(tl.where(offs_q == Q - 1, acum, 0.0), axis=0)
