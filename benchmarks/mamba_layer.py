@@ -380,6 +380,9 @@ class Bench:
         """Our prefill / decode timings and bitwise prefill == decode under another config (of
         every call, or with ``decode_only`` of the one-token-per-sequence calls only)."""
         base = self.ssd_mod.config_for
+        unknown = set(override) - set(base(self.bf, s["head_dim"], s["state"], s["chunk"]))
+        if unknown:  # the launcher reads only the config's own keys: another one would time the default
+            raise SystemExit(f"--decode-variants / variants: unknown scan config keys {sorted(unknown)}")
         self.ssd_mod.config_for = lambda *args, **kw: {**base(*args, **kw),
                                                        **(override if kw.get("decode") or not decode_only else {})}
         try:

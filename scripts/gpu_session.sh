@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
-# Next: 33 (27's B = 1 decode: the KALL / XEARLY load knobs; if one wins, make it the one-sequence
-# decode default and rerun the whole model's Diff, nemotron_h_e2e.py --sections diff), then 13, 11,
+# Next: 34 (27's B = 1 decode: the KPRE / XEARLY load knobs, the one-sequence decode default, and
+# the whole model's Diff, nemotron_h_e2e.py --sections diff), then 13, 11,
 # 9, 7, 1, 2. The golden bits compare with golden_gpu_h100_compiled.json (the stamp since
 # 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
@@ -11,13 +11,14 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|34|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . || exit 1
 pip install -q --no-index --no-deps --no-compile --target /tmp/site "$W"/*.whl || exit 1
 export PYTHONPATH=/tmp/site
+export PYTHONFAULTHANDLER=1  # a benchmark stopped by its time limit (SIGABRT) prints where it was
 MAMBA="$W/mamba_ssm-2.3.2.post1"
 cd /tmp  # the checkout's folders would shadow the installed package
 
@@ -25,7 +26,7 @@ bench() {  # name seconds script args...
   local name=$1 lim=$2 script=$3
   shift 3
   local t0=$SECONDS
-  timeout "$lim" python3 "$R/benchmarks/$script" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  timeout -s ABRT -k 10 "$lim" python3 "$R/benchmarks/$script" --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name rc=$? $((SECONDS - t0)) s"
   tail -4 "$OUT/$name.log"
 }
@@ -220,13 +221,16 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks
     ;;
-33) # issue 27's B = 1 decode: every K block loaded with the state (KALL), the token's own rows
-    # loaded with it (XEARLY), both, both over two P blocks and / or on 4 warps; each timed and its bits
-    # checked (the whole model's Diff after a default changes: nemotron_h_e2e.py --sections diff)
-    bench mamba_kall 150 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
+34) # issue 27's B = 1 decode (stage 33 at d921271: KALL lost, 1.7x; XEARLY alone 1.55x): the first
+    # KPRE K blocks loaded with the state (each block's product as the loop takes it) and XEARLY, the
+    # default of one-sequence decode calls since this stage, against the former config, each alone,
+    # two blocks, one pipeline stage; each timed with its bits checked; then the whole model's Diff
+    # with graphs under the new default
+    bench mamba_kpre 200 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks --decode-variants \
-      '[{"KALL": true}, {"XEARLY": true}, {"KALL": true, "XEARLY": true}, {"KALL": true, "XEARLY": true, "BP": 32},
-       {"KALL": true, "XEARLY": true, "num_warps": 4}, {"KALL": true, "XEARLY": true, "BP": 32, "num_warps": 4}]'
+      '[{"KPRE": 1, "XEARLY": false}, {"KPRE": 1, "XEARLY": true}, {"KPRE": 4, "XEARLY": false},
+       {"KPRE": 2, "XEARLY": true}, {"KPRE": 4, "XEARLY": true}, {"KPRE": 4, "XEARLY": true, "num_stages": 1}]'
+    bench nh_diff 260 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
