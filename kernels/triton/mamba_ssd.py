@@ -22,11 +22,10 @@ after the call's last token exact zeros:
 - when the chunk's last position is in the call: S_{c+1} = dot over K blocks in order of
   (x_s * exp(Acum_{Q-1} - Acum_s) * dt_s)^T B_s, accumulated onto exp(Acum_{Q-1}) * S_c.
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
-mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD, KPRE, XEARLY)
-is fixed per (dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and
-first KPRE K blocks with the state's load, each block's product then taken as the K loop takes it;
-XEARLY: the token's own x and B rows with it too; KPRE > 1 and XEARLY off until the GPU has
-timed and checked them), never autotuned: BK and the K-block walk fix a row's bits, and warps pick
+mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD, XEARLY) is
+fixed per (dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and
+first K block with the state's load; XEARLY: the token's own x and B rows with it too, off until
+the GPU has timed and checked it), never autotuned: BK and the K-block walk fix a row's bits, and warps pick
 the MMA instructions; the row tile does not change them (DESIGN section 4), and every config change
 is checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
@@ -128,7 +127,7 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
                 H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_D: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr,
-                KPRE: tl.constexpr, XEARLY: tl.constexpr):
+                XEARLY: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)  # this program's BP of the head's P channels (their state rows are independent)
@@ -174,20 +173,10 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
         hi = (tl.minimum(pend, cq + Q) - cq).to(tl.int32)
         keep_open = cached & (hi < Q)  # the chunk stays open: the call's rows go to the buffers
         tl.debug_barrier()  # this program's reads of older buffer rows (earlier chunks) are done
-        if PRELOAD:  # the first row tile's C and the chunk's first KPRE K blocks, loaded before S is waited on
-            # (rows past the call's last token are masked: a block after the token reads nothing)
+        if PRELOAD:  # the first row tile's C and the chunk's first K block, loaded before S is waited on
             Cn = _c_rows(C_ptr, G * N, g * N, t0, cq, p0, lo // BM * BM + offs_m, lo, hi, offs_n)
             B0 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, offs_k, p0, pend, t0, offs_n)
             x0 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, offs_k, p0, pend, t0, offs_p)
-            if KPRE > 1:
-                B1 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, BK + offs_k, p0, pend, t0, offs_n)
-                x1 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, BK + offs_k, p0, pend, t0, offs_p)
-            if KPRE > 2:
-                B2 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, 2 * BK + offs_k, p0, pend, t0, offs_n)
-                x2 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, 2 * BK + offs_k, p0, pend, t0, offs_p)
-            if KPRE > 3:
-                B3 = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, 3 * BK + offs_k, p0, pend, t0, offs_n)
-                x3 = _chunk_rows(x_ptr, H * P, h * P, xb, H * P, cq, 3 * BK + offs_k, p0, pend, t0, offs_p)
             if XEARLY:  # the first row tile's own x rows and (group leads) B rows for the buffers
                 rows_n = lo // BM * BM + offs_m
                 xrn, Bmn = _own_rows(x_ptr, B_ptr, t0, cq, p0, rows_n, lo, hi, keep_open & (c == c_first), h, pb,
@@ -205,18 +194,9 @@ def _ssd_kernel(x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, cu_p
             acc = _dot(Cm, S_op, tl.zeros((BM, BP), tl.float32), INTERP, PREC) * tl.exp(a_m)[:, None]
             k_end = ((m + 1) * BM + BK - 1) // BK
             k_from = 0
-            if PRELOAD:  # the preloaded K blocks, each as the loop below would run it
+            if PRELOAD:  # the K block k = 0, as the loop below would run it
                 acc = _w_dot(acc, Cm, B0, x0, rows, offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
-                k_from = KPRE
-                if KPRE > 1:
-                    if k_end > 1:
-                        acc = _w_dot(acc, Cm, B1, x1, rows, BK + offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
-                if KPRE > 2:
-                    if k_end > 2:
-                        acc = _w_dot(acc, Cm, B2, x2, rows, 2 * BK + offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
-                if KPRE > 3:
-                    if k_end > 3:
-                        acc = _w_dot(acc, Cm, B3, x3, rows, 3 * BK + offs_k, a_m, acum, dtc, BM, BK, INTERP, PREC)
+                k_from = 1
             for k in range(k_from, k_end):
                 cols = k * BK + offs_k
                 Bk = _chunk_rows(B_ptr, G * N, g * N, bb, G * N, cq, cols, p0, pend, t0, offs_n)
@@ -312,7 +292,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     a decode launch that small runs 8 warps."""
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2,
-                    PRELOAD=False, KPRE=1, XEARLY=False)
+                    PRELOAD=False, XEARLY=False)
     few = programs is not None and sms is not None and programs < 2 * sms
     BP = P // 2 if (not decode and few and P // 2 >= 16) else P
     # a decode launch of few programs (one sequence) is latency-bound: 8 warps issue its loads
@@ -321,7 +301,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     # a decode call issues its row's C and the chunk's first K block with the state's load, not
     # after it (one round of dependent loads less; the same operations in the same order)
     return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2,
-                PRELOAD=decode, KPRE=1, XEARLY=False)
+                PRELOAD=decode, XEARLY=False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -375,8 +355,6 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
     Dp = aligned(D) if D is not None else y
     dt_lo = rounded(dt_min, dt.dtype)
     BP = cfg["BP"]
-    if not 1 <= cfg["KPRE"] <= min(4, Q // cfg["BK"]):
-        raise NotImplementedError(f"mamba_chunk_scan (Triton): config KPRE={cfg['KPRE']} must be 1..min(4, Q / BK)")
     if P % BP:
         raise NotImplementedError(f"mamba_chunk_scan (Triton): config BP={BP} must divide head_dim={P}")
     _ssd_kernel[(nb, H, P // BP)](xa, aligned(dt), bias, aligned(A), Ba, aligned(C), Dp, y, cu, start, slots,
@@ -384,7 +362,7 @@ def mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, cu_seqlens, dt_min,
                                   H=H, P=P, G=G, N=N, Q=Q, BM=cfg["BM"], BK=cfg["BK"], BP=BP,
                                   HAS_BIAS=dt_bias is not None, HAS_D=D is not None, INTERP=interp,
                                   PREC="ieee" if (x.dtype == torch.float32 or interp) else "tf32",
-                                  PRELOAD=cfg["PRELOAD"], KPRE=cfg["KPRE"], XEARLY=cfg["XEARLY"],
+                                  PRELOAD=cfg["PRELOAD"], XEARLY=cfg["XEARLY"],
                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if has_cache and stash:  # after the scan: its programs have read the old B and dt rows of the open chunks
         GN = G * N
