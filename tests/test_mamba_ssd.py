@@ -258,6 +258,10 @@ def test_decode_calls_run_their_own_row_tile(monkeypatch):
     # and a decode launch that small runs 8 warps, a large one 4
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=128, sms=132)["num_warps"] == 8
     assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=8192, sms=132)["num_warps"] == 4
+    # and loads its own rows with the state (XEARLY), a large one and a prefill do not
+    assert mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=128, sms=132)["XEARLY"]
+    assert not mamba_ssd.config_for(BF, 64, 128, 128, decode=True, programs=8192, sms=132)["XEARLY"]
+    assert not mamba_ssd.config_for(BF, 64, 128, 128, programs=128, sms=132)["XEARLY"]
     seen = []
     base = mamba_ssd.config_for
     monkeypatch.setattr(mamba_ssd, "config_for", lambda *a, **k: seen.append(k.get("decode")) or base(*a, **k))

@@ -24,8 +24,8 @@ after the call's last token exact zeros:
 Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 accumulate, as
 mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD, XEARLY) is
 fixed per (dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and
-first K block with the state's load; XEARLY: the token's own x and B rows with it too, off until
-the GPU has timed and checked it), never autotuned: BK and the K-block walk fix a row's bits, and warps pick
+first K block with the state's load; XEARLY, for one sequence: the token's own x and B rows with
+it too), never autotuned: BK and the K-block walk fix a row's bits, and warps pick
 the MMA instructions; the row tile does not change them (DESIGN section 4), and every config change
 is checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
@@ -300,8 +300,10 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     warps = 8 if decode and few else 4
     # a decode call issues its row's C and the chunk's first K block with the state's load, not
     # after it (one round of dependent loads less; the same operations in the same order)
+    # and, that small, the token's own x and B rows with it too (XEARLY; a large launch is faster
+    # with them after the K loop: benchmarks/results/mamba_ssd_h100_run8_kall.json)
     return dict(BM=min(16 if decode else 64, Q), BK=min(32, Q), BP=BP, num_warps=warps, num_stages=2,
-                PRELOAD=decode, XEARLY=False)
+                PRELOAD=decode, XEARLY=decode and few)
 
 
 @functools.lru_cache(maxsize=64)
