@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -144,6 +145,22 @@ def rollout(model, hf, a, device, rec, deadline):
         rec.flush()
 
 
+def few_decode_config(over: dict) -> None:
+    """Apply ``over`` to the Triton scan's config of decode launches of few programs (as
+    mamba_ssd.config_for decides: fewer than two (sequence, head) programs per SM)."""
+    from bitmatch.kernels.triton import mamba_ssd
+    base = mamba_ssd.config_for
+    unknown = set(over) - set(base(torch.bfloat16, 64, 128, 128))
+    if unknown:
+        raise SystemExit(f"--few-decode-config: unknown scan config keys {sorted(unknown)}")
+
+    def config_for(dtype, P, N, Q, decode=False, programs=None, sms=None):
+        cfg = base(dtype, P, N, Q, decode=decode, programs=programs, sms=sms)
+        few = decode and programs is not None and sms is not None and programs < 2 * sms
+        return {**cfg, **over} if few and dtype != torch.float32 else cfg
+    mamba_ssd.config_for = config_for
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -176,6 +193,9 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=400, help="no new section or batch after this many s")
     ap.add_argument("--host-profile", action="store_true", help="train: where each step's host time goes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--few-decode-config", default=None,
+                    help='JSON: Mamba scan config keys for decode launches of few programs (one or two sequences), '
+                         'e.g. \'{"BP": 16, "num_warps": 4}\': the whole model\'s Diff under a candidate before it lands')
     a = ap.parse_args(argv)
     if a.smoke:
         explicit = {t.split("=")[0].lstrip("-").replace("-", "_") for t in (argv or sys.argv[1:]) if t.startswith("--")}
@@ -183,6 +203,8 @@ def main(argv=None):
             if k not in explicit:
                 setattr(a, k, v)
     kernels = load_kernels(a)  # before transformers imports the Nemotron-H modeling file
+    if a.few_decode_config:
+        few_decode_config(json.loads(a.few_decode_config))
 
     import bitmatch
     from bitmatch.engine.graphs import graph_safe
