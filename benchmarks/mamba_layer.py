@@ -47,6 +47,9 @@ import traceback
 import _common  # the script's folder is on sys.path
 
 SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chunk=128),
+          # the same at a canonical chunk of 64 (the open-chunk replay of a decode step half as long;
+          # Nemotron-H's checkpoints say 128, which mamba_ssm's rows at nemotron_h_8b use)
+          "nemotron_h_8b_q64": dict(heads=128, head_dim=64, groups=8, state=128, chunk=64),
           "small": dict(heads=32, head_dim=64, groups=2, state=64, chunk=128),
           "nemotron_h_e2e": dict(heads=64, head_dim=64, groups=8, state=128, chunk=128),  # nemotron_h_e2e.py's
           "tiny": dict(heads=4, head_dim=16, groups=2, state=16, chunk=16)}

@@ -11,7 +11,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|37|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -220,6 +220,11 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench v4_train 150 deepseek_v4_layer.py --device cuda --config flash4 --sections train --batch 2 --seq 512 --reps 2
     bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks
+    ;;
+37) # issue 27's B = 1 decode at a canonical chunk of 64 (the replay half as long) beside 128, with
+    # the prefill's cost of it (mamba_ssm's baseline: its rows at chunk 128)
+    bench mamba_q64 200 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
+      --prefill 2048,8192 --batches 1,64 --no-backward --no-checks
     ;;
 36) # issue 27's B = 1 decode (1.56x with XEARLY, stage 35): a head's P channels over 2 or 4 programs of
     # fewer warps (less serial work per thread, several programs per SM); each timed with its bits
