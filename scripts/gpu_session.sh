@@ -223,8 +223,8 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     ;;
 37) # issue 27's B = 1 decode at a canonical chunk of 64 (the replay half as long) beside 128, with
     # the prefill's cost of it (mamba_ssm's baseline: its rows at chunk 128)
-    bench mamba_q64 200 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
-      --prefill 2048,8192 --batches 1,64 --no-backward --no-checks
+    bench mamba_q64 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
+      --prefill 2048 --batches 1,64 --no-backward --no-checks
     ;;
 36) # issue 27's B = 1 decode (1.56x with XEARLY, stage 35): a head's P channels over 2 or 4 programs of
     # fewer warps (less serial work per thread, several programs per SM); each timed with its bits
