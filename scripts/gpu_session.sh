@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
-# Next: 36 (27's B = 1 decode: a head's channels over more programs of fewer warps, and the whole
-# model's Diff under the fastest), then 13, 11, 9, 7, 1, 2. The golden bits compare with
+# Next: 38 on branch q64 (27: Nemotron-H scanning in chunks of 64; the stage is on that branch:
+# export it, not main), then 13, 11, 9, 7, 1, 2. The golden bits compare with
 # golden_gpu_h100_compiled.json (the stamp since
 # 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
