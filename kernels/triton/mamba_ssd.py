@@ -25,9 +25,9 @@ Dot operands are x's dtype (bf16: W, S_c^T and x*decay rounded to bf16, fp32 acc
 mamba_ssm; fp32: "ieee" fp32 dots). The config (BM, BK, BP, warps, stages, PRELOAD, XEARLY) is
 fixed per (dtype, P, N, Q) and call kind (a decode call runs 16-row tiles and issues its C and
 first K block with the state's load; XEARLY, for one sequence: the token's own x and B rows with
-it too), never autotuned: BK and the K-block walk fix a row's bits, and warps pick
-the MMA instructions; the row tile does not change them (DESIGN section 4), and every config change
-is checked by prefill == decode on the GPU before it lands.
+it too), never autotuned: BK and the K-block walk fix a row's bits, and warps pick the MMA
+instructions; the row tile does not change them (DESIGN section 4), and every config change is
+checked by prefill == decode on the GPU before it lands.
 Every call, cached or not, runs the same binary: the cache is a runtime flag, integer arguments are
 not value-specialised, misaligned inputs are copied to aligned ones and a misaligned cache is
 refused, so no launch compiles a variant. A token's row never depends on the tile's other rows;
