@@ -146,8 +146,8 @@ def rollout(model, hf, a, device, rec, deadline):
 
 
 def few_decode_config(over: dict) -> None:
-    """Apply ``over`` to the Triton scan's config of decode launches of few programs (as
-    mamba_ssd.config_for decides: fewer than two (sequence, head) programs per SM)."""
+    """Apply ``over`` to the Triton scan's config of decode launches of few programs (the
+    launches mamba_ssd.few_programs names, as config_for does)."""
     from bitmatch.kernels.triton import mamba_ssd
     base = mamba_ssd.config_for
     unknown = set(over) - set(base(torch.bfloat16, 64, 128, 128))
@@ -156,7 +156,7 @@ def few_decode_config(over: dict) -> None:
 
     def config_for(dtype, P, N, Q, decode=False, programs=None, sms=None):
         cfg = base(dtype, P, N, Q, decode=decode, programs=programs, sms=sms)
-        few = decode and programs is not None and sms is not None and programs < 2 * sms
+        few = decode and mamba_ssd.few_programs(programs, sms)
         return {**cfg, **over} if few and dtype != torch.float32 else cfg
     mamba_ssd.config_for = config_for
 

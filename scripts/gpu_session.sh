@@ -2,8 +2,8 @@
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
 # Next: 38 on branch q64 (27: Nemotron-H scanning in chunks of 64; the stage is on that branch:
 # export it, not main), then 13, 11, 9, 7, 1, 2. The golden bits compare with
-# golden_gpu_h100_compiled.json (the stamp since
-# 1b44447; golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
+# golden_gpu_h100_compiled.json (the stamp since 1b44447; golden_gpu_h200_compiled.json holds the
+# one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
@@ -221,11 +221,6 @@ nh3) # issue 27 with the Triton Mamba backward: Nemotron-H training (host profil
     bench mamba_b1 100 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b --prefill 2048 --batches 1,64 \
       --no-backward --no-checks
     ;;
-37) # issue 27's B = 1 decode at a canonical chunk of 64 (the replay half as long) beside 128, with
-    # the prefill's cost of it (mamba_ssm's baseline: its rows at chunk 128)
-    bench mamba_q64 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
-      --prefill 2048 --batches 1,64 --no-backward --no-checks
-    ;;
 36) # issue 27's B = 1 decode (1.56x with XEARLY, stage 35): a head's P channels over 2 or 4 programs of
     # fewer warps (less serial work per thread, several programs per SM); each timed with its bits
     # checked; the fastest at B = 1, if it beats the default, gets the whole model's Diff with graphs
@@ -244,6 +239,11 @@ PY
 )
     echo "fastest B = 1 variant that beats the default: ${BEST:-none}"
     [ -n "$BEST" ] && bench nh_diff 220 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff --few-decode-config "$BEST"
+    ;;
+37) # issue 27's B = 1 decode at a canonical chunk of 64 (the replay half as long) beside 128, with
+    # the prefill's cost of it (mamba_ssm's baseline: its rows at chunk 128)
+    bench mamba_q64 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
+      --prefill 2048 --batches 1,64 --no-backward --no-checks
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

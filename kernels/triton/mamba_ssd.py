@@ -270,6 +270,11 @@ def _stash_kernel(B_ptr, dtp_ptr, cu_ptr, start_ptr, slot_ptr, bb_ptr, db_ptr, Q
     tl.store(db_ptr + slot * (Q * H) + rows[:, None] * H + offs_h[None, :], d, mask=mh)
 
 
+def few_programs(programs: int | None, sms: int | None) -> bool:
+    """A launch of fewer (sequence, head) programs than two per SM: config_for's latency-bound case."""
+    return programs is not None and sms is not None and programs < 2 * sms
+
+
 def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False, programs: int | None = None,
                sms: int | None = None) -> dict:
     """The fixed launch config of (dtype, P, N, Q): part of the canonical order (see module doc).
@@ -293,7 +298,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     if dtype == torch.float32:
         return dict(BM=min(32, Q), BK=min(32, Q), BP=P, num_warps=8 if P * N >= 4096 else 4, num_stages=2,
                     PRELOAD=False, XEARLY=False)
-    few = programs is not None and sms is not None and programs < 2 * sms
+    few = few_programs(programs, sms)
     BP = P // 2 if (not decode and few and P // 2 >= 16) else P
     # a decode launch of few programs (one sequence) is latency-bound: 8 warps issue its loads
     # sooner (warps split a tile's columns, never a row's K order)

@@ -6,9 +6,9 @@ order is stated in kernels/mhc.py, "Triton backend").
   dot(x, fn) as one sequential fp32 accumulation (``tl.dot`` in IEEE fp32: a chain of fused
   multiply-adds in K order, each row's chain its own), and the squares x^2 in ``hc_block_k``
   lanes (lane j holds the chunk's k = j mod hc_block_k, added in K order), the lanes summed in
-  lane order by a dot with ones. Fp32 partials per (chunk, token); neither the token block nor the output block changes
-  a value's bits (each output's chain is its own; every output block computes the same squares,
-  the first stores them).
+  lane order by a dot with ones. Fp32 partials per (chunk, token); neither the token block nor
+  the output block changes a value's bits (each output's chain is its own; every output block
+  computes the same squares, the first stores them).
 - ``_finish_kernel`` (grid: tokens x D blocks): folds the chunk partials in chunk order, the
   gates, the softmax and the Sinkhorn iterations on the token's N x N matrix (every sum over N a
   stream-order fold of exact one-element extractions, not a tl.sum tree), then the collapse of
