@@ -11,7 +11,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|37|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|37|38|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -244,6 +244,15 @@ PY
     # the prefill's cost of it (mamba_ssm's baseline: its rows at chunk 128)
     bench mamba_q64 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
       --prefill 2048 --batches 1,64 --no-backward --no-checks
+    ;;
+38) # issue 27 on branch q64 (Nemotron-H scans in chunks of 64 whatever the checkpoint says, for the
+    # decode's replay): the scan's bit checks at chunk 64 (prefill == chunked == decode, packed vs alone,
+    # the engine's schedule; the cumsum over 64 positions on the decode's 8 warps vs the prefill's 4),
+    # prefill at 2,048 and 8,192 vs mamba_ssm at its 128 (the nemotron_h_8b rows), decode B = 1 / 64;
+    # then the whole model (HF at chunk 128, ours at 64): Diff with graphs, rollout, training
+    bench mamba_q64 200 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b_q64,nemotron_h_8b \
+      --prefill 2048,8192 --batches 1,64 --no-backward
+    bench nh_q64 330 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --batches 32 --budget-s 260
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64

@@ -181,3 +181,31 @@ def test_triton_backend_interpreter_parity_and_engine_diff_zero():
         outs = Engine(m, max_num_seqs=2, max_num_batched_tokens=7).generate(prompts, params, use_tqdm=False)
         assert_bitmatch(m, outs, params)
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=2e-5)
+
+
+def test_checkpoint_chunk_above_scan_chunk_runs_scan_chunks(monkeypatch):
+    """A checkpoint's chunk_size of 128 (Nemotron-H's) scans in chunks of NH.SCAN_CHUNK (the engine's
+    open-chunk buffers too): parity with HF fp32 at its 128, engine == trainer across a scan-chunk
+    boundary (prompts of 60-70 tokens, decodes past 64); control: at 128 the order differs."""
+    hf = NH.FAMILY.tiny_model(dtype=torch.float32, seed=3, chunk_size=128)
+    m = _patched(hf)
+    spec = NH.FAMILY.build_spec(m)
+    assert hf.config.chunk_size == 128 and spec.chunk_size == NH.SCAN_CHUNK == 64
+    group = next(g for g in NH.FAMILY.cache_groups(spec, torch.float32) if g.name == "mamba")
+    assert group.tensors[2][0][0] == NH.SCAN_CHUNK  # the open chunk's x rows
+    prompts = [random_prompts(1, L, L, seed=L)[0] for L in (60, 64, 70)]
+    ids, mask = pad_batch(prompts, "right")
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+        got = m(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=2e-5)
+    params = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=i) for i in range(3)]
+    outs = Engine(m, max_num_seqs=3, max_num_batched_tokens=24).generate(prompts, params, use_tqdm=False)
+    assert assert_bitmatch(m, outs, params, batch=3) > 0
+    # control: scanning in the checkpoint's chunks of 128 gives other bits past position 64
+    monkeypatch.setattr(NH, "SCAN_CHUNK", 128)
+    m128 = _patched(hf)
+    assert NH.FAMILY.build_spec(m128).chunk_size == 128
+    with torch.no_grad():
+        got128 = m128(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got128[:, :64], got[:, :64]) and not torch.equal(got128[:, 64:], got[:, 64:])

@@ -5,7 +5,8 @@
 - ``linear_attention`` (Mamba2): in_proj -> (gate z, xBC, dt); xBC = causal_conv1d(xBC) (silu);
   x, B, C = split(xBC); y = mamba_chunk_scan(x, dt, A = -exp(A_log), B, C, D, dt_bias) in fp32 on the
   canonical chunk schedule (kernels/mamba.py: chunks at absolute positions, fp32 boundary state, the
-  open chunk replayed); y = gated_rms_norm(y, z) grouped by n_groups; out_proj(round(y)).
+  open chunk replayed) in chunks of min(config.chunk_size, SCAN_CHUNK); y = gated_rms_norm(y, z)
+  grouped by n_groups; out_proj(round(y)).
 - ``full_attention``: q/k/v projections, GQA, NO rotary embedding (HF's NemotronHAttention applies
   none), attention_prefill | write_kv_cache + attention_paged, o_proj.
 - ``mlp``: down(relu(up(x))^2) (non-gated).
@@ -35,6 +36,12 @@ from bitmatch.context import ForwardContext
 from bitmatch.models import dense, lora
 from bitmatch.models.registry import CacheGroup, Family, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
+
+# The scan's chunk, whatever the checkpoint's chunk_size (128 for Nemotron-H): the chunk only places
+# the fp32 state passing (the same sums in exact arithmetic; HF's chunking rounds differently from
+# ours at any size), and a one-token decode replays its open chunk, so 64 halves that replay; the
+# prefill keeps its speed (benchmarks/results/mamba_ssd_h100_run12_q64.json)
+SCAN_CHUNK = 64
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 
@@ -344,7 +351,7 @@ class NemotronHFamily(Family):
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
             scale=float(attn.scaling) if attn is not None else 1.0, mamba_heads=cfg.mamba_num_heads,
             mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups, ssm_state=cfg.ssm_state_size,
-            conv_kernel=cfg.conv_kernel, chunk_size=int(cfg.chunk_size), dt_min=float(cfg.time_step_min),
+            conv_kernel=cfg.conv_kernel, chunk_size=min(int(cfg.chunk_size), SCAN_CHUNK), dt_min=float(cfg.time_step_min),
             vocab_size=lm.lm_head.weight.shape[0])
         tp = tp_shard(lm)  # duck-typed: this module never imports bitmatch.parallel
         return spec if tp is None else tp.spec  # a TP rank's spec names its own heads and groups (its caches)
