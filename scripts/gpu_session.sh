@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
-# Next: 38 on branch q64 (27: Nemotron-H scanning in chunks of 64; the stage is on that branch:
-# export it, not main), then 13, 11, 9, 7, 1, 2. The golden bits compare with
+# Next: 39 (27: the Mamba layer's backward at the scan chunk of 64), then 13, 11, 9, 7, 1, 2. The golden bits compare with
 # golden_gpu_h100_compiled.json (the stamp since 1b44447; golden_gpu_h200_compiled.json holds the
 # one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
@@ -11,7 +10,7 @@
 # Each benchmark has its own time limit, writes its JSON under $OUT/<name> and its log beside it;
 # a benchmark that runs out of time loses only its own rows. Everything comes back as $OUT/stage<N>.tgz.
 set -u
-STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|37|38|nh|nh2|nh3|lora|tp}
+STAGE=${1:?usage: gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|36|37|38|39|nh|nh2|nh3|lora|tp}
 R=$(pwd)
 W=${WHEELS:-$R/../.whl}
 OUT=${OUT:?the device tool sets OUT}
@@ -253,6 +252,11 @@ PY
     bench mamba_q64 200 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b_q64,nemotron_h_8b \
       --prefill 2048,8192 --batches 1,64 --no-backward
     bench nh_q64 330 nemotron_h_e2e.py --mamba-src "$MAMBA" --sections diff,rollout,train --batches 32 --budget-s 260
+    ;;
+39) # issue 27 after 38 (the scan at 64 landed): the Mamba layer's forward + backward at 64 beside 128
+    # vs mamba_ssm at its 128, prefill and decode again with the checks (a second run of 38's rows)
+    bench mamba_q64_bwd 300 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b_q64,nemotron_h_8b \
+      --prefill 2048,8192 --batches 1,64
     ;;
 11) # after 10: the V4 mid train / rollout / Diff rows and flash4 decode (21), MoE and dense training (22)
     bench v4_decode 90 deepseek_v4_layer.py --device cuda --config flash4 --sections decode --seq 512 --decode-batch 64
