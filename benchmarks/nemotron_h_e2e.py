@@ -208,6 +208,7 @@ def main(argv=None):
 
     import bitmatch
     from bitmatch.engine.graphs import graph_safe
+    from bitmatch.models import spec_of
     from bitmatch.testing_models import random_prompts
 
     t_start = time.time()
@@ -220,6 +221,7 @@ def main(argv=None):
     rec.data["hf_kernels"] = hf_kernels()
     model = bitmatch.patch(copy.deepcopy(hf))
     rec.data["cuda_graph_safe"] = graph_safe(model)
+    rec.data["scan_chunk"] = spec_of(model)[1].chunk_size  # ours; HF scans at --chunk
     rec.flush()
     for name in a.sections.split(","):
         if time.time() > deadline:

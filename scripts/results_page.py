@@ -307,8 +307,10 @@ def r_nemotron_h_e2e(d):
     a, secs = d.get("args", {}), d.get("sections", {})
     kern = d.get("hf_kernels") or {}
     out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, blocks {fmt(a.get('blocks'))}, Mamba "
-                       f"{fmt(a.get('mamba_heads'))} heads x {fmt(a.get('mamba_head_dim'))}, chunk {fmt(a.get('chunk'))}. "
-                       "HF's Mamba functions ran: " + "; ".join(f"{k}: {v}" for k, v in kern.items()) + ".", ""]
+                       f"{fmt(a.get('mamba_heads'))} heads x {fmt(a.get('mamba_head_dim'))}, chunk {fmt(a.get('chunk'))}"
+                       + (f" (ours scans in chunks of {d['scan_chunk']})"
+                          if d.get("scan_chunk") not in (None, a.get("chunk")) else "")
+                       + ". HF's Mamba functions ran: " + "; ".join(f"{k}: {v}" for k, v in kern.items()) + ".", ""]
     if secs.get("diff"):
         out += table(["Diff config", "CUDA graphs", "tokens", "mismatches", "stock HF mismatches"],
                      [[c.get("config"), c.get("graphs_on"), c.get("tokens"), c.get("mismatches"),

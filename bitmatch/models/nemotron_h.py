@@ -351,7 +351,8 @@ class NemotronHFamily(Family):
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
             scale=float(attn.scaling) if attn is not None else 1.0, mamba_heads=cfg.mamba_num_heads,
             mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups, ssm_state=cfg.ssm_state_size,
-            conv_kernel=cfg.conv_kernel, chunk_size=min(int(cfg.chunk_size), SCAN_CHUNK), dt_min=float(cfg.time_step_min),
+            conv_kernel=cfg.conv_kernel, chunk_size=min(int(cfg.chunk_size), SCAN_CHUNK),
+            dt_min=float(cfg.time_step_min),
             vocab_size=lm.lm_head.weight.shape[0])
         tp = tp_shard(lm)  # duck-typed: this module never imports bitmatch.parallel
         return spec if tp is None else tp.spec  # a TP rank's spec names its own heads and groups (its caches)
