@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
-# Issue 27's rows are in (stage 39 the last); stages left from before: 13, 11, 9, 7, 1, 2. The golden bits compare with
-# golden_gpu_h100_compiled.json (the stamp since 1b44447; golden_gpu_h200_compiled.json holds the
+# Issue 27's rows are in (stage 39 the last); stages left from before: 13, 11, 9, 7, 1, 2. The
+# golden bits compare with golden_gpu_h100_compiled.json (the stamp since 1b44447; golden_gpu_h200_compiled.json holds the
 # one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
@@ -244,7 +244,7 @@ PY
     bench mamba_q64 120 mamba_layer.py --mamba-src "$MAMBA" --shapes nemotron_h_8b,nemotron_h_8b_q64 \
       --prefill 2048 --batches 1,64 --no-backward --no-checks
     ;;
-38) # issue 27 on branch q64 (Nemotron-H scans in chunks of 64 whatever the checkpoint says, for the
+38) # issue 27, first run on branch q64 (Nemotron-H scans in chunks of 64 whatever the checkpoint says, for the
     # decode's replay): the scan's bit checks at chunk 64 (prefill == chunked == decode, packed vs alone,
     # the engine's schedule; the cumsum over 64 positions on the decode's 8 warps vs the prefill's 4),
     # prefill at 2,048 and 8,192 vs mamba_ssm at its 128 (the nemotron_h_8b rows), decode B = 1 / 64;

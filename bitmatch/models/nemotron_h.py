@@ -40,7 +40,7 @@ from bitmatch.precision import cast_param
 # The scan's chunk, whatever the checkpoint's chunk_size (128 for Nemotron-H): the chunk only places
 # the fp32 state passing (the same sums in exact arithmetic; HF's chunking rounds differently from
 # ours at any size), and a one-token decode replays its open chunk, so 64 halves that replay; the
-# prefill keeps its speed (benchmarks/results/mamba_ssd_h100_run12_q64.json)
+# prefill keeps its speed (benchmarks/results/mamba_ssd_h100_run12..14_q64*.json)
 SCAN_CHUNK = 64
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
