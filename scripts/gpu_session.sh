@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU rows of the open speed issue (27; 21 and 22 are done), in device-tool calls of < 600 s each.
 # Issue 27's rows are in (stage 39 the last); stages left from before: 13, 11, 9, 7, 1, 2. The
-# golden bits compare with golden_gpu_h100_compiled.json (the stamp since 1b44447; golden_gpu_h200_compiled.json holds the
-# one before; older files ran the interpreter).
+# golden bits compare with golden_gpu_h100_compiled.json (the stamp since 1b44447;
+# golden_gpu_h200_compiled.json holds the one before; older files ran the interpreter).
 # Run from a clean export of HEAD with the wheels beside it (.whl: liger_kernel, trl..., the unpacked
 # mamba_ssm sdist; see benchmarks/README or docs/results.md):
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean
