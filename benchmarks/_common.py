@@ -287,6 +287,20 @@ def load_mamba_ssm(src):
     return ssd, ssu, f"mamba_ssm {ver} from {root}"
 
 
+
+def override_scan_config(ssd_mod, over: dict, applies, flag: str):
+    """Swap ``ssd_mod.config_for`` (the Triton Mamba scan's) for one that merges ``over`` into the
+    configs of the calls ``applies(dtype, kw)`` picks; returns the original, to restore. A key the
+    config does not have is refused, naming ``flag``: the launcher reads only its own keys, so a
+    misspelled knob would time the default silently."""
+    base = ssd_mod.config_for
+    unknown = set(over) - set(base(torch.bfloat16, 64, 128, 128))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown scan config keys {sorted(unknown)}")
+    ssd_mod.config_for = lambda dtype, *a, **kw: (
+        {**base(dtype, *a, **kw), **over} if applies(dtype, kw) else base(dtype, *a, **kw))
+    return base
+
 # ------------------------------------------------------------------ engine runs (rollout benchmarks)
 def engine(model, device, **kw):
     """A bitmatch.Engine; on CPU its decode steps run the graph simulation (the CPU tests' one)."""

@@ -382,12 +382,9 @@ class Bench:
     def variant(self, s, override, prefill, batches, decode_only=False):
         """Our prefill / decode timings and bitwise prefill == decode under another config (of
         every call, or with ``decode_only`` of the one-token-per-sequence calls only)."""
-        base = self.ssd_mod.config_for
-        unknown = set(override) - set(base(self.bf, s["head_dim"], s["state"], s["chunk"]))
-        if unknown:  # the launcher reads only the config's own keys: another one would time the default
-            raise SystemExit(f"--decode-variants / variants: unknown scan config keys {sorted(unknown)}")
-        self.ssd_mod.config_for = lambda *args, **kw: {**base(*args, **kw),
-                                                       **(override if kw.get("decode") or not decode_only else {})}
+        base = _common.override_scan_config(self.ssd_mod, override,
+                                            lambda dtype, kw: kw.get("decode") or not decode_only,
+                                            "--decode-variants / variants")
         try:
             r = {"override": override, "decode_only": decode_only}
             p, Q = self.params(s), s["chunk"]

@@ -149,16 +149,9 @@ def few_decode_config(over: dict) -> None:
     """Apply ``over`` to the Triton scan's config of decode launches of few programs (the
     launches mamba_ssd.few_programs names, as config_for does)."""
     from bitmatch.kernels.triton import mamba_ssd
-    base = mamba_ssd.config_for
-    unknown = set(over) - set(base(torch.bfloat16, 64, 128, 128))
-    if unknown:
-        raise SystemExit(f"--few-decode-config: unknown scan config keys {sorted(unknown)}")
-
-    def config_for(dtype, P, N, Q, decode=False, programs=None, sms=None):
-        cfg = base(dtype, P, N, Q, decode=decode, programs=programs, sms=sms)
-        few = decode and mamba_ssd.few_programs(programs, sms)
-        return {**cfg, **over} if few and dtype != torch.float32 else cfg
-    mamba_ssd.config_for = config_for
+    _common.override_scan_config(
+        mamba_ssd, over, lambda dtype, kw: dtype != torch.float32 and kw.get("decode", False)
+        and mamba_ssd.few_programs(kw.get("programs"), kw.get("sms")), "--few-decode-config")
 
 
 def main(argv=None):
