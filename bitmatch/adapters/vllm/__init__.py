@@ -80,11 +80,25 @@ def register() -> None:
     for arch, target in model_classes().items():
         # replaces vLLM's built-in class for this architecture (also for TRL, which cannot pass hf_overrides)
         ModelRegistry.register_model(arch, target)
+    _select_v1_runner()
     _patch_sampler()
     _patch_engine_args()
     _patch_request_validation()
     _registered = True
     logger.info(activation_message())
+
+
+V2_RUNNER_VAR = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _select_v1_runner() -> None:
+    """vLLM 0.2x runs its V2 model runner by default on the GPU, whose sampler and logprobs path
+    the plugin does not hook yet: choose the V1 runner unless the user chose a runner (an explicit
+    V2 is refused by name in ``checks.py``). Set in the environment, so the engine core and the
+    workers vLLM starts inherit it; plugins load before the engine configuration is built."""
+    if os.environ.get(V2_RUNNER_VAR) is None:
+        os.environ[V2_RUNNER_VAR] = "0"
+        logger.info("bitmatch: %s=0 (the plugin runs under vLLM's V1 model runner)", V2_RUNNER_VAR)
 
 
 def _patch_sampler() -> None:

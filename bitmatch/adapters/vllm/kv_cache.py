@@ -31,14 +31,16 @@ def check_backend(attn) -> None:
 
 
 def _block_is_dense(kv: torch.Tensor) -> bool:
-    """True when each block's elements fill one contiguous range and blocks follow each other."""
+    """True when each block's elements fill one contiguous range (in any order of the logical
+    dims: NHD or HND), and blocks do not overlap. Blocks need not follow each other: vLLM's
+    cross-layer layout puts the other layers' blocks between them."""
     dims = sorted(zip(kv.stride()[1:], kv.shape[1:]))
     expect = 1
     for stride, size in dims:
         if size > 1 and stride != expect:
             return False
         expect *= size
-    return kv.stride(0) == expect
+    return kv.shape[0] == 1 or kv.stride(0) >= expect
 
 
 def paged_kv_views(attn) -> tuple[torch.Tensor, torch.Tensor]:

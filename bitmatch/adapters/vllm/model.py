@@ -122,6 +122,19 @@ def hf_skeleton(hf_config, engine_params: dict[str, torch.Tensor]):
     return skel
 
 
+def writable_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """vLLM's slot mapping with its padding slots (PAD_SLOT_ID = -1: tokens that pad a CUDA graph's
+    batch or a dummy run) sent to slot 0, which lies in vLLM's null block: the block pool hands
+    block 0 to no request, so what a padding token writes there is never read."""
+    slots = slot_mapping.long()
+    return torch.where(slots < 0, torch.zeros_like(slots), slots)
+
+
+def _host_int(md, name: str) -> int | None:
+    value = getattr(md, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class BitmatchMixin:
     """Put first in the bases of a vLLM causal LM: replaces forward and compute_logits."""
 
@@ -179,8 +192,11 @@ class BitmatchMixin:
         nreq = md.seq_lens.shape[0]
         ctx = ForwardContext(
             positions=positions[:n].long(), query_start_loc=md.query_start_loc[:nreq + 1],
-            seq_lens=md.seq_lens, block_table=md.block_table[:nreq], slot_mapping=md.slot_mapping[:n].long(),
-            caches={groups[0].name: {i: paged_kv_views(a) for i, a in zip(groups[0].layers, attns)}})
+            seq_lens=md.seq_lens, block_table=md.block_table[:nreq], slot_mapping=writable_slots(md.slot_mapping[:n]),
+            caches={groups[0].name: {i: paged_kv_views(a) for i, a in zip(groups[0].layers, attns)}},
+            # vLLM's host-side bounds: without them each layer reads seq_lens back (a sync, and none
+            # is allowed while vLLM captures a CUDA graph)
+            max_query_len=_host_int(md, "max_query_len"), max_seq_len=_host_int(md, "max_seq_len"))
         hidden[:n] = forward_hidden(skel, input_ids[:n], ctx)
         return hidden
 
