@@ -7,7 +7,7 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 # real vLLM for CPU: the vLLM adapter tests run against it
 bash scripts/install_vllm.sh
-# the install maps kernels/ and adapters/ to bitmatch.* only: no top-level "kernels" package
+# one package tree: bitmatch.kernels and bitmatch.adapters, no top-level "kernels" package
 (cd / && python -c "import bitmatch.kernels, bitmatch.adapters, importlib.util as u; s = u.find_spec('kernels'); assert s is None or 'bitmatch' not in str(s.origin), s")
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-/tmp/bitmatch-vllm-cache}"
 # a skip for a broken environment (Triton interpreter not set, a module not importable, a [dev]

@@ -26,8 +26,8 @@ import pytest
 from import_allowlist import LOCAL_IMPORTS, PRIVATE_USES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# source folder -> installed package (pyproject's package-dir: kernels/ and adapters/ ship inside bitmatch)
-ROOTS = {"bitmatch": "bitmatch", "kernels": "bitmatch.kernels", "adapters": "bitmatch.adapters"}
+# source folder -> installed package: one tree, bitmatch/ (kernels and adapters inside it)
+ROOTS = {"bitmatch": "bitmatch"}
 # a module whose import fails on one of these missing is an optional extra's, skipped by name
 OPTIONAL = {"verl": "verl", "vllm": "vllm", "trl": "trl", "peft": "trl", "triton": "triton"}
 

@@ -31,7 +31,7 @@ def test_unknown_value_names_the_fix(monkeypatch):
 def test_verl_readers_use_the_same_rule():
     """verl is not installed here: read the sources, so a private parse cannot come back."""
     import pathlib
-    root = pathlib.Path(switch.__file__).resolve().parents[1] / "adapters"
+    root = pathlib.Path(switch.__file__).resolve().parent / "adapters"
     for f in [root / "verl" / "actor.py", root / "verl" / "check.py", root / "vllm" / "__init__.py"]:
         src = f.read_text()
         assert 'environ.get("BITMATCH"' not in src and "switch.enabled()" in src, f
