@@ -113,7 +113,7 @@ def test_impostor_server_gets_nothing_and_publish_fails():
     def impostor():
         c, _ = srv.accept()
         with c:
-            c.sendall(C.MAGIC + secrets.token_bytes(32))
+            c.sendall(C.MAGIC + secrets.token_bytes(32) + C.receiver_name(""))
             got.extend(C.recv_exact(c, 64))
             c.sendall(b"\x01" + secrets.token_bytes(32))  # "ok", but it cannot prove the token
             c.settimeout(1.0)

@@ -9,12 +9,14 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import AuthenticationError, FingerprintMismatchError, SyncError
 
-MAGIC = b"BMSYNC2\n"
+MAGIC = b"BMSYNC3\n"  # 3: the receiver's name in the hello and the transcript
 MAX_HEADER = 64 << 20
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 MAC_BYTES = 32
@@ -76,66 +78,97 @@ def payload_mac(key: bytes, direction: bytes, seq: bytes, pieces, nbytes: int) -
     return hmac_sha256(key, direction, seq, b"payload", struct.pack(">Q", nbytes), chunk_digests(pieces))
 
 
-def recv_into(sock, mv) -> None:
+def recv_into(sock, mv, deadline: float | None = None) -> None:
+    """Fill ``mv`` from ``sock`` by ``deadline`` (time.monotonic()): a deadline, not a per-recv
+    timeout, so a peer trickling a byte at a time cannot hold the connection past it."""
     got = 0
     while got < len(mv):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            sock.settimeout(left)
         n = sock.recv_into(mv[got:])
         if n == 0:
             raise ConnectionError("peer closed the connection")
         got += n
 
 
-def recv_exact(sock, n: int) -> bytes:
+def recv_exact(sock, n: int, deadline: float | None = None) -> bytes:
     b = bytearray(n)
-    recv_into(sock, memoryview(b))
+    recv_into(sock, memoryview(b), deadline)
     return bytes(b)
 
 
-def send_plain(sock, header: dict) -> None:
+def send_all(sock, data, deadline: float | None) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock.settimeout(left)  # sendall's timeout bounds the whole call (Python >= 3.5)
+    sock.sendall(data)
+
+
+def send_plain(sock, header: dict, deadline: float | None = None) -> None:
     """An unauthenticated frame: only the refusal of a client that failed the handshake."""
     h = json.dumps(header).encode()
-    sock.sendall(struct.pack(">I", len(h)) + h)
+    send_all(sock, struct.pack(">I", len(h)) + h, deadline)
 
 
-def recv_plain(sock) -> dict:
-    (n,) = struct.unpack(">I", recv_exact(sock, 4))
+def recv_plain(sock, deadline: float | None = None) -> dict:
+    (n,) = struct.unpack(">I", recv_exact(sock, 4, deadline))
     if n > 1 << 16:
         raise SyncError(f"refusal frame of {n} bytes exceeds the limit")
-    return json.loads(recv_exact(sock, n))
+    return json.loads(recv_exact(sock, n, deadline))
 
 
 class Channel:
     """MAC'd frames over an authenticated socket: header HMACs bind a per-direction sequence
-    number, payload HMACs bind the header's number."""
+    number, payload HMACs bind the header's number. ``timeout``: seconds each frame (header,
+    payload and MACs) may take from the moment it is awaited or sent: a deadline per frame."""
 
-    def __init__(self, sock, key: bytes, out_dir: bytes, in_dir: bytes):
+    def __init__(self, sock, key: bytes, out_dir: bytes, in_dir: bytes, timeout: float | None = None):
         self.sock, self.key, self.out_dir, self.in_dir = sock, key, out_dir, in_dir
+        self.timeout = timeout
         self.sent = self.received = 0
-        self._seq, self._pieces = b"", []
+        self._seq, self._pieces, self._deadline = b"", [], None
 
-    def send(self, header: dict, payload=None) -> None:
+    def _frame_deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    def next_label(self) -> bytes:
+        """Direction and sequence number of the next frame this end sends (binds a bucket's MAC)."""
+        return self.out_dir + struct.pack(">Q", self.sent)
+
+    def current_label(self) -> bytes:
+        """Direction and sequence number of the frame received last."""
+        return self.in_dir + self._seq
+
+    def send(self, header: dict, payload=None, deadline: float | None = None) -> None:
+        deadline = deadline or self._frame_deadline()
         h = json.dumps(header).encode()
         seq = struct.pack(">Q", self.sent)
         head = struct.pack(">I", len(h)) + h + hmac_sha256(self.key, self.out_dir, seq, h)
         if payload is not None and len(payload):
             mac = payload_mac(self.key, self.out_dir, seq, [payload], len(payload))
             if len(payload) <= (1 << 16):
-                self.sock.sendall(head + bytes(payload) + mac)  # one segment: no Nagle stall
+                send_all(self.sock, head + bytes(payload) + mac, deadline)  # one segment: no Nagle stall
             else:
-                self.sock.sendall(head)
-                self.sock.sendall(payload)
-                self.sock.sendall(mac)
+                for part in (head, payload, mac):
+                    send_all(self.sock, part, deadline)
         else:
-            self.sock.sendall(head)
+            send_all(self.sock, head, deadline)
         self.sent += 1
 
-    def recv(self) -> dict:
-        (n,) = struct.unpack(">I", recv_exact(self.sock, 4))
+    def recv(self, deadline: float | None = None) -> dict:
+        self._deadline = deadline = deadline or self._frame_deadline()
+        (n,) = struct.unpack(">I", recv_exact(self.sock, 4, deadline))
         if n > MAX_HEADER:
             raise SyncError(f"frame header of {n} bytes exceeds the limit")
-        h = recv_exact(self.sock, n)
+        h = recv_exact(self.sock, n, deadline)
         seq = struct.pack(">Q", self.received)
-        if not hmac.compare_digest(recv_exact(self.sock, MAC_BYTES), hmac_sha256(self.key, self.in_dir, seq, h)):
+        if not hmac.compare_digest(recv_exact(self.sock, MAC_BYTES, deadline),
+                                   hmac_sha256(self.key, self.in_dir, seq, h)):
             raise AuthenticationError("a frame from the peer failed its MAC: it was changed in transit or does not "
                                       "come from a holder of the token")
         self._seq, self._pieces = seq, []
@@ -147,14 +180,14 @@ class Channel:
 
     def recv_payload_into(self, mv) -> None:
         """Receive the next piece of the current frame's payload into ``mv`` (it must stay unchanged
-        until ``end_payload`` has checked the MAC)."""
-        recv_into(self.sock, mv)
+        until ``end_payload`` has checked the MAC), within the frame's deadline."""
+        recv_into(self.sock, mv, self._deadline)
         self._pieces.append(mv)
 
     def end_payload(self, what: str) -> None:
         pieces, self._pieces = self._pieces, []
         want = payload_mac(self.key, self.in_dir, self._seq, pieces, sum(len(p) for p in pieces))
-        if not hmac.compare_digest(recv_exact(self.sock, MAC_BYTES), want):
+        if not hmac.compare_digest(recv_exact(self.sock, MAC_BYTES, self._deadline), want):
             raise AuthenticationError(f"the bytes of {what} failed their MAC: changed in transit")
 
 
@@ -178,43 +211,67 @@ def raise_reply(r: dict):
     raise SyncError(f"receiver refused the update: {msg}")
 
 
-def server_handshake(conn, token: bytes) -> Channel | None:
-    """The server's half: send the nonce, check the client's proof (nothing else is read before
-    it), prove the server knows the token; the channel, or None for a client that failed (it
-    got a refusal frame) or went silent / closed."""
+def receiver_name(name) -> bytes:
+    """The receiver's name as it goes into the hello and the transcript: one length byte + UTF-8."""
+    if not isinstance(name, str):
+        raise TypeError(f"a receiver name must be a str, got {type(name).__name__}")
+    b = name.encode()
+    if len(b) > 255:
+        raise ValueError(f"a receiver name must be at most 255 bytes, got {len(b)}")
+    return bytes([len(b)]) + b
+
+
+def server_handshake(conn, token: bytes, name: str, deadline: float, timeout: float | None) -> Channel:
+    """The server's half, all of it by ``deadline``: send the nonce and this receiver's name,
+    check the client's proof (nothing else is read before it), prove the server knows the token.
+    Raises AuthenticationError for a wrong proof (the caller counts it, then sends
+    ``refuse_client``), ConnectionError / socket.timeout for a client that closed or went slow."""
     nonce_s = secrets.token_bytes(32)
-    conn.sendall(MAGIC + nonce_s)
-    try:
-        msg = recv_exact(conn, 32 + MAC_BYTES)
-    except (ConnectionError, OSError):  # closed, or silent past the socket's timeout
-        return None
-    transcript = MAGIC + nonce_s + msg[:32]
+    hello = MAGIC + nonce_s + receiver_name(name)
+    send_all(conn, hello, deadline)
+    msg = recv_exact(conn, 32 + MAC_BYTES, deadline)
+    # the name is in the transcript: a proof made for another receiver that shares the token fails
+    transcript = hello + msg[:32]
     if not hmac.compare_digest(msg[32:], hmac_sha256(token, b"client", transcript)):
-        conn.sendall(b"\x00")
-        send_plain(conn, error_reply(AuthenticationError("authentication failed: wrong token")))
-        return None
-    conn.sendall(b"\x01" + hmac_sha256(token, b"server", transcript))
-    ch = Channel(conn, hmac_sha256(token, b"key", transcript), b"S", b"C")
-    ch.send({"ok": True})
+        raise AuthenticationError(f"authentication failed: wrong token, or the sender addressed another receiver "
+                                  f"than this one ({name!r})")
+    send_all(conn, b"\x01" + hmac_sha256(token, b"server", transcript), deadline)
+    ch = Channel(conn, hmac_sha256(token, b"key", transcript), b"S", b"C", timeout)
+    ch.send({"ok": True}, deadline=deadline)
     return ch
 
 
-def client_handshake(sock, token: bytes, where: str) -> Channel:
-    """The client's half on a connected ``sock``: refuse a peer that is not a bitmatch sync server
-    of this version or cannot prove it knows the token (nothing is sent to it)."""
-    hello = recv_exact(sock, len(MAGIC) + 32)
+def refuse_client(conn, e: AuthenticationError, deadline: float) -> None:
+    """Tell a client that failed the handshake why (unauthenticated: a status byte and one frame)."""
+    send_all(conn, b"\x00", deadline)
+    send_plain(conn, error_reply(e), deadline)
+
+
+def client_handshake(sock, token: bytes, where: str, receiver: str, deadline: float,
+                     timeout: float | None) -> Channel:
+    """The client's half on a connected ``sock``, all of it by ``deadline``: refuse a peer that is
+    not a bitmatch sync server of this version, serves another receiver than ``receiver``, or
+    cannot prove it knows the token (nothing is sent to it)."""
+    want = receiver_name(receiver)
+    hello = recv_exact(sock, len(MAGIC) + 32 + 1, deadline)
     if not hello.startswith(MAGIC):
         raise SyncError(f"{where} is not a bitmatch sync server of this version")
+    got = recv_exact(sock, hello[-1], deadline)
+    if got != want[1:]:
+        raise AuthenticationError(
+            f"the server at {where} serves receiver {got.decode(errors='replace')!r}, this sender publishes to "
+            f"{receiver!r}: nothing was sent (a wrong address, or a connection redirected to another receiver; "
+            "name the receiver with TcpSender(..., receiver=...) and serve(..., name=...))")
     nonce_c = secrets.token_bytes(32)
-    transcript = hello + nonce_c
-    sock.sendall(nonce_c + hmac_sha256(token, b"client", transcript))
-    status = recv_exact(sock, 1)
+    transcript = hello + got + nonce_c
+    send_all(sock, nonce_c + hmac_sha256(token, b"client", transcript), deadline)
+    status = recv_exact(sock, 1, deadline)
     if status != b"\x01":
-        raise_reply(recv_plain(sock))
+        raise_reply(recv_plain(sock, deadline))
         raise AuthenticationError("the server refused the handshake")
-    if not hmac.compare_digest(recv_exact(sock, MAC_BYTES), hmac_sha256(token, b"server", transcript)):
+    if not hmac.compare_digest(recv_exact(sock, MAC_BYTES, deadline), hmac_sha256(token, b"server", transcript)):
         raise AuthenticationError(f"the server at {where} did not prove it knows the token "
                                   "(an impostor on that port, or another token); nothing was sent")
-    ch = Channel(sock, hmac_sha256(token, b"key", transcript), b"C", b"S")
-    raise_reply(ch.recv())
+    ch = Channel(sock, hmac_sha256(token, b"key", transcript), b"C", b"S", timeout)
+    raise_reply(ch.recv(deadline))
     return ch

@@ -3,20 +3,84 @@ memory on the CPU. The IPC transport (``transport_ipc.py``) casts weights into i
 device; the receiver copies them from it into its staging on its own device. Only a descriptor
 (plain JSON: numbers and hex strings) crosses the authenticated control channel; the receiver
 rebuilds the mapping from it with fixed classes, never by unpickling what the peer sent.
+
+The bucket is not trusted: any process of the same user can open /dev/shm, and bmh1 (an unkeyed
+sum) can be forged. So the sender tags the bucket's bytes with a key derived from the session key
+(``BucketAuth``) before it copies them into the bucket, the tag travels in the MAC'd frame, and the
+receiver copies the bytes out into private memory first (``OpenedBucket.read_into``: pread on the
+CPU, so a truncated segment is a short read, never a SIGBUS) and checks the tag on that copy.
 """
 from __future__ import annotations
 
-import mmap
+import hashlib
+import hmac
 import os
 import re
 import secrets
+import struct
 from multiprocessing import shared_memory
 
 import torch
 
+from .channel import chunk_digests
 from .errors import SyncError
 
 _SHM_NAME = re.compile(r"^bitmatch_[0-9a-f]{16}$")
+
+P = (1 << 31) - 1   # the Mersenne prime of the universal hash
+ROW, GROUP, LANES = 64, 4096, 4
+PIECE = 32 << 20    # bytes hashed at a time: bounds the temporaries (4x the piece, as float64)
+
+
+class BucketAuth:
+    """A MAC over a bucket's bytes with the session key, computed where the bytes are.
+
+    On the CPU: HMAC-SHA256 over SHA-256 chunk digests (the TCP payload MAC). On a GPU: two
+    levels of a keyed universal hash, then HMAC-SHA256: the bytes as int16 halfwords h, in rows of 64; level 1 takes y = sum_i k1_i h_i per row and lane, level 2 takes
+    z = sum_j k2_j y_j mod p over groups of 4096 rows (p = 2^31 - 1), and the host HMACs the
+    z's (4 lanes x 8 bytes per 512 KiB) with the session key, the frame's label and the length.
+    Keys: SHAKE-256 of the session key, so unknown to whoever can write the bucket. For fixed
+    other bytes each level collides with probability 1/p per lane, so a forgery passes with
+    probability <= (2/p)^4 ~ 2^-120 (the bound of an epsilon-universal hash under a PRF, as in
+    UMAC). Why not SHA over the bytes: on a GPU that is a copy to the host and a hash on a few
+    cores, several times the cost of the IPC update itself; this is a float64 matmul (exact:
+    |h k1| < 2^46, 64 terms < 2^53) and a few int64 passes, at memory speed on the device.
+    """
+
+    def __init__(self, key: bytes):
+        self.key = key
+        raw = hashlib.shake_256(b"bitmatch bucket auth" + key).digest(8 * LANES * (ROW + GROUP))
+        k = torch.frombuffer(bytearray(raw), dtype=torch.int64).remainder(P)
+        self._host = (k[:ROW * LANES].view(ROW, LANES).to(torch.float64), k[ROW * LANES:].view(GROUP, LANES))
+        self._keys: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def universal(self, data: torch.Tensor) -> bytes:
+        """The two universal-hash levels of ``data`` (any device; the same bytes on every device)."""
+        dev = data.device
+        if dev not in self._keys:
+            self._keys[dev] = tuple(k.to(dev) for k in self._host)
+        k1, k2 = self._keys[dev]
+        out = []
+        for a in range(0, data.numel(), PIECE):
+            piece = data[a:a + PIECE]
+            pad = (-piece.numel()) % (2 * ROW)  # zeros: the length is in the HMAC
+            if pad:
+                piece = torch.cat([piece, piece.new_zeros(pad)])
+            y = (piece.view(torch.int16).to(torch.float64).view(-1, ROW) @ k1).to(torch.int64).remainder_(P)
+            pad = (-y.shape[0]) % GROUP
+            if pad:
+                y = torch.cat([y, y.new_zeros(pad, LANES)])
+            t = y.view(-1, GROUP, LANES) * k2  # < 2^62
+            t = (t & P) + (t >> 31)            # = t mod p, up to one p: < 2^32
+            out.append(t.sum(1).remainder_(P))
+        return b"" if not out else torch.cat(out).cpu().numpy().tobytes()
+
+    def tag(self, data: torch.Tensor, label: bytes) -> str:
+        """The MAC (hex) of the flat uint8 ``data`` for the frame named by ``label``. On the CPU the
+        bytes are SHA-256'd in chunks on threads (several times faster there than the matmul)."""
+        digest = chunk_digests([data.numpy()]) if data.device.type == "cpu" else self.universal(data)
+        return hmac.new(self.key, b"bucket" + label + data.device.type.encode() + struct.pack(">Q", data.numel())
+                        + digest, hashlib.sha256).hexdigest()
 
 
 class SharedBucket:
@@ -80,7 +144,7 @@ class OpenedBucket:
         if not isinstance(d, dict):
             raise SyncError("shared bucket descriptor must be an object")
         kind, self.nbytes = d.get("kind"), _int(d, "nbytes")
-        self._shm = None
+        self._fd = None
         if kind == "cuda_ipc":
             if not torch.cuda.is_available():
                 raise SyncError("the sender offers a CUDA IPC bucket but this receiver has no CUDA device; "
@@ -97,24 +161,60 @@ class OpenedBucket:
             name = d.get("name")
             if not isinstance(name, str) or not _SHM_NAME.match(name):
                 raise SyncError(f"shared bucket descriptor: shared-memory name {name!r} is not a bitmatch bucket")
-            # mapped from /dev/shm directly: the sender owns (and unlinks) the segment, and
-            # SharedMemory(create=False) would register it with this process's resource
-            # tracker, which unlinks it at exit (Python 3.11)
+            # read from /dev/shm with pread, never mapped: a segment truncated by another process
+            # would kill a reader of the mapping with SIGBUS; pread gives a short read instead.
+            # (The sender owns and unlinks the segment; SharedMemory(create=False) would register
+            # it with this process's resource tracker, which unlinks it at exit.)
+            self.name = name
             try:
-                with open(f"/dev/shm/{name}", "r+b") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size < self.nbytes or self.nbytes == 0:
-                        raise SyncError(f"shared bucket {name!r} holds {size} bytes, descriptor says {self.nbytes}")
-                    self._shm = mmap.mmap(f.fileno(), self.nbytes)
+                self._fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
             except FileNotFoundError as e:
                 raise SyncError(f"shared bucket {name!r} does not exist on this host (is the sender on "
                                 f"another machine? publish with TcpSender there)") from e
-            self.tensor = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
+            if self.nbytes == 0:
+                self.close()
+                raise SyncError(f"shared bucket {name!r}: the descriptor says 0 bytes")
+            try:
+                self._check_size()
+            except SyncError:
+                self.close()
+                raise
+            self.tensor = None
         else:
             raise SyncError(f"shared bucket descriptor: unknown kind {kind!r} (expected 'cuda_ipc' or 'shm')")
 
+    def _check_size(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size < self.nbytes:
+            raise SyncError(f"shared bucket {self.name!r} holds {size} bytes, the sender's descriptor says "
+                            f"{self.nbytes}: it was truncated by another process; the update is aborted and the "
+                            "previous version kept")
+
+    def read_into(self, dst: torch.Tensor, pos: int) -> None:
+        """Copy bytes [pos, pos + dst.numel()) of the bucket into ``dst`` (flat uint8; on the CPU for a
+        shared-memory bucket): a short segment raises SyncError."""
+        n = dst.numel()
+        if pos + n > self.nbytes:
+            raise SyncError(f"bucket frame refers to bytes [{pos}, {pos + n}) of a shared bucket of {self.nbytes}")
+        if self._fd is None:
+            dst.copy_(self.tensor[pos:pos + n])
+            return
+        self._check_size()
+        mv, got = memoryview(dst.numpy()), 0
+        while got < n:
+            k = os.preadv(self._fd, [mv[got:]], pos + got)
+            if k == 0:
+                raise SyncError(f"shared bucket {self.name!r} ended at byte {pos + got}, the sender's descriptor "
+                                f"says {self.nbytes}: it was truncated by another process; the update is aborted "
+                                "and the previous version kept")
+            got += k
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self._fd is not None else self.tensor.device
+
     def close(self) -> None:
         self.tensor = None
-        if self._shm is not None:
-            self._shm.close()  # the mmap; the segment stays the sender's
-            self._shm = None
+        if self._fd is not None:
+            os.close(self._fd)  # the segment stays the sender's
+            self._fd = None

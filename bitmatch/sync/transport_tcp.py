@@ -22,16 +22,20 @@ lock). If the sender dies mid-update the receiver aborts: the previous version s
 """
 from __future__ import annotations
 
+import collections
+import hmac
 import socket
 import threading
+import time
 
 import torch
 
-from .channel import LOOPBACK, Channel, client_handshake, error_reply, raise_reply, server_handshake, token_bytes
-from .errors import FingerprintMismatchError, SyncError
+from .channel import (LOOPBACK, Channel, client_handshake, error_reply, raise_reply, receiver_name, refuse_client,
+                      server_handshake, token_bytes)
+from .errors import AuthenticationError, FingerprintMismatchError, SyncError
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import Receiver
-from .shared_bucket import OpenedBucket
+from .shared_bucket import BucketAuth, OpenedBucket
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
 
 
@@ -59,28 +63,43 @@ def _segments(f: dict) -> list[tuple[str, int, int]]:
 
 
 class TcpReceiverServer:
-    """Serve ``receiver`` on host:port (port 0 picks one; see ``address``): a thread per
-    connection, one update at a time, unauthenticated connections dropped after ``auth_timeout``."""
+    """Serve ``receiver`` on host:port (port 0 picks one; see ``address``) under the name ``name``
+    (senders name the receiver they publish to; give each receiver that shares a token its own):
+    a thread per connection, at most ``max_pending`` connections still in their handshake (more
+    are closed at once), each handshake done within ``auth_timeout`` seconds and each frame within
+    ``timeout`` seconds (deadlines, not per-read timeouts), one update at a time. ``refused``
+    counts connections that did not authenticate; ``errors`` keeps the last ``ERRORS_KEPT``."""
+
+    ERRORS_KEPT = 64
 
     def __init__(self, receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 60.0, auth_timeout: float = 5.0):
+                 timeout: float = 60.0, auth_timeout: float = 5.0, *, name: str = "", max_pending: int = 32):
         self.token = token_bytes(token)
+        receiver_name(name)  # validated before anything listens
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1 (connections allowed in their handshake), "
+                             f"got {max_pending!r}")
         if host not in LOOPBACK and not host.startswith("127."):
             import warnings
             warnings.warn(f"bitmatch.sync TCP server listening on non-loopback {host}: frames are authenticated "
                           "but not encrypted (run it over TLS or a private network if the weights are secret)",
                           stacklevel=2)
         self.receiver, self.timeout, self.auth_timeout = receiver, timeout, auth_timeout
+        self.name, self.max_pending = name, max_pending
         self.sock = socket.create_server((host, port))
         self.address = self.sock.getsockname()[:2]
         self.refused = 0
-        self.errors: list[str] = []
+        self.errors: collections.deque[str] = collections.deque(maxlen=self.ERRORS_KEPT)
         self._lock = threading.Lock()
+        self._pending = 0
+        self._conns: dict[threading.Thread, socket.socket] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="bitmatch-sync-server", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
+        """Stop accepting, end every connection (an update in flight aborts: the previous version
+        stays) and join every thread this server started."""
         self._stop.set()
         try:
             socket.create_connection(self.address, timeout=1).close()
@@ -88,6 +107,15 @@ class TcpReceiverServer:
             pass
         self._thread.join(timeout=5)
         self.sock.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for _, conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv / send
+            except OSError:
+                pass
+        for th, _ in conns:
+            th.join(timeout=10)
 
     def __enter__(self):
         return self
@@ -104,37 +132,64 @@ class TcpReceiverServer:
             if self._stop.is_set():
                 conn.close()
                 return
-            threading.Thread(target=self._connection, args=(conn,), name="bitmatch-sync-conn", daemon=True).start()
+            with self._lock:
+                full = self._pending >= self.max_pending
+                if full:
+                    self.refused += 1
+                else:
+                    self._pending += 1
+            if full:  # the handshake slots are taken: a flood of half-open connections costs no thread
+                conn.close()
+                continue
+            th = threading.Thread(target=self._connection, args=(conn,), name="bitmatch-sync-conn", daemon=True)
+            with self._lock:
+                self._conns[th] = conn
+            th.start()
 
     def _connection(self, conn) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                conn.settimeout(self.auth_timeout)
-                ch = self._handshake(conn)
-                if ch is None:
-                    return
-                conn.settimeout(self.timeout)
-                self._frames(ch)
-            except Exception as e:  # the connection's problem, never the server's
-                with self._lock:
-                    self.errors.append(repr(e))
+        deadline = time.monotonic() + self.auth_timeout
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                ch = self._handshake(conn, deadline)
+                if ch is not None:
+                    try:
+                        self._frames(ch)
+                    except Exception as e:  # the connection's problem, never the server's
+                        with self._lock:
+                            self.errors.append(repr(e))
+        finally:
+            with self._lock:
+                self._conns.pop(threading.current_thread(), None)
 
-    def _refuse(self) -> None:
+    def _handshake(self, conn, deadline: float) -> Channel | None:
+        """The channel, or None for a client that did not authenticate by the deadline (counted
+        in ``refused`` before it is told: a sender that reads its refusal sees the count)."""
+        try:
+            try:
+                return server_handshake(conn, self.token, self.name, deadline, self.timeout)
+            except AuthenticationError as e:
+                self._refuse(e)
+                refuse_client(conn, e, deadline)
+            except Exception as e:  # closed, silent or slow past the deadline, or not a client of ours
+                self._refuse(e)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._pending -= 1
+        return None
+
+    def _refuse(self, e: BaseException) -> None:
         with self._lock:
             self.refused += 1
-
-    def _handshake(self, conn) -> Channel | None:
-        ch = server_handshake(conn, self.token)
-        if ch is None:
-            self._refuse()
-        return ch
+            self.errors.append(f"refused: {e!r}")
 
     def _frames(self, ch: Channel) -> None:
         while True:
             try:
                 h = ch.recv()
-            except ConnectionError:
+            except (ConnectionError, socket.timeout):  # the sender is done (or went idle between updates)
                 return
             if h.get("type") != "begin":
                 ch.send(error_reply(SyncError(f"expected a 'begin' frame, got {h.get('type')!r}")))
@@ -154,18 +209,18 @@ class TcpReceiverServer:
             ch.send(error_reply(e))
             raise
         ch.send({"ok": True})
-        shared = None
+        shared = auth = None
         with upd:
             try:
                 if h.get("bucket") is not None:
                     peer = ch.sock.getpeername()[0]
                     if peer not in LOOPBACK and not peer.startswith("127."):
                         raise SyncError("a shared (IPC) bucket is only accepted from this host")
-                    shared = OpenedBucket(h["bucket"])
+                    shared, auth = OpenedBucket(h["bucket"]), BucketAuth(ch.key)
                 while True:
                     f = ch.recv()
                     if f.get("type") == "bucket":
-                        self._bucket(ch, upd, f, shared, specs)
+                        self._bucket(ch, upd, f, shared, auth, specs)
                     elif f.get("type") == "commit":
                         if f.get("version") != version or f.get("order") != h.get("order"):
                             raise SyncError("commit frame: version or canonical-order stamp differ from the begin frame")
@@ -199,17 +254,36 @@ class TcpReceiverServer:
         return host
 
     @staticmethod
-    def _bucket(ch: Channel, upd, f: dict, shared, specs) -> None:
+    def _from_shared(ch: Channel, upd, f: dict, shared, auth, segs) -> torch.Tensor:
+        """The bucket's bytes, copied out into this process's memory and authenticated there: what
+        another process writes into the bucket after this copy cannot reach the staging."""
+        if shared is None:
+            raise SyncError("bucket frame refers to a shared bucket that was not announced")
+        total = sum(n for _, _, n in segs)
+        if total > shared.nbytes:
+            raise SyncError(f"bucket frame names {total} bytes of a shared bucket of {shared.nbytes}")
+        copy = getattr(upd, "shared_copy", None)
+        if copy is None or copy.numel() < total:
+            copy = upd.shared_copy = torch.empty(shared.nbytes, dtype=torch.uint8, device=shared.device)
+        shared.read_into(copy[:total], 0)
+        tag = f.get("mac")
+        if not isinstance(tag, str) or not hmac.compare_digest(tag, auth.tag(copy[:total], ch.current_label())):
+            raise AuthenticationError(
+                f"the shared bucket holding {sorted({s[0] for s in segs})} failed its MAC: another process on this "
+                "host rewrote it after the sender wrote it (or the sender's key differs); nothing of it was staged")
+        return copy
+
+    @staticmethod
+    def _bucket(ch: Channel, upd, f: dict, shared, auth, specs) -> None:
         segs = _segments(f)
         pos, to_device = 0, []
+        copy = TcpReceiverServer._from_shared(ch, upd, f, shared, auth, segs) if f.get("shared") else None
         for name, off, n in segs:
             buf = upd.buffer(name)
             if off + n > buf.numel():
                 raise ValueError(f"tensor {name!r}: bytes [{off}, {off + n}) outside its {buf.numel()} bytes")
-            if f.get("shared"):
-                if shared is None or pos + n > shared.nbytes:
-                    raise SyncError("bucket frame refers to a shared bucket that was not announced or is too small")
-                buf[off:off + n].copy_(shared.tensor[pos:pos + n])
+            if copy is not None:
+                buf[off:off + n].copy_(copy[pos:pos + n])
             elif buf.device.type == "cpu":
                 ch.recv_payload_into(memoryview(buf[off:off + n].numpy()))
             else:  # device staging: into a pinned host bucket first, copied once the MAC holds
@@ -232,19 +306,22 @@ class TcpReceiverServer:
 
 
 class TcpSender:
-    """Publish to a TcpReceiverServer; ``bucket_bytes`` bounds the sender's extra memory."""
+    """Publish to a TcpReceiverServer serving the receiver named ``receiver``; ``bucket_bytes``
+    bounds the sender's extra memory; ``timeout``: seconds for the handshake, and for each frame
+    (deadlines: a peer that trickles bytes cannot stretch them)."""
 
-    def __init__(self, host: str, port: int, token, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, host: str, port: int, token, *, receiver: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout: float = 60.0):
         self.host, self.port, self.token = host, port, token_bytes(token)
-        self.bucket_bytes, self.timeout = bucket_bytes, timeout
+        receiver_name(receiver)
+        self.receiver, self.bucket_bytes, self.timeout = receiver, bucket_bytes, timeout
 
     def _connect(self) -> Channel:
+        deadline = time.monotonic() + self.timeout
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ch = client_handshake(sock, self.token, f"{self.host}:{self.port}")
-            return ch
+            return client_handshake(sock, self.token, f"{self.host}:{self.port}", self.receiver, deadline, self.timeout)
         except BaseException:
             sock.close()
             raise
@@ -259,14 +336,17 @@ class TcpSender:
         return {}
 
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        where = f"weight update to version {version}: {self.host}:{self.port}"
         try:
             return self._send(model, version, dtype)
         except (socket.timeout, TimeoutError) as e:
-            raise SyncError(f"weight update to version {version}: {self.host}:{self.port} did not answer within "
-                            f"{self.timeout} s ({e}); the receiver keeps its previous version") from e
+            raise SyncError(f"{where} did not answer within {self.timeout} s ({e}); the receiver keeps its "
+                            "previous version") from e
         except ConnectionRefusedError as e:
-            raise SyncError(f"weight update to version {version}: nothing listens on {self.host}:{self.port} "
-                            f"(start the receiver with bitmatch.sync.serve)") from e
+            raise SyncError(f"{where}: nothing listens there (start the receiver with bitmatch.sync.serve)") from e
+        except OSError as e:  # ConnectionError included: the documented types only
+            raise SyncError(f"{where} closed the connection ({e}) without saying why (the receiver was "
+                            "closed, or it has no free handshake slot); it keeps its previous version") from e
 
     def _send(self, model, version: int, dtype: torch.dtype) -> Manifest:
         weights = named_weights(model)
@@ -282,7 +362,7 @@ class TcpSender:
                 for buf, segs, finished in self._buckets(weights, dtype):
                     self._send_bucket(ch, buf, segs, finished)
                     fps.update(finished)
-                man = Manifest(int(version), {k: TensorSpec(s.shape, dtype, fps[k]) for k, s in specs.items()})
+                man = Manifest(int(version), {k: TensorSpec(s.shape, s.dtype, fps[k]) for k, s in specs.items()})
                 ch.send({"type": "commit", "version": int(version), "order": order, "digest": man.digest()})
             except OSError:
                 pass  # the receiver hung up: its error frame says why
