@@ -31,6 +31,8 @@ every parameter (~1.7 ms on 8B) nor the per-layer version checks.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -89,7 +91,9 @@ def warm_up_on_scratch(runner, slot_mapping: torch.Tensor, state_slots: torch.Te
 class DecodeGraphs:
     def __init__(self, runner, max_seq_len_to_capture: int):
         bs = runner.block_size
-        self.runner = runner
+        # weakly: the runner holds this object, so a strong reference back would make a cycle, and an
+        # engine dropped without close() would keep its KV cache and graph pool until the cycle collector
+        self.runner = weakref.proxy(runner)
         self.width = max(1, -(-int(max_seq_len_to_capture) // bs))
         self.cap_len = self.width * bs
         self.ctx_buckets = context_buckets(self.cap_len, bs)
@@ -103,6 +107,13 @@ class DecodeGraphs:
         self.num_replays = 0
         self.last_key = None
         self._buffers = None
+
+    def close(self) -> None:
+        """Drop every graph, its outputs, the private memory pool and the input buffers."""
+        self.graphs.clear()
+        self.pool = None
+        self._buffers = None
+        self.key = self.last_key = None
 
     def _alloc(self):
         dev, n = self.runner.device, self.runner.buckets[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -26,12 +27,56 @@ from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
 from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
+from bitmatch.models.lora import drop_kept_weights
 from bitmatch.models.registry import patch_state
 from bitmatch.parallel.tensor_parallel import data_parallel_group, step_data_parallel
 from bitmatch.patching import unsupported_param_dtypes
 from bitmatch.sync import WeightsNotReadyError, WeightVersionError, weight_state
 
 _DEFAULT_CPU_KV_BYTES = 512 << 20
+
+# vLLM engine arguments (``vllm.LLM`` / ``EngineArgs``) the engine refuses by name, with the fix; any
+# other unknown keyword is Python's TypeError
+VLLM_REFUSED = {
+    "tensor_parallel_size": "shard the model with bitmatch.parallel.enable_tensor_parallel(model, ...) before Engine",
+    "pipeline_parallel_size": "pipeline parallelism is not supported",
+    "data_parallel_size": "run one Engine per data-parallel rank",
+    "dtype": "load or cast the model in the dtype (torch.bfloat16 / torch.float32), or "
+             "bitmatch.patch(model, compute_dtype=...)",
+    "quantization": "load a quantized checkpoint with bitmatch.models.load_model",
+    "kv_cache_dtype": "the KV cache is kept in the compute dtype (its bits are the trainer's)",
+    "max_num_partial_prefills": "chunked prefill interleaves any number of prefills",
+    "swap_space": "preemption recomputes (same bits); nothing is swapped to the host",
+    "cpu_offload_gb": "weights are the module's own tensors, where the module keeps them",
+    "num_gpu_blocks_override": "use num_gpu_blocks",
+    "speculative_config": "speculative decoding is not supported",
+    "enable_lora": "PEFT LoRA models run as they are (the engine reads their merged weights)",
+    "trust_remote_code": "pass a loaded module (Engine(model)) or a checkpoint of a registered family",
+    "tokenizer_mode": "pass the tokenizer object (Engine(model, tokenizer))",
+}
+
+
+def _closed_error(where: str) -> RuntimeError:
+    return RuntimeError(f"{where}: this engine was closed (Engine.close() or the end of its with block) and its KV "
+                        "cache freed; build a new bitmatch.Engine(model)")
+
+
+# causal LM -> how many engines over it are open (weak: the count goes with the model)
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _engine_gone(lm_ref) -> None:
+    """An engine over ``lm_ref()`` closed (or died unclosed: its finalizer): the last one drops the
+    copies the engines derived on the model (fused weights, kept casts); the next engine rebuilds them."""
+    lm = lm_ref()
+    if lm is None:
+        return
+    n = _OPEN.get(lm, 1) - 1
+    if n > 0:
+        _OPEN[lm] = n
+        return
+    _OPEN.pop(lm, None)
+    drop_kept_weights(lm)
 
 
 def _positive_int(name: str, value) -> int:
@@ -104,15 +149,40 @@ class Engine:
     graph per padded batch bucket (``bitmatch.engine.graphs``) for contexts up to
     ``max_seq_len_to_capture``; same bits either way.
     ``seed`` seeds the requests whose SamplingParams have no seed (with the request's index).
-    ``enable_prefix_caching`` reuses full KV blocks across requests inside a ``generate`` call;
-    the cache is reset at the start of every ``generate`` because the weights may have changed.
+    ``enable_prefix_caching`` reuses full KV blocks across requests inside a ``generate`` call
+    (the n samples of one prompt share its prefill, in the same step too); the cache is reset at the
+    start of every ``generate`` because the weights may have changed.
+    ``max_model_len``: the longest prompt + completion (vLLM's; default and upper bound: the model's
+    ``max_position_embeddings``).
+
+    vLLM's engine arguments by name: accepted are ``block_size``, ``num_gpu_blocks``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``,
+    ``enable_prefix_caching``, ``seed``, ``enforce_eager``, ``gpu_memory_utilization`` and
+    ``max_seq_len_to_capture``; refused with the fix (ValueError) are the names of ``VLLM_REFUSED``
+    (``tensor_parallel_size``, ``dtype``, ``quantization``, ``kv_cache_dtype``, ``swap_space``,
+    ``cpu_offload_gb``, ``num_gpu_blocks_override``, ``trust_remote_code``, ...); any other keyword
+    is a TypeError.
+
+    Memory: ``close()`` (or ``with Engine(...) as engine:``) frees the KV cache, the CUDA graphs and
+    their pool at once, without the cycle collector; the last engine over a model to close (or to
+    be dropped) also drops the copies the engines derived on it (fused projections, kept casts of
+    fp32 masters). A closed engine refuses ``generate`` / ``add_request`` / ``step``.
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_gpu_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 max_seq_len_to_capture: int = 8192, memory_share: str = "device"):
+                 max_seq_len_to_capture: int = 8192, memory_share: str = "device", max_model_len: int | None = None,
+                 **vllm_args):
+        self._closed = True   # until built: close() of a half-built engine does nothing
+        refused = [k for k in vllm_args if k in VLLM_REFUSED]
+        if refused:
+            raise ValueError("Engine: " + "; ".join(f"{k}= (vLLM's) is not supported: {VLLM_REFUSED[k]}"
+                                                     for k in refused))
+        if vllm_args:
+            raise TypeError(f"Engine() got unexpected keyword argument(s) {sorted(vllm_args)} (the vLLM engine "
+                            "arguments it takes are listed in the Engine docstring)")
         if isinstance(model, (str, os.PathLike)):
             path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
@@ -138,6 +208,14 @@ class Engine:
         self.device = next(model.parameters()).device
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
+        self._len_limit = f"the model's max_position_embeddings={self.max_model_len}"
+        if max_model_len is not None:
+            _positive_int("max_model_len", max_model_len)
+            if self.max_model_len is not None and max_model_len > self.max_model_len:
+                raise ValueError(f"Engine: max_model_len={max_model_len} is longer than the model's "
+                                 f"max_position_embeddings={self.max_model_len}; pass at most that")
+            self.max_model_len = max_model_len
+            self._len_limit = f"max_model_len={max_model_len}"
         self._lm = lm
         self._family = spec_of(lm)[0]
         self._idle = True  # no request running: the next step rebuilds derived weights (fused copies)
@@ -193,6 +271,34 @@ class Engine:
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         self._num_requests = 0
         self._seqs: dict[str, Sequence] = {}
+        _OPEN[lm] = _OPEN.get(lm, 0) + 1
+        self._closed = False
+        # an engine dropped without close() still counts down (its KV cache goes with it)
+        self._finalizer = weakref.finalize(self, _engine_gone, weakref.ref(lm))
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the KV cache, the CUDA graphs and their memory pool now (idempotent). Running
+        requests are aborted; the engine refuses further work by name. The last engine over a
+        model to close drops the copies derived on the model too. The model itself is the caller's."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_all()
+        self.model_runner.close()
+        self._finalizer()
+
+    def __enter__(self) -> "Engine":
+        if self._closed:
+            raise _closed_error("Engine.__enter__")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, where: str) -> None:
+        if self._closed:
+            raise _closed_error(where)
 
     # -- requests -------------------------------------------------------------------------
     def _request_seed(self, seed: int | None, index: int) -> int:
@@ -203,6 +309,7 @@ class Engine:
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (token ids or, with a tokenizer, a string); returns its request id."""
+        self._check_open("Engine.add_request")
         return self._add_request(prompt, sampling_params, "Engine.add_request: prompt",
                                  "Engine.add_request: sampling_params")
 
@@ -220,9 +327,8 @@ class Engine:
         if len(prompt) == 0:
             raise ValueError(f"{where} must have at least one token, got an empty one")
         if self.max_model_len is not None and len(prompt) >= self.max_model_len:
-            raise ValueError(f"{where} of {len(prompt)} tokens leaves no room under the model's "
-                             f"max_position_embeddings={self.max_model_len} (prompt + completion must fit): "
-                             "shorten or truncate the prompt")
+            raise ValueError(f"{where} of {len(prompt)} tokens leaves no room under {self._len_limit} (prompt + "
+                             "completion must fit): shorten or truncate the prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size}), got "
                              f"min {min(prompt)} max {max(prompt)}")
@@ -295,6 +401,7 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; returns the requests that finished in it."""
+        self._check_open("Engine.step")
         with self._holding_weights() as (version, fp):
             return self._step(version, fp)
 
@@ -355,6 +462,7 @@ class Engine:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (token-id lists or strings); outputs in input order."""
+        self._check_open("Engine.generate")
         if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim != 1:
             raise ValueError(f"Engine.generate: prompts must be a list of prompts (token-id lists or strings) or one "
                              f"prompt, got {_kind(prompts)}; pass a list of token-id lists, one per prompt, without "

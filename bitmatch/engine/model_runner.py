@@ -195,6 +195,16 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
             self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
 
+    def close(self) -> None:
+        """Free the caches and the decode graphs (their pool and buffers) now; the runner is unusable
+        after (``Engine.close``)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.caches = None
+        self._state_tensors = []
+        self._pending = None
+
     def reset_state_slots(self, slots: list[int]) -> None:
         """Zero the per-sequence state of ``slots`` (a sequence (re)starting from token 0)."""
         if slots and self._state_tensors:

@@ -32,11 +32,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import bitmatch.kernels as K
 import bitmatch.precision as precision
-from bitmatch.models.state import create_state, get_state
+from bitmatch.models.state import create_state, drop_state, get_state
 from bitmatch.precision import cast_param, compute_cast
 
 __all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
-           "refresh_rollout_weights", "graph_capturable", "kept_weights"]
+           "refresh_rollout_weights", "graph_capturable", "kept_weights", "drop_kept_weights"]
 
 
 def is_lora_layer(mod) -> bool:
@@ -211,6 +211,17 @@ def _kept_cast(p, dtype):
 
 
 precision.set_kept_cast(_kept_cast)
+
+
+def drop_kept_weights(lm) -> None:
+    """Forget every copy the engine derived from ``lm``'s parameters: fused copies and kept rollout
+    weights (each module's ``derived`` state) and the kept casts of its parameters. The next engine
+    step rebuilds them; an engine's last ``close()`` calls this, so the model holds only its own
+    tensors again (an fp32 model computed in bf16 keeps a bf16 copy of most of its weights)."""
+    for m in lm.modules():
+        drop_state(m, "derived")
+    for p in lm.parameters():
+        _KEPT_CASTS.pop(p, None)
 
 
 def rollout_weights_of(mod) -> dict:
