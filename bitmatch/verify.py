@@ -32,7 +32,7 @@ class CompareResult:
     total: int
     max_abs_diff: float
     mean_abs_diff: float
-    k3_kl: float                      # mean of exp(d) - 1 - d, d = trainer - rollout
+    k3_kl: float                      # mean of exp(d) - 1 - d, d = trainer - rollout; inf where d is not finite
     first_divergence: tuple | None    # (sequence, token) or None
     first_rollout_value: float | None = None
     first_trainer_value: float | None = None
@@ -42,10 +42,21 @@ class CompareResult:
 
     @property
     def bitmatched(self) -> bool:
-        return self.mismatches == 0
+        """At least one token compared, and every compared token equal: zero tokens prove nothing."""
+        return self.total > 0 and self.mismatches == 0
+
+    @property
+    def reason(self) -> str | None:
+        """Why ``bitmatched`` is False (None when it is True)."""
+        if self.total == 0:
+            return ("tokens compared 0: the inputs are empty or the mask selects none, so nothing proves the "
+                    "logprobs equal")
+        return None if self.mismatches == 0 else f"{self.mismatches} of {self.total} tokens differ"
 
     def summary(self, a: str = "rollout", b: str = "trainer") -> str:
         """One line: counts, differences, KL and the first divergence, the two sides named a and b."""
+        if self.total == 0:
+            return self.reason
         s = (f"tokens compared {self.total}, mismatches {self.mismatches}, max |diff| {self.max_abs_diff:.3g}, "
              f"mean |diff| {self.mean_abs_diff:.3g}, k3 KL {self.k3_kl:.3g}")
         if self.first_divergence is not None:
@@ -58,32 +69,46 @@ class CompareResult:
         d = asdict(self)
         d.pop("abs_diffs")
         d["bitmatched"] = self.bitmatched
+        d["reason"] = self.reason
         return d
 
 
+def value_hex(x: float) -> str:
+    """The bit pattern of ``x``: fp32 hex (``float_hex``) when ``x`` is an fp32 value, else float64's."""
+    if x != x or float(torch.tensor(x, dtype=torch.float32)) == x:
+        return float_hex(x)
+    return "0x%016x" % struct.unpack("<Q", struct.pack("<d", float(x)))[0]
+
+
 def _rows(x, name):
+    # widened to float64, exact for every float dtype: values are compared as they were given,
+    # never rounded (two float64 logprobs 1e-12 apart are two different values)
     if isinstance(x, torch.Tensor):
         x = x.detach().to("cpu")
         if x.dim() == 1:
             x = x[None]
         if x.dim() != 2:
             raise ValueError(f"compare: {name} must be 1-D or 2-D, got shape {tuple(x.shape)}")
-        return [r for r in x.to(torch.float32)]
+        return [r for r in x.to(torch.float64)]
     if not isinstance(x, (list, tuple)):
         raise ValueError(f"compare: {name} must be a tensor or a list of lists")
     if len(x) and not isinstance(x[0], (list, tuple, torch.Tensor)):
         x = [x]
-    return [torch.as_tensor(r, dtype=torch.float32).reshape(-1) for r in x]
+    return [(r.detach().cpu() if isinstance(r, torch.Tensor) else torch.as_tensor(r, dtype=torch.float64))
+            .to(torch.float64).reshape(-1) for r in x]
 
 
 def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
-    """Exact comparison of per-token logprobs (fp32 bits).
+    """Exact comparison of per-token logprobs (their bits, never rounded).
 
     Accepts tensors [B, T] (or [T]) or lists of per-sequence lists (ragged allowed; then the
     sequences must have equal lengths pairwise). ``mask`` (same shape, nonzero = compare)
-    selects tokens; default: all. Values are compared as fp32 bit patterns, and a NaN on either
-    side is a mismatch (even against a NaN of the same bits: a NaN logprob is a failed
-    computation, never a match); its |diff| counts as inf.
+    selects tokens; default: all. Values are widened to float64 (exact for fp32, bf16, fp16 and
+    Python floats) and compared as bit patterns, so float64 inputs are compared in float64, and a
+    NaN on either side is a mismatch (even against a NaN of the same bits: a NaN logprob is a
+    failed computation, never a match); its |diff| and KL count as inf, as do those of -inf
+    against a finite value. Comparing no token (empty inputs, a mask that selects none) gives
+    ``bitmatched=False`` with its ``reason``: zero compared tokens prove nothing.
     """
     ra, tr = _rows(rollout_logprobs, "rollout_logprobs"), _rows(trainer_logprobs, "trainer_logprobs")
     if len(ra) != len(tr):
@@ -109,8 +134,8 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
             continue
         av, bv = a[idx], b[idx]
         nan = torch.isnan(av) | torch.isnan(bv)
-        neq = (av.view(torch.int32) != bv.view(torch.int32)) | nan
-        d = torch.where(nan, float("inf"), bv.double() - av.double())
+        neq = (av.view(torch.int64) != bv.view(torch.int64)) | nan
+        d = torch.where(nan, float("inf"), bv - av)
         ad = d.abs()
         total += idx.numel()
         mism += int(neq.sum())
@@ -123,14 +148,15 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
                 fr, ft = float(av[j]), float(bv[j])
         dd = torch.where(neq, d, torch.zeros_like(d))
         sum_d += float(dd.abs().sum())
-        sum_k3 += float(torch.where(nan, float("inf"), torch.expm1(dd) - dd).sum())
+        # -inf against a finite logprob: d is infinite and expm1(d) - d is inf - inf; the KL is inf
+        sum_k3 += float(torch.where(dd.isfinite(), torch.expm1(dd) - dd, float("inf")).sum())
         diffs.extend(torch.where(neq, ad, torch.zeros_like(ad)).tolist())
     n = max(total, 1)
     return CompareResult(
         mismatches=mism, total=total, max_abs_diff=max_d, mean_abs_diff=sum_d / n, k3_kl=sum_k3 / n,
         first_divergence=first, first_rollout_value=fr, first_trainer_value=ft,
-        first_rollout_hex=None if fr is None else float_hex(fr),
-        first_trainer_hex=None if ft is None else float_hex(ft), abs_diffs=diffs,
+        first_rollout_hex=None if fr is None else value_hex(fr),
+        first_trainer_hex=None if ft is None else value_hex(ft), abs_diffs=diffs,
     )
 
 

@@ -7,7 +7,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
 from bitmatch.sync import names
-from test_sync_helpers import FakeVllmQwen3, tiny_qwen3
+from sync_helpers import FakeVllmQwen3, tiny_qwen3
 
 
 def cast_state(model, dtype=torch.bfloat16):

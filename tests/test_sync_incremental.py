@@ -9,7 +9,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
 from bitmatch.sync.transport_inprocess import InProcessSender
-from test_sync_helpers import bits_equal as bits
+from sync_helpers import bits_equal as bits
 
 
 def master_state(seed=0):

@@ -15,7 +15,7 @@ import torch
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
 from bitmatch.sync.shared_bucket import OpenedBucket
-from test_sync_helpers import FakeVllmQwen3, bits_equal, tiny_qwen3
+from sync_helpers import FakeVllmQwen3, bits_equal, tiny_qwen3
 
 TOKEN = "ipc-token"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

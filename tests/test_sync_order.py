@@ -7,7 +7,7 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch.kernels.order import ORDER, CanonicalOrder
-from test_sync_helpers import tiny_qwen3
+from sync_helpers import tiny_qwen3
 
 TOKEN = "order-test-token"
 

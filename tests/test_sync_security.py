@@ -21,7 +21,7 @@ from bitmatch.sync import channel as C
 from bitmatch.sync import hash as H
 from bitmatch.sync import transport_tcp as T
 from bitmatch.testing_models import tiny_model
-from test_sync_helpers import bf16_target, bits_equal, two_tensor_state
+from sync_helpers import bf16_target, bits_equal, two_tensor_state
 
 TOKEN = "s3cret"
 

@@ -14,7 +14,7 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
-from test_sync_helpers import FakeVllmQwen3, bf16_target, bits_equal, tiny_qwen3, two_tensor_state
+from sync_helpers import FakeVllmQwen3, bf16_target, bits_equal, tiny_qwen3, two_tensor_state
 
 TOKEN = "s3cret-token"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
