@@ -59,3 +59,12 @@ def test_readme_block_runs(code, tmp_path, monkeypatch):
         assert p.returncode == 0, f"README vLLM block failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
         return
     exec(compile(code, "README.md block", "exec"), {"__name__": "__main__"})
+
+
+def test_readme_says_how_to_run_one_file_and_a_quick_tier():
+    """Issue 51: `scripts/test.sh -x -q tests/X.py` collected the whole suite. The README names the
+    one-file and quick-tier commands (tests/test_usability_new_user.py runs the script's choice)."""
+    text = README.read_text()
+    one = re.search(r"`bash scripts/test\.sh (tests/\S+\.py)`", text)
+    assert one and (README.parent / one.group(1)).exists(), "README: how to run one test file"
+    assert '`bash scripts/test.sh -m "not slow"`' in text, "README: the quick tier"

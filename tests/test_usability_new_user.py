@@ -24,3 +24,60 @@ def test_imports_work_from_the_folder_above_the_clone(tmp_path):
                        timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "bitmatch.kernels bitmatch.adapters" in p.stdout, p.stdout
+
+
+def test_every_test_module_holds_tests():
+    """A helper module named ``test_*.py`` is collected and holds no test: pytest on it alone exits 5
+    ("no tests ran"). Helpers are named without the prefix (``tests/sync_helpers.py``)."""
+    import ast
+
+    empty = []
+    for p in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        nodes += [m for c in tree.body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
+                  for m in c.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if not any(n.name.startswith("test") for n in nodes):
+            empty.append(p.name)
+    assert empty == [], f"test modules without a test (rename helpers without the test_ prefix): {empty}"
+
+
+def _fake_python(tmp_path, installed: bool):
+    """A ``python`` on PATH that logs its arguments and succeeds (fails the install probe, read from
+    stdin, when ``installed`` is False), so scripts/test.sh's decisions are read without running them."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    probe = "exit 0" if installed else "exit 1"
+    (bindir / "python").write_text(f'#!/usr/bin/env bash\necho "python $*" >> {log}\n'
+                                   f'if [ "$1" = "-" ]; then cat > /dev/null; {probe}; fi\nexit 0\n')
+    (bindir / "python").chmod(0o755)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}"), log
+
+
+def _test_sh(tmp_path, *args, installed=True):
+    env, log = _fake_python(tmp_path, installed)
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), *args], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    calls = log.read_text().splitlines()
+    return [c for c in calls if " pytest " in c], [c for c in calls if "pip install" in c]
+
+
+def test_test_sh_runs_one_file_without_reinstalling(tmp_path):
+    """``scripts/test.sh tests/X.py`` runs that file, not the whole folder beside it, and an install
+    already in place is not redone (it reinstalled vLLM on every run)."""
+    runs, pips = _test_sh(tmp_path, "-x", "-q", "tests/test_switch.py")
+    assert len(runs) == 1 and runs[0].split()[-3:] == ["-x", "-q", "tests/test_switch.py"], runs
+    assert " tests " not in runs[0] + " ", runs
+    assert pips == [], pips
+    runs, _ = _test_sh(tmp_path / "b", "tests/test_switch.py::test_unknown_value_names_the_fix")
+    assert " tests " not in runs[0] + " ", runs
+    runs, _ = _test_sh(tmp_path / "c", "-m", "not slow")  # the quick tier: the whole folder
+    assert " tests -m not slow" in runs[0], runs
+
+
+def test_test_sh_installs_when_missing(tmp_path):
+    runs, pips = _test_sh(tmp_path, installed=False)
+    assert any("torch==2.13.0" in c for c in pips) and any(".[dev]" in c for c in pips), pips
+    assert runs and runs[0].endswith(" tests"), runs
