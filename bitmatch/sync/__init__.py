@@ -66,11 +66,15 @@ def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str
 
 
 def serve(receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0, auth_timeout: float = 5.0) -> TcpReceiverServer:
+          timeout: float = 60.0, auth_timeout: float = 5.0, *, name: str = "",
+          max_pending: int = 32) -> TcpReceiverServer:
     """Accept TCP updates for ``receiver`` (a thread per connection); ``.address`` is (host, port).
-    ``token`` (str or bytes) is the shared secret; a connection that has not authenticated within
-    ``auth_timeout`` seconds is dropped."""
-    return TcpReceiverServer(receiver, token, host=host, port=port, timeout=timeout, auth_timeout=auth_timeout)
+    ``token`` (str or bytes) is the shared secret; ``name`` the receiver's name, which a sender
+    must give (``TcpSender(..., receiver=name)``): name each receiver that shares a token. A
+    connection that has not authenticated within ``auth_timeout`` seconds is dropped, at most
+    ``max_pending`` may be in their handshake at once, and each frame has ``timeout`` seconds."""
+    return TcpReceiverServer(receiver, token, host=host, port=port, timeout=timeout, auth_timeout=auth_timeout,
+                             name=name, max_pending=max_pending)
 
 
 def fingerprints(model, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
