@@ -3,9 +3,12 @@
 Prefix caching reuses FULL blocks only, found by a hash of the block's token ids chained
 with its parent block's hash, so a hit means the whole causal prefix is the same. A reused
 (shared) block is never written: the engine writes K/V only at positions
->= ``seq.num_computed_tokens``, and hits cover positions below it. Reused K/V has the same
-bits as recomputed K/V because every kernel's result for a token depends only on the token
-and its causal prefix (the bitmatch contract).
+>= ``seq.num_computed_tokens``, and hits cover positions below it. A block is not hit in the step
+that computes it: the scheduler holds back a request whose next block another request of the step
+computes (``computing_next``), and the request hits it a step later (so the n samples of one
+prompt in a ``generate`` call share its prefill). Reused K/V has the same bits as recomputed K/V
+because every kernel's result for a token depends only on the token and its causal prefix (the
+bitmatch contract).
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self._seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its registered full blocks
+        self.computing: set[int] = set()  # hashes of the full blocks the step being scheduled computes
         # Per-sequence state slots (cache groups of kind "per_seq"): one per running sequence; the
         # scheduler admits at most max_num_seqs = num_state_slots sequences.
         self.free_state_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
@@ -77,6 +81,28 @@ class BlockManager:
             parent = h
         return hits
 
+    def computing_next(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether the full block after ``hits`` (``seq``'s cached prefix) is one that a request
+        scheduled in this step computes: ``seq`` then waits a step and hits it."""
+        i = len(hits)
+        if not self.computing or (i + 1) * self.block_size >= len(seq):
+            return False
+        parent = self.blocks[hits[-1]].hash if hits else -1
+        return compute_block_hash(seq.block_tokens(i), parent) in self.computing
+
+    def begin_step(self) -> None:
+        self.computing.clear()
+
+    def note_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Record the hashes of the full blocks ``seq`` completes in this step (``computing_next``)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.get(seq.seq_id, [])
+        parent = hashes[-1] if hashes else -1
+        for i in range(len(hashes), (seq.num_computed_tokens + num_new_tokens) // self.block_size):
+            parent = compute_block_hash(seq.block_tokens(i), parent)
+            self.computing.add(parent)
+
     def num_free_blocks_taken_by(self, hits: list[int]) -> int:
         return sum(1 for b in hits if self.blocks[b].ref_count == 0)
 
@@ -100,6 +126,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (call after the weights change: cached K/V is stale)."""
         self.hash_to_block_id.clear()
+        self.computing.clear()
         for block in self.blocks:
             block.hash, block.token_ids = -1, []
         for seq_id in self._seq_hashes:

@@ -47,6 +47,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The step's (sequence, number of new tokens) list; blocks already allocated."""
         bm = self.block_manager
+        bm.begin_step()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -65,13 +66,19 @@ class Scheduler:
                     break
             else:
                 bm.append_slots(seq, n)
+                bm.note_scheduled(seq, n)
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
-        # Admit waiting requests (not in a step that had to preempt: memory is short).
+        # Admit waiting requests (not in a step that had to preempt: memory is short). A request whose
+        # next prefix block another request computes in this step waits one step and hits it then.
+        held: list[Sequence] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.get_computed_blocks(seq)
+            if bm.computing_next(seq, hits):
+                held.append(self.waiting.popleft())
+                continue
             computed = len(hits) * bm.block_size
             n = self._chunk(seq, len(seq) - computed, budget)
             if n == 0:
@@ -82,10 +89,12 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate_prefix(seq, hits)
             bm.append_slots(seq, n)
+            bm.note_scheduled(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         if not scheduled and not self.is_finished():
             raise RuntimeError("Scheduler: no request could be scheduled (internal error: every request "
                                "was checked to fit the KV cache alone)")

@@ -1,0 +1,74 @@
+"""What a new user hit (issue 51): diagnostics that blame the wrong thing and engine options that
+did not do what vLLM's do. ``locate --pair hf`` pairs like with like on every family (no false
+divergence); ``locate --pair backend`` runs each family's own tiny config; the per-step check names
+weights written after sampling; prefix caching reuses a repeated prompt's prefill inside one
+``generate``; ``max_model_len`` and the other vLLM engine arguments by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bitmatch
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.testing import same_outputs
+from bitmatch.testing_models import random_prompts, tiny_model
+from test_engine import assert_bitmatch
+
+
+# ----------------------------------------------------------------------------- prefix caching (51.10)
+
+def _prefill_tokens(engine) -> list:
+    """Wrap the scheduler: each step's [(seq_id, new tokens, tokens already computed)]."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def wrapped():
+        out = schedule()
+        steps.append([(s.seq_id, n, s.num_computed_tokens) for s, n in out])
+        return out
+    engine.scheduler.schedule = wrapped
+    return steps
+
+
+@pytest.mark.parametrize("family", ["qwen3-hd64-gqa4-tied", "deepseek_v4"])
+def test_repeated_prompt_reuses_its_prefill_in_one_generate(family):
+    """Three identical 201-token prompts in one call (GRPO's n samples of a prompt): the second and
+    third report 192 cached tokens (12 full blocks of 16) and compute only the other 9; every
+    token and logprob is bitwise the uncached run's."""
+    model = bitmatch.patch(tiny_model(family, dtype=torch.bfloat16, seed=0))
+    prompt = random_prompts(1, 201, 201, seed=3)[0]
+    params = [SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True, seed=i) for i in range(3)]
+    ref = Engine(model).generate([prompt] * 3, params, use_tqdm=False)
+    eng = Engine(model, enable_prefix_caching=True)
+    steps = _prefill_tokens(eng)
+    outs = eng.generate([prompt] * 3, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 192, 192]
+    prefill = sum(n for s in steps for _, n, c in s if c < 201)
+    assert prefill == 201 + 2 * 9, steps
+    assert same_outputs(ref, outs)
+    assert_bitmatch(model, outs, params)
+
+
+# ----------------------------------------------------------------------------- vLLM argument names (51.11)
+
+def test_max_model_len_and_vllm_argument_names():
+    model = tiny_model("qwen3-hd64-gqa4-tied", seed=0, num_hidden_layers=1)
+    eng = Engine(model, max_model_len=16, num_gpu_blocks=16)
+    assert eng.max_model_len == 16
+    out = eng.generate([list(range(3, 13))], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt of 16 tokens leaves no room under max_model_len=16"):
+        eng.add_request(list(range(3, 19)), SamplingParams(max_tokens=1))
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is longer than the model's "
+                                         f"max_position_embeddings={limit}"):
+        Engine(model, max_model_len=limit + 1)
+    with pytest.raises(ValueError, match="max_model_len must be an int >= 1"):
+        Engine(model, max_model_len=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size= \(vLLM's\) is not supported: shard the model"):
+        Engine(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype= \(vLLM's\) is not supported"):
+        Engine(model, kv_cache_dtype="fp8")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['no_such_arg'\]"):
+        Engine(model, no_such_arg=1)
+    assert "max_model_len" in Engine.__doc__ and "tensor_parallel_size" in Engine.__doc__
