@@ -77,8 +77,10 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
         use_cpu = not torch.cuda.is_available()
+        # MoE configs (Qwen3-MoE, DeepSeek-V4) carry a router load-balancing loss, which bitmatch's
+        # kernels do not compute (attach refuses it); 0.0 is a no-op for a dense model
         args = toy_config(a.output_dir, a.steps, use_cpu=use_cpu, bf16=not use_cpu,
-                          **{"learning_rate": 1e-6, "max_completion_length": 256, **over})
+                          **{"learning_rate": 1e-6, "max_completion_length": 256, "router_aux_loss_coef": 0.0, **over})
     elif a.expert_parallel:
         from bitmatch.testing_models import tiny_model
         model = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, seed=0, hidden_size=64).train()

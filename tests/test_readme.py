@@ -68,3 +68,17 @@ def test_readme_says_how_to_run_one_file_and_a_quick_tier():
     one = re.search(r"`bash scripts/test\.sh (tests/\S+\.py)`", text)
     assert one and (README.parent / one.group(1)).exists(), "README: how to run one test file"
     assert '`bash scripts/test.sh -m "not slow"`' in text, "README: the quick tier"
+
+
+def test_readme_names_the_router_aux_loss_fix_for_every_family_that_needs_it():
+    """Issue 51: the README named ``router_aux_loss_coef=0.0`` for Qwen3-MoE only; DeepSeek-V4's config
+    carries a nonzero coefficient too (TRL then computes the loss, which attach refuses)."""
+    from bitmatch.models import families
+
+    text = README.read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| ")}
+    need = [f.name for f in families()
+            if getattr(f.tiny_config().get_text_config(), "router_aux_loss_coef", 0.0)]
+    assert need, "no family carries a router aux loss: this test checks nothing"
+    missing = [n for n in need if "router_aux_loss_coef=0.0" not in rows.get(n, "")]
+    assert missing == [], f"support-matrix rows without router_aux_loss_coef=0.0: {missing}"

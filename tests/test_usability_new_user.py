@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,3 +83,22 @@ def test_test_sh_installs_when_missing(tmp_path):
     runs, pips = _test_sh(tmp_path, installed=False)
     assert any("torch==2.13.0" in c for c in pips) and any(".[dev]" in c for c in pips), pips
     assert runs and runs[0].endswith(" tests"), runs
+
+
+@pytest.mark.slow
+def test_trl_example_trains_an_moe_checkpoint(tmp_path):
+    """``examples/trl_grpo.py --model <MoE checkpoint>``: Qwen3-MoE and DeepSeek-V4 configs carry a
+    nonzero router_aux_loss_coef, which attach refuses; the example sets it to 0.0 for --model."""
+    pytest.importorskip("trl")
+    import torch
+
+    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing_trl import char_tokenizer, load_example
+
+    ckpt = tmp_path / "moe"
+    tiny_model("qwen3moe-e4-k1-step2", dtype=torch.float32, seed=0).save_pretrained(ckpt)
+    char_tokenizer().save_pretrained(ckpt)
+    trainer = load_example("trl_grpo").main(["--model", str(ckpt), "--steps", "1", "--max-completion-length", "3",
+                                             "--output-dir", str(tmp_path / "out")])
+    assert trainer.args.router_aux_loss_coef == 0.0
+    assert trainer._bitmatch.history and all(h.mismatches == 0 for h in trainer._bitmatch.history)
