@@ -1,11 +1,13 @@
 """TCP transport for a rollout server in another process or on another host.
 
-Handshake (mutual): the server opens with a random nonce, the client answers with its own nonce
-and HMAC-SHA256(token, "client" | transcript), the server checks it (``hmac.compare_digest``)
-before reading anything else and proves itself with HMAC(token, "server" | transcript); the
-client refuses a server that cannot (an impostor that took the port receives nothing). The token
-never crosses the wire. Both ends then derive a per-connection key K = HMAC(token, "key" |
-transcript).
+Handshake (mutual): the server opens with a random nonce and its receiver's name; the client
+refuses a server that serves another receiver than the one it names, answers with its own nonce
+and HMAC-SHA256(token, "client" | transcript) (the transcript holds both nonces and the name, so
+a publish relayed to another receiver that shares the token fails), the server checks it
+(``hmac.compare_digest``) before reading anything else and proves itself with HMAC(token,
+"server" | transcript); the client refuses a server that cannot (an impostor that took the port
+receives nothing). The token never crosses the wire. Both ends then derive a per-connection key
+K = HMAC(token, "key" | transcript).
 
 Frames: a length-prefixed JSON header, then an HMAC(K) over the direction, a sequence number and
 the header; a payload (bucket bytes) carries its own HMAC(K). So nothing on the path can rewrite,
@@ -16,9 +18,12 @@ and protection against a peer that holds the token. Run it over TLS or a private
 the weights are secret; bmh1 fingerprints (``hash.py``) catch accidents, the MACs catch tampering.
 
 Buckets of at most ``bucket_bytes`` are received straight into the receiver's staging
-(``recv_into``); the server serves each connection on its own thread, drops one that has not
-authenticated within ``auth_timeout`` seconds, and applies one update at a time (the receiver's
-lock). If the sender dies mid-update the receiver aborts: the previous version stays live.
+(``recv_into``). Time is bounded by deadlines, never per read: the handshake by ``auth_timeout``
+(server) or ``timeout`` (sender), each frame by ``timeout``, so a peer trickling bytes cannot
+hold a thread. The server serves each connection on its own thread, at most ``max_pending`` of
+them in their handshake, and applies one update at a time (the receiver's lock). If the sender
+dies mid-update the receiver aborts: the previous version stays live. docs/sync.md states the
+threat model.
 """
 from __future__ import annotations
 
