@@ -130,6 +130,8 @@ class Channel:
     def __init__(self, sock, key: bytes, out_dir: bytes, in_dir: bytes, timeout: float | None = None):
         self.sock, self.key, self.out_dir, self.in_dir = sock, key, out_dir, in_dir
         self.timeout = timeout
+        if timeout is None:
+            sock.settimeout(None)  # blocking: no leftover of the handshake's deadline
         self.sent = self.received = 0
         self._seq, self._pieces, self._deadline = b"", [], None
 

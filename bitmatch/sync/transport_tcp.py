@@ -267,9 +267,11 @@ class TcpReceiverServer:
         total = sum(n for _, _, n in segs)
         if total > shared.nbytes:
             raise SyncError(f"bucket frame names {total} bytes of a shared bucket of {shared.nbytes}")
+        # a CUDA IPC bucket is copied to the staging's own GPU (a shared-memory one is read on the CPU)
+        dev = shared.device if shared.device.type == "cpu" or not segs else upd.buffer(segs[0][0]).device
         copy = getattr(upd, "shared_copy", None)
-        if copy is None or copy.numel() < total:
-            copy = upd.shared_copy = torch.empty(shared.nbytes, dtype=torch.uint8, device=shared.device)
+        if copy is None or copy.numel() < total or copy.device != dev:
+            copy = upd.shared_copy = torch.empty(shared.nbytes, dtype=torch.uint8, device=dev)
         shared.read_into(copy[:total], 0)
         tag = f.get("mac")
         if not isinstance(tag, str) or not hmac.compare_digest(tag, auth.tag(copy[:total], ch.current_label())):
