@@ -218,6 +218,9 @@ def _args_problem(args) -> str | None:
         check_temperature("demo", args.temperature, name="--temperature")
     except ValueError as e:
         return one_line(e).removeprefix("demo: ")
+    if args.dtype != "bfloat16" and not args.model:
+        return (f"--dtype {args.dtype} applies to a --model checkpoint; the tiny model built in code is bf16: "
+                "drop --dtype or pass --model")
     return writable_folder_problem("--out", args.out, ["report.json"] + ([] if args.no_plot else ["diff.png"]))
 
 
@@ -249,8 +252,13 @@ def main(argv=None) -> int:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(args.model)
+            # transformers 5 builds a tokenizer without a vocabulary from config.json alone
+            tok = tok if tok.encode(PROMPTS[0]) else None
         except Exception:
             tok = None
+        if tok is None:
+            print(f"bitmatch demo: no tokenizer with {args.model!r}: the prompts are token ids (for text prompts, "
+                  "save one beside the weights: tokenizer.save_pretrained(folder))", flush=True)
     rep = run(model, tok, out_dir=args.out, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
               temperature=args.temperature, seed=args.seed, plot=not args.no_plot)
     return 0 if rep["bitmatch_on"]["bitmatched"] else 1

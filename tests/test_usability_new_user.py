@@ -102,3 +102,33 @@ def test_trl_example_trains_an_moe_checkpoint(tmp_path):
                                              "--output-dir", str(tmp_path / "out")])
     assert trainer.args.router_aux_loss_coef == 0.0
     assert trainer._bitmatch.history and all(h.mismatches == 0 for h in trainer._bitmatch.history)
+
+
+def test_demo_model_without_a_tokenizer_runs_on_token_ids(tmp_path, capsys):
+    """A checkpoint saved without a tokenizer: transformers 5 builds an empty one from config.json
+    (every prompt encoded to nothing), which reached the engine as an internal error (exit 3). The
+    demo runs on token-id prompts, as for a checkpoint whose tokenizer does not load, and says so."""
+    import torch
+
+    from bitmatch.demo import main
+    from bitmatch.testing_models import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0, num_hidden_layers=1).save_pretrained(ckpt)
+    rc = main(["--model", str(ckpt), "--out", str(tmp_path / "out"), "--num-prompts", "3", "--max-tokens", "2",
+               "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no tokenizer" in out and "token ids" in out and "tokenizer.save_pretrained" in out, out
+
+
+def test_demo_dtype_without_model_is_refused(tmp_path, capsys):
+    """``--dtype float32`` without ``--model`` was ignored (the tiny model is bf16): exit 2, named."""
+    from bitmatch.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dtype", "float32", "--out", str(tmp_path / "out"), "--num-prompts", "1", "--max-tokens", "1",
+              "--no-plot"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dtype float32" in err and "--model" in err, err
