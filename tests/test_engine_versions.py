@@ -50,7 +50,7 @@ def test_failed_or_running_update_refuses_generation(setup):
     rollout, trainer, rx, eng = setup
     bsync.publish(trainer, 1, to=rx)
     specs = {k: bsync.TensorSpec(tuple(v.shape), torch.bfloat16) for k, v in trainer.named_parameters()}
-    upd = rx.begin(2, specs)
+    upd = rx.begin(2, specs, order=rx.order())
     with pytest.raises(bsync.WeightsNotReadyError, match="update to version 2 in progress"):
         eng.generate(PROMPTS, SP, use_tqdm=False)
     upd.abort("transport died")
@@ -92,7 +92,7 @@ def test_publish_during_generate_names_the_right_fix(setup):
     rollout, trainer, rx, eng = setup
     bsync.publish(trainer, 1, to=rx)
     specs = {k: bsync.TensorSpec(tuple(v.shape), torch.bfloat16) for k, v in trainer.named_parameters()}
-    upd = rx.begin(2, specs)
+    upd = rx.begin(2, specs, order=rx.order())
     with pytest.raises(bsync.WeightsNotReadyError, match="in progress.*publish between generate\\(\\) calls") as ei:
         eng.generate(PROMPTS, SP, use_tqdm=False)
     assert "initial_version" not in str(ei.value)

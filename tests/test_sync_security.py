@@ -15,6 +15,7 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch.engine import Engine, SamplingParams
+from bitmatch.kernels.order import stamp_for_device
 from bitmatch.precision import compute_cast
 from bitmatch.sync import channel as C
 from bitmatch.sync import hash as H
@@ -183,7 +184,7 @@ def crafted_client(address) -> C.Channel:
 
 
 def begin(ch, specs, version=2, **extra):
-    ch.send({"type": "begin", "version": version, "hash": "bmh1", "order": None, "tensors": specs, **extra})
+    ch.send({"type": "begin", "version": version, "hash": "bmh1", "order": stamp_for_device("cpu"), "tensors": specs, **extra})
     return ch.recv()
 
 

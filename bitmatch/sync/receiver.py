@@ -88,23 +88,51 @@ def require_ready(model, expected_version: int | None = None) -> int | None:
     return None if st is None else st.require_ready(expected_version)
 
 
+def _holders(target) -> list[tuple[str, dict, str, torch.Tensor]]:
+    """(name, the dict that holds it, its key there, tensor) for every tensor of ``target``, tied
+    aliases included: where an offload / reload, ``load_state_dict(assign=True)`` or ``p.data = ...``
+    would put another tensor."""
+    if isinstance(target, torch.nn.Module):
+        return [(f"{mod_name}.{key}" if mod_name else key, mod._parameters, key, p)
+                for mod_name, mod in target.named_modules(remove_duplicate=False)
+                for key, p in mod._parameters.items() if p is not None]
+    return [(k, target, k, v) for k, v in target.items()]
+
+
 class _Slots:
     """HF name -> tensor view inside a bank of the target's own tensors (HF or engine layout)."""
 
     def __init__(self, target, layout: str, arch: str | None):
-        # detach(), not .data: a detached view shares the parameter's version counter, so a commit
-        # bumps p._version and whatever the engine derived from the weight (fused q/k/v, gate/up
-        # copies) sees the update; a write through .data would be invisible to it
-        if isinstance(target, torch.nn.Module):
-            self.live = {k: p.detach() for k, p in target.named_parameters()}
-        else:
-            self.live = {k: (v.detach() if isinstance(v, torch.nn.Parameter) else v) for k, v in target.items()}
         if layout not in ("hf", "vllm"):
             raise ValueError(f"layout must be 'hf' or 'vllm', got {layout!r}")
+        self.target = target
         self.layout = layout
         self.arch = arch or architecture_of(target)
         self.map = None  # vllm: HF name -> Slot, built in bind() from the announced HF shapes
-        self.names = list(self.live) if layout == "hf" else None
+        self.names = None
+        self.read()
+
+    def read(self) -> None:
+        """Bind to the tensors the target holds now."""
+        # detach(), not .data: a detached view shares the parameter's version counter, so a commit
+        # bumps p._version and whatever the engine derived from the weight (fused q/k/v, gate/up
+        # copies) sees the update; a write through .data would be invisible to it
+        t = self.target
+        if isinstance(t, torch.nn.Module):
+            self.live = {k: p.detach() for k, p in t.named_parameters()}
+        else:
+            self.live = {k: (v.detach() if isinstance(v, torch.nn.Parameter) else v) for k, v in t.items()}
+        # self.live keeps the bound storage alive, so a replacement can never reuse its address
+        self.held = [(name, d, key, v, v.data_ptr(), v.shape) for name, d, key, v in _holders(t)]
+        if self.layout == "hf":
+            self.names = list(self.live)
+
+    def replaced(self) -> list[str]:
+        """Names (tied aliases too) whose tensor the target no longer holds: the engine computes with
+        another tensor than the one this receiver writes and checks. Identity, address and shape only:
+        cheap enough for every step (under a millisecond for an 8B model's ~400 tensors)."""
+        return [name for name, d, key, v, ptr, shape in self.held
+                if d.get(key) is not v or v.data_ptr() != ptr or v.shape != shape]
 
     def bind(self, specs: dict[str, TensorSpec]) -> None:
         if self.layout == "vllm":
@@ -115,6 +143,10 @@ class _Slots:
 
     def key(self, name: str) -> str:
         return name if self.map is None else self.map[name].engine_name
+
+    def hf_names(self, key: str) -> list[str]:
+        """The HF names whose rows live in engine tensor ``key`` (``key`` itself in the HF layout)."""
+        return [key] if self.map is None else [n for n, s in self.map.items() if s.engine_name == key]
 
     def view(self, bank: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         if self.map is None:
@@ -170,16 +202,61 @@ class Receiver:
                 raise ValueError("initial_version needs layout='hf' (a vLLM layout needs the HF specs first)")
             self.state.version = int(initial_version)
             live = self.slots.live
+            counters = {k: t._version for k, t in live.items()}  # before the check: a write during it shows
             self.state.manifest = Manifest(int(initial_version), {
                 k: TensorSpec(tuple(v.shape), v.dtype, fp) for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
-            self.seal()
+            self.seal(counters)
 
-    def seal(self) -> None:
-        """Record the live tensors' version counters: the verified state that steps must run on."""
-        self._counters = {k: t._version for k, t in self.slots.live.items()}
+    def seal(self, counters: dict[str, int]) -> None:
+        """Make ``counters`` (each live tensor's version counter read before its bytes were checked)
+        the verified state steps must run on: any later write moves a counter, even one made while
+        the publish was still running (a trainer thread writing the shared tensors)."""
+        self._counters = dict(counters)
         self._steps = 0
 
+    def _rebind(self) -> str | None:
+        """Follow the target to the tensors it holds now: an offload / reload (a colocated sleep and
+        wake), ``load_state_dict(assign=True)`` or ``p.data = ...`` replace them, and the old ones
+        become orphans that publish would write and check while the engine reads the new ones. A
+        replacement holding the verified bytes is adopted; otherwise returns the problem, naming the
+        tensor (None: nothing replaced, or all adopted)."""
+        sl, how = self.slots, "an offload / reload, load_state_dict(assign=True) or p.data = ..."
+        with self.state.lock:
+            if not sl.replaced():
+                return None
+            old = sl.live
+            sl.read()
+            moved = [k for k, v in sl.live.items() if k not in old or not _same_tensor(v, old[k])]
+            counters = {k: sl.live[k]._version for k in moved}
+            if self.standby is not None:
+                for k in moved:
+                    if k not in self.standby or not _same_kind(self.standby[k], sl.live[k]):
+                        self.standby[k] = torch.empty_like(sl.live[k])
+            man, version = self.state.manifest, self.state.version
+            if man is None:  # nothing verified yet, nothing to keep
+                return None
+            gone, new = sorted(set(old) - set(sl.live)), sorted(set(sl.live) - set(old))
+            if gone or new:
+                return (f"the target's tensors changed ({how}?): it no longer holds {gone[:8]} and now holds "
+                        f"{new[:8]}; the receiver checks none of the new ones")
+            for k in moved:
+                if not _same_kind(sl.live[k], old[k]):
+                    v = sl.live[k]
+                    return (f"live tensor {k!r} was replaced ({how}) by a {dtype_name(v.dtype)} {tuple(v.shape)} "
+                            f"tensor on {v.device}; version {version} verified a {dtype_name(old[k].dtype)} "
+                            f"{tuple(old[k].shape)} one on {old[k].device}")
+            names = [n for k in moved for n in sl.hf_names(k)]
+            for name, got in zip(names, fingerprints_of(sl.view(sl.live, n) for n in names)):
+                if got != man.tensors[name].fingerprint:
+                    return (f"live tensor {name!r} was replaced ({how}) by one that does not hold version "
+                            f"{version}'s bytes (expected {man.tensors[name].fingerprint}, got {got})")
+            self._counters.update(counters)
+            return None
+
     def _check_live(self) -> str | None:
+        problem = self._rebind()
+        if problem is not None:
+            return problem
         version = self.state.version
         for k, t in self.slots.live.items():
             if t._version != self._counters.get(k):
@@ -212,9 +289,37 @@ class Receiver:
         live = next(iter(self.slots.live.values()), None)
         return stamp_for_device(live.device if live is not None else "cpu")
 
+    def check_order(self, version: int, order) -> None:
+        """Refuse an update whose canonical-order stamp is missing or is not the receiver's, field by
+        field: the fingerprint alone is the sender's claim, not a proof of its fields."""
+        where = f"weight update to version {version}"
+        if order is None:
+            raise CanonicalOrderError(
+                f"{where} carries no canonical-order stamp: the receiver cannot tell whether the sender's kernels "
+                "give the same bits. Send bitmatch.kernels.order.stamp_for_device(<the weights' device>) "
+                "(publish, InProcessSender and TcpSender do)")
+        if not isinstance(order, dict):
+            raise CanonicalOrderError(f"{where}: the canonical-order stamp must be an object "
+                                      f"(bitmatch.kernels.order.stamp_for_device), got {type(order).__name__}")
+        mine = self.order()
+        if order == mine:
+            return
+        diff = sorted(k for k in set(order) | set(mine) if k != "fingerprint" and order.get(k) != mine.get(k))
+        if not diff or order.get("fingerprint") == mine["fingerprint"]:
+            raise CanonicalOrderError(
+                f"{where}: the stamp's fingerprint {order.get('fingerprint')} is not the fingerprint of its fields "
+                f"(differ from the receiver's order {mine['fingerprint']} in {diff}: sender "
+                f"{[order.get(k) for k in diff]}, receiver {[mine.get(k) for k in diff]}): a forged or corrupted stamp")
+        raise CanonicalOrderError(
+            f"{where}: the sender's kernels run canonical order {order.get('fingerprint')} and the receiver's "
+            f"{mine['fingerprint']} (differ in {diff}: sender {[order.get(k) for k in diff]}, "
+            f"receiver {[mine.get(k) for k in diff]}); the same weights would give other bits. Run trainer and "
+            "rollout on the same backend and bitmatch version")
+
     def begin(self, version: int, specs: dict[str, TensorSpec], order: dict | None = None) -> "Update":
         """Start staging ``version``; checks the sender's canonical-order stamp (``order``, from
-        ``bitmatch.kernels.order``) and names, shapes and dtypes against the target first."""
+        ``bitmatch.kernels.order.stamp_for_device``: required) and names, shapes and dtypes against
+        the target first."""
         if not self._busy.acquire(blocking=False):
             raise SyncError("another weight update is in progress")
         try:
@@ -224,15 +329,10 @@ class Receiver:
                     f"weight update to version {version}: this receiver holds version {cur} and versions must "
                     "increase (a stale or replayed publish?); create the receiver with allow_older_versions=True "
                     "to roll back on purpose")
-            if order is not None:
-                mine = self.order()
-                if order.get("fingerprint") != mine["fingerprint"]:
-                    diff = sorted(k for k in set(order) | set(mine) if k != "fingerprint" and order.get(k) != mine.get(k))
-                    raise CanonicalOrderError(
-                        f"weight update to version {version}: the sender's kernels run canonical order "
-                        f"{order.get('fingerprint')} and the receiver's {mine['fingerprint']} (differ in {diff}: "
-                        f"sender {[order.get(k) for k in diff]}, receiver {[mine.get(k) for k in diff]}); the same "
-                        "weights would give other bits. Run trainer and rollout on the same backend and bitmatch version")
+            self.check_order(version, order)
+            replaced = self._rebind()
+            if replaced is not None and self.state.failure is None:
+                self.state.failure = replaced  # not the verified bytes: nothing may be kept, all is rewritten
             self.slots.bind(specs)
             names = set(self.slots.names)
             missing, extra = sorted(names - set(specs)), sorted(set(specs) - names)
@@ -264,6 +364,14 @@ class Receiver:
         self._busy.release()
 
 
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _same_kind(a, b) and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+
+
 class Update:
     """One version being staged. Transports write bytes into ``buffer(name)``, then call
     ``finish(name, fingerprint)``; ``commit()`` switches; any exception inside ``with`` aborts."""
@@ -274,6 +382,7 @@ class Update:
         self.done: dict[str, str] = {}
         self.shared: set[str] = set()
         self.kept: set[str] = set()  # unchanged since the live version: no bytes, checked at commit
+        self.checked: dict[str, int] = {}  # engine tensor -> its version counter before its live bytes were checked
         self.base = rx.state.manifest if rx.state.failure is None else None
         self.received_bytes = 0
         self.closed = False
@@ -289,25 +398,24 @@ class Update:
         return False
 
     def buffer(self, name: str) -> torch.Tensor:
-        """The staging bytes for ``name`` (flat uint8, contiguous): write the new bytes here."""
-        sl = self.rx.slots
-        key = sl.key(self._known(name))
-        if key not in self.bank:
-            self.bank[key] = torch.empty_like(sl.live[key])
-        return byte_view(sl.view(self.bank, name))
+        """The staging bytes for ``name`` (flat uint8, contiguous): write the new bytes here. Refused
+        once ``name`` is finished."""
+        return byte_view(self._staged(self._open(name)))
 
     def finish(self, name: str, expected: str) -> None:
-        """Recompute the staged tensor's fingerprint; a mismatch aborts the whole update."""
-        self.buffer(name)  # allocates the slot if no byte arrived (zero-size tensors)
-        got = fingerprint(self.rx.slots.view(self.bank, name))
+        """Recompute the staged tensor's fingerprint; a mismatch aborts the whole update. The tensor
+        is then sealed: any later ``buffer``, ``finish``, ``share`` or ``keep`` of it aborts."""
+        got = fingerprint(self._staged(self._open(name)))  # allocates the slot if no byte arrived (zero-size)
         self._check(name, expected, got, " (staged bytes)")
         self.done[name] = got
 
     def share(self, name: str, tensor: torch.Tensor, expected: str) -> None:
         """Zero-copy: ``tensor`` is the target's own live tensor; only its fingerprint is checked."""
-        live = self.rx.slots.view(self.rx.slots.live, self._known(name))
+        sl = self.rx.slots
+        live = sl.view(sl.live, self._open(name))
         if tensor.data_ptr() != live.data_ptr() or tuple(tensor.shape) != tuple(live.shape):
             raise ValueError(f"tensor {name!r} is not the target's own tensor; it cannot be shared")
+        self._mark(sl.key(name))
         self._check(name, expected, fingerprint(live), " (shared tensor)")
         self.done[name] = expected
         self.shared.add(name)
@@ -317,7 +425,7 @@ class Update:
         fingerprint): nothing is sent or copied. The live bytes are re-fingerprinted at commit,
         with the rest of the model in one pass, so a live tensor changed since it was verified is
         caught, not carried into the new version."""
-        self._known(name)
+        self._open(name)
         spec, base = self.specs[name], self.base
         prev = None if base is None else base.tensors.get(name)
         if prev is None or prev.fingerprint != expected or tuple(prev.shape) != tuple(spec.shape) \
@@ -333,6 +441,28 @@ class Update:
             self.abort(f"update to version {self.version}: tensor {name!r} was not announced")
             raise ValueError(f"tensor {name!r} was not announced in this update")
         return name
+
+    def _open(self, name: str) -> str:
+        """``name``, announced and not finished yet: a finished tensor's bytes were checked, and a later
+        write would switch the engine to bytes no one verified."""
+        self._known(name)
+        if name in self.done:
+            self.abort(f"update to version {self.version}: tensor {name!r} was already finished (its bytes "
+                       "checked); a later write into it is refused (a sender must send each tensor once)")
+            raise SyncError(self.rx.last_error)
+        return name
+
+    def _staged(self, name: str) -> torch.Tensor:
+        sl = self.rx.slots
+        key = sl.key(name)
+        if key not in self.bank:
+            self.bank[key] = torch.empty_like(sl.live[key])
+        return sl.view(self.bank, name)
+
+    def _mark(self, key: str) -> None:
+        """Read live tensor ``key``'s version counter before its bytes are checked; the earliest read
+        is kept, so a write after any check of it moves the counter away from what is sealed."""
+        self.checked.setdefault(key, self.rx.slots.live[key]._version)
 
     def _check(self, name, expected, got, where):
         if expected != got:
@@ -362,17 +492,31 @@ class Update:
             raise SyncError(self.rx.last_error)
         sl, st = self.rx.slots, self.rx.state
         with st.lock:
+            live = sl.live
             if self.kept:  # before anything is written: a stale live tensor aborts with the old version intact
                 kept = sorted(self.kept)
-                for name, got in zip(kept, fingerprints_of(sl.view(sl.live, k) for k in kept)):
+                for k in kept:
+                    self._mark(sl.key(k))
+                for name, got in zip(kept, fingerprints_of(sl.view(live, k) for k in kept)):
                     self._check(name, self.done[name], got, " (the live tensor changed after it was verified; "
                                 "publish with InProcessSender(receiver, incremental=False) to rewrite every tensor)")
-            copied = {sl.key(k) for k in self.specs if k not in self.shared and k not in self.kept}
-            for key in copied:
-                sl.live[key].copy_(self.bank[key])
+            # a write after a tensor was checked (a trainer thread writing the shared tensors while it
+            # publishes) must not be sealed as verified; refused before anything is written
+            moved = next((k for k, c in self.checked.items() if live[k]._version != c), None)
+            if moved is not None:
+                self.abort(f"update to version {self.version}: live tensor {moved!r} was written after its bytes "
+                           "were checked, while the update was running (a trainer thread writing the shared "
+                           "weights during publish?); publish again once the writes are done")
+                raise SyncError(self.rx.last_error)
+            names = [k for k in self.specs if k not in self.shared and k not in self.kept]
+            # row block by row block: the rows of a merged engine tensor (vLLM's qkv_proj) whose HF
+            # tensor was kept are not in the staging bank and keep their live bytes
+            for name in names:
+                sl.view(live, name).copy_(sl.view(self.bank, name))
+            for key in {sl.key(k) for k in names}:
+                self.checked[key] = live[key]._version  # our own copies moved it; verified below
             if self.rx.verify_after_commit:
-                names = [k for k in self.specs if k not in self.shared and k not in self.kept]
-                for name, got in zip(names, fingerprints_of(sl.view(sl.live, k) for k in names)):
+                for name, got in zip(names, fingerprints_of(sl.view(live, k) for k in names)):
                     if got != self.done[name]:
                         st.version, self.closed = None, True  # live bytes are neither version: unusable
                         self.rx._end(self, f"live tensor {name!r} differs from its verified staging copy "
@@ -380,7 +524,7 @@ class Update:
                         raise FingerprintMismatchError(name, self.done[name], got, " (after switch)")
             man.order = self.order
             st.version, st.manifest, st.failure = self.version, man, None
-            self.rx.seal()
+            self.rx.seal(self.checked)
             self.closed = True
             if self.rx.staging == "shadow":
                 self.bank = {}
