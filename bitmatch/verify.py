@@ -213,8 +213,11 @@ def _hf_candidates(hf, seqs, names, temperature) -> dict:
     for i, n in enumerate(names):
         if (m := mod(n)) is not None:
             want.setdefault(id(m), (m, []))[1].append((n, "output", n))
-        if i + 1 < len(names) and (m := mod(names[i + 1])) is not None:
-            want.setdefault(id(m), (m, []))[1].append((n, "input", names[i + 1]))
+        # the next op's input is this op's output, unless the next op contains this one (a mixer
+        # after its attention): a container's input is its first op's input, so never a candidate
+        nxt = names[i + 1] if i + 1 < len(names) else None
+        if nxt is not None and not n.startswith(nxt + ".") and (m := mod(nxt)) is not None:
+            want.setdefault(id(m), (m, []))[1].append((n, "input", nxt))
     got: dict = {}
     cur: dict = {}
 

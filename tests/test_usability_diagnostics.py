@@ -72,3 +72,36 @@ def test_max_model_len_and_vllm_argument_names():
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['no_such_arg'\]"):
         Engine(model, no_such_arg=1)
     assert "max_model_len" in Engine.__doc__ and "tensor_parallel_size" in Engine.__doc__
+
+
+# ----------------------------------------------------------------------------- locate --pair hf (51.2)
+
+def _pairs_like_with_like(row) -> bool:
+    """A compared op's HF reference is its own module's output, or the input of a module it feeds:
+    never the input of a module that contains it (that is the op's input, not its output)."""
+    ref = row["ref"]
+    if ref is None or ref.startswith("HF log_softmax"):
+        return True
+    _, mod, kind = ref.split(" ")
+    if kind == "output":
+        return mod == row["name"]
+    return not row["name"].startswith(mod + ".")
+
+
+@pytest.mark.parametrize("family", ["dense", "qwen3_moe", "deepseek_v4", "nemotron_h"])
+def test_locate_hf_pair_finds_no_divergence_on_every_family(family, tmp_path, capsys):
+    import json
+
+    from bitmatch.cli import main
+
+    rc = main(["locate", "--family", family, "--pair", "hf", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "verdict: no divergent op" in out, out
+    (r,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    compared = [o for o in r["ops"] if o["status"] != "not compared"]
+    assert compared and all(_pairs_like_with_like(o) for o in compared), \
+        [(o["name"], o["ref"]) for o in compared if not _pairs_like_with_like(o)]
+    if family == "nemotron_h":   # the attention output is o_proj's input, as in the dense families
+        rows = {o["name"]: o for o in r["ops"]}
+        assert rows["layers.2.mixer.attn"]["ref"] == "HF layers.2.mixer.o_proj input"
+        assert rows["layers.2.mixer.attn"]["status"] == "within tol"

@@ -162,7 +162,11 @@ def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=No
     v = dense.linear(mod.v_proj, x, dtype).view(T, -1, D)
     o = attend(q, k, v, ctx, spec, i)
     _rec(rec, f"{prefix}.attn", o)
-    return dense.linear(mod.o_proj, o.reshape(T, -1), dtype)
+    # recorded so ``locate --pair hf`` pairs the attention output with HF's o_proj input (the next
+    # record, the mixer's output, is a container whose input is the mixer's input)
+    out = dense.linear(mod.o_proj, o.reshape(T, -1), dtype)
+    _rec(rec, f"{prefix}.o_proj", out)
+    return out
 
 
 def mamba_weights(mod, dtype, channels=None, heads=slice(None), inner=slice(None)) -> dict:
