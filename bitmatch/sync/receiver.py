@@ -169,9 +169,12 @@ class Receiver:
     an in-place write outside ``publish`` (an optimizer step on shared tensors, a stray ``mul_``)
     makes the next step raise, naming the tensor; writes that bypass the counters (``.data``, a
     kernel through a raw pointer) are caught by a full fingerprint pass every ``verify_every``
-    steps (0: never; on the GPU it costs a few ms for an 8B model). Versions must increase:
-    an older one is refused (``allow_older_versions=True`` to roll back on purpose) and the live
-    version number with other bytes is refused at commit.
+    steps (0: never; on the GPU it costs a few ms for an 8B model). A tensor the target no longer
+    holds (an offload / reload, ``load_state_dict(assign=True)``, ``p.data = ...``) is noticed at
+    the next step or update: adopted if it holds the verified bytes, refused by name otherwise.
+    Versions must increase: an older one is refused (``allow_older_versions=True`` to roll back on
+    purpose) and the live version number with other bytes is refused at commit. Every update
+    carries the sender's canonical-order stamp, which must equal the receiver's field by field.
     """
 
     def __init__(self, target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
