@@ -14,6 +14,7 @@ from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causa
 from bitmatch.models import compute_dtype_of as default_compute_dtype
 from bitmatch.parallel.ddp import ddp_forward, ddp_wrapper
 from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
+from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 
 # fp32 logits elements per chunk (1 GiB): each chunk pays its own launches (the head GEMM, the
 # logprob kernel, the checkpointed recompute and backward GEMMs); at 2**25 a TRL micro-batch of
@@ -107,6 +108,10 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
         raise ValueError(f"{op}: attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
     if attention_mask is not None:
+        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)].flatten()[:1].tolist()
+            raise ValueError(f"{op}: attention_mask must hold 0 (padding) and 1 (a real token) only, got {bad}; "
+                             "pass (attention_mask != 0).long() if any nonzero value means a real token")
         _refuse_mask_holes(op, attention_mask)
     if host_readable(input_ids):  # else checked on the device once packed (check_token_ids)
         real = input_ids if attention_mask is None else input_ids[attention_mask != 0]
@@ -194,12 +199,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``sampled_logprobs`` / ``processed_logprobs``); gradients flow through the kept logits.
 
     Left or right padding (both at once too); a 0 between 1s in a row of ``attention_mask`` is
-    refused (ValueError naming the row and column). The real tokens are packed (positions from 0 at the first real
-    token) and run through ``bitmatch.models.forward_hidden``; logits are computed over row
-    chunks of ``chunk_rows`` (default: about 2**28 logits per chunk). With autograd on, the
-    logits are kept for backward while all of them fit in ``KEEP_LOGITS_BYTES`` (4 GiB), and
-    beyond that recomputed in backward chunk by chunk (checkpointed), so the whole [B, L, V] never
-    exists; ``recompute_logits`` True / False forces either. The bits of the logprobs and of their
+    refused (ValueError naming the row and column); ``attention_mask`` holds 0 and 1 only. The
+    real tokens are packed (positions from 0 at the first real token) and run through
+    ``bitmatch.models.forward_hidden``; logits are computed over row chunks of about 2**28 logits
+    (``chunk_rows`` rows where no gradient is recorded: under autograd the chunks are always the
+    default ones, whose partition fixes the gradient bits). With autograd on, the logits are kept
+    for backward while all of them fit in ``KEEP_LOGITS_BYTES`` (4 GiB), and beyond that
+    recomputed in backward chunk by chunk (checkpointed), so the whole [B, L, V] never exists;
+    ``recompute_logits`` True / False forces either. The bits of the logprobs and of their
     gradients depend on neither ``chunk_rows`` nor ``recompute_logits``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
     the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
     An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
@@ -239,6 +246,9 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
     top_k = top_k if top_k is not None and 0 < top_k < lm.lm_head.weight.shape[0] else None
     top_p = top_p if top_p is not None and top_p < 1.0 else None
     dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(lm)
+    if dtype not in SUPPORTED_COMPUTE_DTYPES:  # named here, not by the first norm that meets it
+        raise ValueError(unsupported_dtype_message("token_logprobs", dtype,
+                                                   "pass token_logprobs(..., compute_dtype=torch.bfloat16)"))
     dev = lm.lm_head.weight.device
     # host -> device without a stream sync (pageable memory is staged at the call); the mask stays
     # on the host (pack_rows reads its layout there)
@@ -264,7 +274,12 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
     tgt = src + 1
     targets = p.input_ids[tgt]
     h = hidden[src]
-    rows = chunk_rows or max(1, DEFAULT_LOGIT_ELEMENTS // V)
+    rows = max(1, DEFAULT_LOGIT_ELEMENTS // V)
+    if chunk_rows is not None and not torch.is_grad_enabled():
+        # under autograd the chunks stay the fixed ones above: the head's backward runs the stock
+        # GEMMs per chunk (not row-invariant) and sums the head weight's gradient chunk by chunk,
+        # so other chunks would give other gradient bits
+        rows = chunk_rows
     if recompute_logits is None:
         recompute_logits = n_src * V * dtype.itemsize > KEEP_LOGITS_BYTES
     pieces = []

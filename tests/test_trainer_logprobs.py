@@ -90,11 +90,13 @@ def test_kept_or_recomputed_logits_same_bits_and_gradients(bf16_model, monkeypat
     heads = []
     real = lpmod.compute_logits
     monkeypatch.setattr(lpmod, "compute_logits", lambda *a, **k: heads.append(1) or real(*a, **k))
+    # chunks of 16 rows (under autograd the chunks are the default ones, whatever chunk_rows says)
+    monkeypatch.setattr(lpmod, "DEFAULT_LOGIT_ELEMENTS", 16 * bf16_model.lm_head.weight.shape[0])
 
     def run(**kw):
         m = copy.deepcopy(bf16_model)
         heads.clear()
-        lp = token_logprobs(m, ids, mask, temperature=0.8, chunk_rows=16, **kw)
+        lp = token_logprobs(m, ids, mask, temperature=0.8, **kw)
         (lp * w).sum().backward()
         return lp, [p.grad.clone() for p in m.parameters()], len(heads)
     lp_keep, g_keep, n_keep = run(recompute_logits=False)

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from bitmatch import token_logprobs
+from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 from bitmatch.verify import compare
 
 
@@ -48,3 +50,41 @@ def test_compare_minus_inf_against_finite_is_an_infinite_kl(roll, train):
     assert not math.isnan(r.mean_abs_diff)
     both = compare([[float("-inf")]], [[float("-inf")]])       # control: -inf on both sides is equal bits
     assert both.bitmatched and both.k3_kl == 0.0
+
+
+# -- token_logprobs: chunk_rows and the gradient bits; attention_mask values --------------------------
+
+def _grads(lm, ids, mask, w, **kw):
+    lm.zero_grad(set_to_none=True)
+    lp = token_logprobs(lm, ids, mask, compute_dtype=torch.float32, **kw)
+    (lp * w).sum().backward()
+    return lp.detach(), [p.grad.clone() for p in lm.parameters()]
+
+
+def test_chunk_rows_do_not_change_gradient_bits(monkeypatch):
+    import bitmatch.logprobs as lpmod
+    lm = tiny_model("llama-hd128-gqa8-llama3rope", dtype=torch.float32, seed=0).train()
+    ids, mask = pad_batch(random_prompts(4, 5, 20, seed=2))
+    w = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(1))
+    lp0, g0 = _grads(lm, ids, mask, w)
+    for kw in (dict(chunk_rows=1), dict(chunk_rows=7), dict(chunk_rows=7, recompute_logits=True)):
+        lp, g = _grads(lm, ids, mask, w, **kw)
+        assert torch.equal(lp, lp0), kw
+        bad = [n for (n, _), a, b in zip(lm.named_parameters(), g0, g) if not torch.equal(a, b)]
+        assert not bad, f"{kw}: {len(bad)} of {len(g0)} gradients differ, e.g. {bad[:3]}"
+    # control: another partition of the head's rows does give other gradient bits, so the equality
+    # above is the fixed partition's doing, not an insensitive test
+    monkeypatch.setattr(lpmod, "DEFAULT_LOGIT_ELEMENTS", 7 * lm.lm_head.weight.shape[0])
+    lp, g = _grads(lm, ids, mask, w)
+    assert torch.equal(lp, lp0) and not all(torch.equal(a, b) for a, b in zip(g0, g))
+
+
+@pytest.mark.parametrize("value", [0.5, -1, 2])
+def test_attention_mask_other_than_0_1_is_refused(value):
+    lm = tiny_model(dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.tensor([[1.0, 1.0, value, 1.0]])
+    with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1"):
+        token_logprobs(lm, ids, mask)
+    for ok in (torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), torch.ones(1, 4, dtype=torch.bool)):
+        token_logprobs(lm, ids, ok)   # control: 0 / 1 in any dtype
