@@ -98,7 +98,7 @@ def _select_v1_runner() -> None:
     workers vLLM starts inherit it; plugins load before the engine configuration is built."""
     if os.environ.get(V2_RUNNER_VAR) is None:
         os.environ[V2_RUNNER_VAR] = "0"
-        logger.info("bitmatch: %s=0 (the plugin runs under vLLM's V1 model runner)", V2_RUNNER_VAR)
+        logger.debug("bitmatch: %s=0 (the plugin runs under the V1 model runner)", V2_RUNNER_VAR)
 
 
 def _patch_sampler() -> None:
