@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 
 from bitmatch.models import quant
 
@@ -115,15 +116,30 @@ def load_pretrained(path_or_name, *, dtype=None, who: str = "load_model", **kwar
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if _dtype_name(dtype) in ("float16", "half"):  # refused by every forward: say so before loading
+        raise ValueError(f"{who}: dtype={dtype} is refused: bitmatch computes in bf16 or fp32 (its kernels refuse "
+                         "fp16 at the first op); pass dtype=torch.bfloat16 (the default) or torch.float32, into "
+                         "which an fp16 checkpoint loads too")
     path = resolve_checkpoint(path_or_name, who=who, **kwargs)
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(
         path, **{k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs})
     if quant.quant_spec(config, who=who) is None:
+        stored = _dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+        target = _dtype_name(dtype)
+        # rounding to a 16-bit dtype changes the values: one line (fp32 holds any stored value exactly)
+        if stored in ("float32", "float16", "bfloat16") and target in ("bfloat16", "float16") and stored != target:
+            warnings.warn(f"{who}: {os.fspath(path_or_name)!r} is stored in torch.{stored}; loaded as torch.{target}, "
+                          "rounded (pass dtype=torch.float32 to keep the stored values exactly)", stacklevel=3)
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **kwargs)
     if not os.path.isdir(path):  # a hub name: the quantized loader reads the files from the local cache
         from huggingface_hub import snapshot_download
         path = snapshot_download(path, **{k: kwargs.pop(k) for k in ("revision", "token", "cache_dir") if k in kwargs})
     return quant.load_dequantized(path, config, dtype=dtype or torch.bfloat16, who=who, **kwargs)
+
+
+def _dtype_name(dtype) -> str | None:
+    """'float32' for torch.float32 or "float32" (a config's or a caller's dtype); None for None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")

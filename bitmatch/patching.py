@@ -17,6 +17,7 @@ import torch
 from bitmatch.models import compute_logits, forward_hidden, pack, spec_of, unwrap_causal_lm
 from bitmatch.models.registry import BoundForward, PatchState, bound_forward, patch_state
 from bitmatch.models.state import create_state, drop_state, get_state
+from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 
 
 class BitmatchCacheError(RuntimeError):
@@ -98,7 +99,7 @@ def unsupported_param_dtypes(lm) -> list[str]:
     """The floating dtypes among ``lm``'s parameters that bitmatch cannot compute in (not bf16 or
     fp32), sorted; empty when every parameter is computable as it is."""
     return sorted({str(p.dtype) for p in lm.parameters()
-                   if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float32)})
+                   if p.is_floating_point() and p.dtype not in SUPPORTED_COMPUTE_DTYPES})
 
 
 def patch(model, compute_dtype: torch.dtype | None = None):
@@ -112,14 +113,14 @@ def patch(model, compute_dtype: torch.dtype | None = None):
     """
     lm = unwrap_causal_lm(model)
     fam, _ = spec_of(lm)
-    if compute_dtype is not None and compute_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"patch: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if compute_dtype is not None and compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+        raise ValueError(f"patch: compute_dtype must be torch.bfloat16 or torch.float32 (bitmatch computes in bf16 "
+                         f"or fp32), got {compute_dtype}: pass compute_dtype=torch.bfloat16")
     if compute_dtype is None:  # the kernels would meet e.g. fp16 only later, inside a norm: refuse now
         bad = unsupported_param_dtypes(lm)
         if bad:
-            raise ValueError(f"patch: the model's parameters are {', '.join(bad)}, but bitmatch computes in "
-                             "bf16 or fp32: load it with dtype=torch.bfloat16 (or torch.float32), call "
-                             "model.to(torch.bfloat16), or pass patch(model, compute_dtype=torch.bfloat16)")
+            raise ValueError(unsupported_dtype_message("patch", ", ".join(bad),
+                                                       "pass patch(model, compute_dtype=torch.bfloat16)"))
     state = patch_state(lm)
     if state is None:
         state = PatchState(fam, compute_dtype)

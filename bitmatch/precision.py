@@ -10,6 +10,13 @@ import torch
 SUPPORTED_COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def unsupported_dtype_message(who: str, found, how: str) -> str:
+    """The one sentence for a model whose weights bitmatch cannot compute in (fp16): what ``who`` found,
+    what bitmatch computes in, and the fixes, ``how`` being the caller's own option."""
+    return (f"{who}: the model's parameters are {found}, but bitmatch computes in bf16 or fp32: load it with "
+            f"dtype=torch.bfloat16 (or torch.float32), call model.to(torch.bfloat16), or {how}")
+
+
 def compute_cast(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Round ``t`` to ``dtype`` (round to nearest, ties to even); a no-op if already there.
 

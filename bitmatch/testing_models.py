@@ -71,8 +71,9 @@ def _family_with(name: str):
     for fam in families():
         if name in fam.tiny_configs or name in fam.model_types or name == fam.name:
             return fam
-    raise ValueError(f"tiny_config: {name!r} is no registered family's tiny config or model type; "
-                     f"tiny configs: {sorted(tiny_configs())}, model types: {sorted(supported_architectures())}")
+    raise ValueError(f"tiny_config: {name!r} is no registered family's tiny config, model type or name; "
+                     f"families: {sorted(f.name for f in families())}, tiny configs: {sorted(tiny_configs())}, "
+                     f"model types: {sorted(supported_architectures())}")
 
 
 def tiny_configs() -> dict[str, tuple[str, dict]]:
@@ -84,17 +85,27 @@ def tiny_configs() -> dict[str, tuple[str, dict]]:
 TINY_CONFIGS = tiny_configs()
 
 
+def _shape(name: str):
+    """(family, the name its ``tiny_config`` takes): a family's own name that is neither one of its
+    tiny shapes nor a model type ("dense") means its first shape (None)."""
+    fam = _family_with(name)
+    return fam, (None if name == fam.name and name not in fam.tiny_configs and name not in fam.model_types
+                 else name)
+
+
 def tiny_config(name_or_family: str = "qwen3", **overrides):
     """``Family.tiny_config`` of the family that declares ``name_or_family`` (a tiny shape's name,
-    a model type or a family's name); ``overrides`` win."""
-    return _family_with(name_or_family).tiny_config(name_or_family, **overrides)
+    a model type or a family's name: its first shape); ``overrides`` win."""
+    fam, name = _shape(name_or_family)
+    return fam.tiny_config(name, **overrides)
 
 
 def tiny_model(name_or_family: str = "qwen3-hd64-gqa4-tied", dtype: torch.dtype = torch.bfloat16,
                seed: int = 0, attn_implementation: str = "eager", **overrides):
-    """``Family.tiny_model``: a random-weight tiny causal LM (eval mode), deterministic given ``seed``."""
-    return _family_with(name_or_family).tiny_model(name_or_family, dtype=dtype, seed=seed,
-                                                   attn_implementation=attn_implementation, **overrides)
+    """``Family.tiny_model``: a random-weight tiny causal LM (eval mode), deterministic given ``seed``;
+    ``name_or_family`` as ``tiny_config`` takes it."""
+    fam, name = _shape(name_or_family)
+    return fam.tiny_model(name, dtype=dtype, seed=seed, attn_implementation=attn_implementation, **overrides)
 
 
 def random_prompts(n: int, min_len: int = 1, max_len: int = 32, seed: int = 0, vocab_lo: int = 3,

@@ -132,3 +132,108 @@ def test_demo_dtype_without_model_is_refused(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--dtype float32" in err and "--model" in err, err
+
+
+def _saved(tmp_path, dtype, name="ckpt"):
+    import torch
+
+    from bitmatch.testing_models import tiny_model
+
+    path = tmp_path / name
+    tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=0, num_hidden_layers=1).to(dtype).save_pretrained(path)
+    return path
+
+
+def test_load_model_says_what_it_converted(tmp_path):
+    """fp32 and fp16 checkpoints became bf16 without a word (load_model's default, and Engine(path))."""
+    import warnings
+
+    import torch
+
+    from bitmatch.engine import Engine
+    from bitmatch.models import load_model
+
+    for stored in (torch.float32, torch.float16):
+        path = _saved(tmp_path, stored, str(stored))
+        with pytest.warns(UserWarning, match=rf"stored in {stored}; loaded as torch.bfloat16.*dtype=torch.float32"):
+            model = load_model(str(path))
+        assert model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match="stored in torch.float32; loaded as torch.bfloat16"):
+        Engine(str(tmp_path / "torch.float32"), num_gpu_blocks=8)
+    bf16 = _saved(tmp_path, torch.bfloat16, "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing converted, nothing said
+        load_model(str(bf16))
+        load_model(str(tmp_path / "torch.float32"), dtype=torch.float32)
+
+
+def test_load_model_refuses_fp16_at_the_call(tmp_path):
+    """``load_model(p, dtype=torch.float16)`` was accepted and refused only at the first forward."""
+    import torch
+
+    from bitmatch.models import load_model
+
+    path = _saved(tmp_path, torch.bfloat16)
+    for dtype in (torch.float16, "float16"):
+        with pytest.raises(ValueError, match=r"load_model: dtype=.*float16.*bf16 or fp32.*dtype=torch.bfloat16"):
+            load_model(str(path), dtype=dtype)
+
+
+def _tiny(dtype):
+    import torch
+
+    from bitmatch.testing_models import tiny_model
+
+    return tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=0, num_hidden_layers=1).to(dtype)
+
+
+def test_publish_refuses_fp16_weights_and_names_to():
+    """An fp16 trainer's publish was accepted (its forward is refused anyway); ``to=<a model>`` gave
+    AttributeError ``... has no attribute 'send'``."""
+    import torch
+
+    from bitmatch import sync
+
+    engine_model = _tiny(torch.bfloat16)
+    receiver = sync.receive(engine_model)
+    with pytest.raises(ValueError, match=r"publish: .*torch.float16.*bf16 or fp32"):
+        sync.publish(_tiny(torch.float16), 1, to=receiver)
+    with pytest.raises(TypeError, match=r"publish: to= takes a Receiver .*sync.receive\(model\).*Qwen3ForCausalLM"):
+        sync.publish(_tiny(torch.float32), 1, to=engine_model)
+    assert sync.publish(_tiny(torch.float32), 1, to=receiver).version == 1  # the control
+
+
+def test_token_logprobs_on_fp16_names_the_fix():
+    """``token_logprobs`` on an fp16 model failed inside a norm (``rms_norm: x has dtype torch.float16``)."""
+    import torch
+
+    from bitmatch import token_logprobs
+
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"token_logprobs: .*torch.float16.*bf16 or fp32.*compute_dtype=torch.bfloat16"):
+        token_logprobs(_tiny(torch.float16), ids)
+    assert token_logprobs(_tiny(torch.float16), ids, compute_dtype=torch.bfloat16).shape == (1, 2)
+
+
+def test_trl_attach_on_fp16_names_the_fix(tmp_path):
+    """TRL with an fp16 model: ``patch: compute_dtype must be ...`` with no how-to."""
+    pytest.importorskip("trl")
+    import torch
+
+    import bitmatch.adapters.trl
+    from bitmatch.testing_trl import grpo_trainer
+
+    trainer = grpo_trainer(_tiny(torch.float16), tmp_path, 1)
+    with pytest.raises(ValueError, match=r"attach: .*torch.float16.*bf16 or fp32.*compute_dtype=torch.bfloat16"):
+        bitmatch.adapters.trl.attach(trainer)
+
+
+def test_tiny_model_takes_a_family_name():
+    """``tiny_model("dense")`` (the family name the README and CLI use) gave a bare KeyError."""
+    from bitmatch.models import family_of
+    from bitmatch.testing_models import tiny_config, tiny_model
+
+    assert family_of(tiny_model("dense", num_hidden_layers=1)).name == "dense"
+    assert type(tiny_config("dense")).__name__ == type(tiny_config("qwen3-hd64-gqa4-tied")).__name__
+    with pytest.raises(ValueError, match=r"no registered family's tiny config.*'dense'"):
+        tiny_model("densest")

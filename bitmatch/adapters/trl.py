@@ -61,6 +61,7 @@ from bitmatch.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, St
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import lora, unwrap_causal_lm
 from bitmatch.models.lora import plain_name
+from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 
 logger = logging.getLogger("bitmatch.trl")
 
@@ -153,9 +154,14 @@ class TrlAdapter:
             args = self.trainer.args
             if p == torch.float32 and getattr(args, "bf16", False):
                 return torch.bfloat16   # what bf16 mixed precision computes, and what a bf16 rollout holds
+            if p not in SUPPORTED_COMPUTE_DTYPES:  # patch would refuse it with its own option's name
+                raise ValueError(unsupported_dtype_message(
+                    "attach", p, "pass attach(trainer, compute_dtype=torch.bfloat16) (fp32 master weights with "
+                    "GRPOConfig(bf16=True) compute in bf16)"))
             return p
-        if compute_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"attach: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+        if compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+            raise ValueError(f"attach: compute_dtype must be torch.bfloat16 or torch.float32 (bitmatch computes in "
+                             f"bf16 or fp32), got {compute_dtype}: pass attach(trainer, compute_dtype=torch.bfloat16)")
         return compute_dtype
 
     def install(self):

@@ -52,6 +52,16 @@ def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> 
     Invariance: the bytes the engine ends up with are compute_cast(w, dtype), checked by fingerprint."""
     if isinstance(to, Receiver):
         to = InProcessSender(to)
+    if not callable(getattr(to, "send", None)):
+        raise TypeError(f"publish: to= takes a Receiver (bitmatch.sync.receive(model) on the engine's model) or "
+                        f"a sender (InProcessSender, TcpSender, VllmColocateSender), got {type(to).__name__}")
+    weights = model.named_parameters() if isinstance(model, torch.nn.Module) else \
+        model.items() if isinstance(model, dict) else ()  # other iterables are read once, by the send
+    half = next((n for n, w in weights if isinstance(w, torch.Tensor) and w.dtype == torch.float16), None)
+    if half is not None:  # an fp16 trainer's own forward is refused: so is its publish
+        raise ValueError(f"publish: the weights are torch.float16 ({half!r}), but bitmatch computes in bf16 or "
+                         "fp32: train with fp32 master weights or bf16 ones (model.to(torch.bfloat16)) and "
+                         "publish those")
     return to.send(model, int(version), dtype)
 
 
