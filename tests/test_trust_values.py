@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
+import bitmatch.sync as sync
 from bitmatch import token_logprobs
+from bitmatch.engine import SamplingParams
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 from bitmatch.verify import compare
+from sync_helpers import FakeVllmQwen3, bf16_target, tiny_qwen3, two_tensor_state
 
 
 # -- verify.compare: zero compared tokens, float64, -inf ---------------------------------------------
@@ -88,3 +91,71 @@ def test_attention_mask_other_than_0_1_is_refused(value):
         token_logprobs(lm, ids, mask)
     for ok in (torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), torch.ones(1, 4, dtype=torch.bool)):
         token_logprobs(lm, ids, ok)   # control: 0 / 1 in any dtype
+
+
+# -- weight versions: one validator on every path; check_weight_version; vLLM colocate -----------------
+
+BAD_VERSIONS = [1.9, True, -5, "3", 2 ** 70, None]
+
+
+@pytest.mark.parametrize("version", BAD_VERSIONS, ids=repr)
+def test_publish_refuses_a_version_that_is_not_a_step_number(version):
+    state = two_tensor_state(0, n=4096, cols=64)
+    rx = sync.receive(bf16_target(state))
+    sync.publish(state, 3, to=rx)
+    with pytest.raises(ValueError, match=r"publish: version must be an int in \[0, 2\*\*63\)"):
+        sync.publish(state, version, to=rx)
+    with pytest.raises(ValueError, match="weight update: version must be an int"):
+        sync.InProcessSender(rx).send(state, version)      # the receiver checks it too, whatever sends
+    assert rx.version == 3
+    sync.publish(state, 4, to=rx)                            # control: the next ordinary version passes
+    assert rx.version == 4
+
+
+def test_check_weight_version_refuses_nothing_and_non_ints():
+    with pytest.raises(sync.WeightVersionError, match="no rollouts to check"):
+        sync.check_weight_version([], 5)
+    with pytest.raises(sync.WeightVersionError, match="not an int"):
+        sync.check_weight_version([{"weight_version": 5.0}], 5)
+    with pytest.raises(sync.WeightVersionError, match="not an int"):
+        sync.check_weight_version([True], 1)
+    with pytest.raises(ValueError, match="expected must be an int"):
+        sync.check_weight_version([5], "5")
+    sync.check_weight_version([{"weight_version": 5}, 5], 5)   # control
+
+
+def test_vllm_colocate_versions_increase_and_live_writes_are_caught():
+    m1, m2 = tiny_qwen3(seed=0), tiny_qwen3(seed=2)
+    fake = FakeVllmQwen3(m1)
+    tx = sync.VllmColocateSender(model=fake)
+    sync.publish(m1, 5, to=tx)
+    with pytest.raises(sync.WeightVersionError, match="versions must increase"):
+        sync.publish(m2, 3, to=tx)
+    with pytest.raises(sync.WeightVersionError, match="holds version 5 with other bytes"):
+        sync.publish(m2, 5, to=tx)
+    with pytest.raises(ValueError, match="VllmColocateSender.send: version must be an int"):
+        tx.send(m2, -1)
+    assert tx.require_ready(5) == 5
+    sync.publish(m1, 5, to=tx)                               # the live version's own bytes: accepted
+    sync.publish(m2, 6, to=tx)                               # control: a newer version passes
+    assert tx.require_ready(6) == 6
+    next(iter(fake.holder.values())).mul_(2)               # a write outside publish
+    with pytest.raises(sync.WeightsNotReadyError, match="written after version 6 was verified"):
+        sync.require_ready(fake)
+
+
+# -- SamplingParams: every field checked when set ----------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1), ("temperature", float("inf")), ("top_p", 0), ("top_p", 5), ("top_p", True),
+    ("max_tokens", 0), ("seed", 2 ** 70), ("seed", -1), ("top_k", True), ("top_k", 1.5),
+])
+def test_sampling_params_checked_after_construction(field, value):
+    sp = SamplingParams()
+    with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
+        setattr(sp, field, value)
+    with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
+        SamplingParams(**{field: value})
+    assert getattr(sp, field) == getattr(SamplingParams(), field)   # the refused value was not kept
+    sp.max_tokens, sp.temperature, sp.seed = 3, 0.5, 2 ** 64 - 1      # control: valid values are taken
+    assert (sp.max_tokens, sp.temperature, sp.seed) == (3, 0.5, 2 ** 64 - 1)

@@ -17,6 +17,7 @@ preemption or the device's generator state.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,49 @@ from bitmatch.logprobs import check_temperature
 _TOP_K_MAX = 2 ** 62
 
 
+def _int_in(name: str, value, lo: int, hi: int | None, why: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or value < lo or (hi is not None and value >= hi):
+        raise ValueError(f"SamplingParams: {name} must be {why}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _top_p(value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise ValueError(f"SamplingParams: top_p must be a float in (0, 1] (1.0: no top-p), got {value!r} "
+                         f"({type(value).__name__})")
+    return float(value)
+
+
+def _stop_token_ids(value) -> list[int]:
+    ids = [] if value is None else value
+    if isinstance(ids, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+                                                and t >= 0 for t in ids):
+        raise ValueError(f"SamplingParams: stop_token_ids must be a list of ints >= 0, got {value!r}")
+    return [int(t) for t in ids]
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"SamplingParams: {name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+# every field's check, run on each assignment: a field changed after construction is checked as the
+# constructor's arguments are (a temperature of -1 or a seed beyond 64 bits never reaches the sampler)
+_CHECKS = {
+    "temperature": lambda v: check_temperature("SamplingParams", v, greedy_ok=True),
+    "top_p": _top_p,
+    "top_k": lambda v: _int_in("top_k", v, -1, None, "an int >= 1, or -1 / 0 to disable"),
+    "seed": lambda v: None if v is None else _int_in(
+        "seed", v, 0, 2 ** 64, "None or an int in [0, 2**64) (the noise is keyed by 64 bits: a larger or negative "
+        "seed would alias another)"),
+    "max_tokens": lambda v: _int_in("max_tokens", v, 1, None, "an int >= 1"),
+    "stop_token_ids": _stop_token_ids,
+    "ignore_eos": lambda v: _bool("ignore_eos", v),
+}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling options (a subset of ``vllm.SamplingParams``, same names).
@@ -43,7 +87,8 @@ class SamplingParams:
     ``seed`` (an int in [0, 2**64)) keys the request's noise, so its tokens depend on nothing but its
     logits, seed and token index; with seed None the engine derives one from its own seed and the request's index.
     ``stop_token_ids`` (and the EOS token unless ``ignore_eos``) end the request; the stop token
-    is kept in ``token_ids`` with its logprob.
+    is kept in ``token_ids`` with its logprob. Every field is checked when it is set, at
+    construction or later (ValueError naming the field and its valid values).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,24 +98,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        self.temperature = check_temperature("SamplingParams", self.temperature, greedy_ok=True)
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p!r}")
-        self.top_p = float(self.top_p)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"SamplingParams: top_k must be an int >= 1, or -1 / 0 to disable, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams: max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2 ** 64):
-            raise ValueError(f"SamplingParams: seed must be None or an int in [0, 2**64) (the noise is keyed by "
-                             f"64 bits: a larger or negative seed would alias another), got {self.seed!r}")
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams: stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+    def __setattr__(self, name, value):
+        check = _CHECKS.get(name)
+        object.__setattr__(self, name, value if check is None else check(value))
 
     @property
     def greedy(self) -> bool:

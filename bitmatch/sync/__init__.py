@@ -18,8 +18,10 @@ a shared CUDA IPC / shared-memory bucket).
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, fingerprint, fingerprints_of
@@ -32,6 +34,7 @@ from .transport_inprocess import InProcessSender
 from .transport_ipc import IpcSender
 from .transport_tcp import TcpReceiverServer, TcpSender
 from .transport_vllm import VllmColocateSender
+from .version import check_version
 
 __all__ = [
     "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
@@ -50,6 +53,7 @@ def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> 
     (SyncError, FingerprintMismatchError, ValueError, AuthenticationError) if the receiver did not
     switch, in which case it still holds its previous version.
     Invariance: the bytes the engine ends up with are compute_cast(w, dtype), checked by fingerprint."""
+    version = check_version(version, "publish")
     if isinstance(to, Receiver):
         to = InProcessSender(to)
     if not callable(getattr(to, "send", None)):
@@ -62,7 +66,7 @@ def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> 
         raise ValueError(f"publish: the weights are torch.float16 ({half!r}), but bitmatch computes in bf16 or "
                          "fp32: train with fp32 master weights or bf16 ones (model.to(torch.bfloat16)) and "
                          "publish those")
-    return to.send(model, int(version), dtype)
+    return to.send(model, version, dtype)
 
 
 def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
@@ -130,7 +134,7 @@ def verify(target, manifest: Manifest, *, layout: str = "hf", arch: str | None =
 
 
 def _version_of(r):
-    if isinstance(r, int):
+    if isinstance(r, numbers.Integral):
         return r
     if isinstance(r, Mapping):
         return r.get("weight_version")
@@ -139,6 +143,7 @@ def _version_of(r):
 
 def stamp_weight_version(outputs, version: int):
     """Set ``weight_version`` on each rollout output (objects or dicts); returns ``outputs``."""
+    version = check_version(version, "stamp_weight_version")
     for o in outputs:
         if isinstance(o, dict):
             o["weight_version"] = version
@@ -153,12 +158,20 @@ def stamp_weight_version(outputs, version: int):
 
 def check_weight_version(rollouts, expected: int) -> None:
     """Trainer side: every rollout (an int, a dict or object with ``weight_version``, or a list of
-    them) must have been sampled with weight version ``expected``; raises WeightVersionError."""
+    them) must have been sampled with weight version ``expected``; raises WeightVersionError, also
+    for no rollouts at all (an empty batch proves nothing on-policy)."""
+    expected = check_version(expected, "check_weight_version", "expected")
     items = rollouts if isinstance(rollouts, (list, tuple)) else [rollouts]
+    if not items:
+        raise WeightVersionError("check_weight_version: no rollouts to check, so none is proven on-policy; pass the "
+                                 "step's rollouts (RequestOutputs, dicts or versions), not an empty list")
     for i, r in enumerate(items):
         v = _version_of(r)
         if v is None:
             raise WeightVersionError(f"rollout {i} carries no weight version; cannot prove it is on-policy")
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise WeightVersionError(f"rollout {i} carries weight version {v!r} ({type(v).__name__}), not an int; "
+                                     "stamp rollouts with the engine's version (bitmatch.sync.stamp_weight_version)")
         if v != expected:
             hint = " (one step stale: the update did not reach the engine)" if v == expected - 1 else ""
             raise WeightVersionError(f"rollout {i} was sampled with weight version {v}, "

@@ -22,6 +22,7 @@ from .errors import (AuthenticationError, CanonicalOrderError, FingerprintMismat
                      WeightsNotReadyError, WeightVersionError)
 from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint, fingerprints_of
 from .names import architecture_of, build_layout
+from .version import check_version
 
 
 class WeightState:
@@ -203,7 +204,7 @@ class Receiver:
         if initial_version is not None:
             if layout != "hf":
                 raise ValueError("initial_version needs layout='hf' (a vLLM layout needs the HF specs first)")
-            self.state.version = int(initial_version)
+            self.state.version = check_version(initial_version, "Receiver", "initial_version")
             live = self.slots.live
             counters = {k: t._version for k, t in live.items()}  # before the check: a write during it shows
             self.state.manifest = Manifest(int(initial_version), {
@@ -323,11 +324,12 @@ class Receiver:
         """Start staging ``version``; checks the sender's canonical-order stamp (``order``, from
         ``bitmatch.kernels.order.stamp_for_device``: required) and names, shapes and dtypes against
         the target first."""
+        version = check_version(version, "weight update")
         if not self._busy.acquire(blocking=False):
             raise SyncError("another weight update is in progress")
         try:
             cur = self.state.version
-            if cur is not None and int(version) < cur and not self.allow_older_versions:
+            if cur is not None and version < cur and not self.allow_older_versions:
                 raise WeightVersionError(
                     f"weight update to version {version}: this receiver holds version {cur} and versions must "
                     "increase (a stale or replayed publish?); create the receiver with allow_older_versions=True "

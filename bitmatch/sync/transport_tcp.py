@@ -42,6 +42,7 @@ from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import Receiver
 from .shared_bucket import BucketAuth, OpenedBucket
 from .source import DEFAULT_BUCKET_BYTES, iter_buckets, named_weights, sender_order, wire_specs
+from .version import check_version
 
 
 def _int_field(d: dict, key: str, where: str) -> int:
@@ -343,6 +344,7 @@ class TcpSender:
         return {}
 
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        version = check_version(version, "TcpSender.send")
         where = f"weight update to version {version}: {self.host}:{self.port}"
         try:
             return self._send(model, version, dtype)

@@ -8,7 +8,11 @@ engine parameters are copied aside first (``backup=True``, one model copy of mem
 version is loaded bucket by bucket, then every HF tensor's fingerprint is recomputed on the
 engine's own bytes through names.py (row blocks of qkv_proj / gate_up_proj). On any failure the
 backup is restored, the previous version stays live, and generation is refused until a full
-update succeeds. Note (vLLM CPU): the stock CPU linear repacks weights after loading; the
+update succeeds. Versions are checked as every transport checks them (``version.check_version``)
+and must increase; the live version number with other bytes is refused before anything is
+written. In this process (``model=`` or a reachable driver model) every ``require_ready``
+compares the parameters' version counters with those read at the commit, so an in-place write
+outside ``publish`` is refused by name, as the Receiver does. Note (vLLM CPU): the stock CPU linear repacks weights after loading; the
 bitmatch vLLM plugin's non-repacking linear method is needed for load_weights to take effect.
 """
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 from ..precision import compute_cast
 from .fingerprint import Manifest, TensorSpec, dtype_from_name, dtype_name, fingerprint
 from .names import architecture_of, build_layout
-from .receiver import FingerprintMismatchError, WeightState, attach_state
+from .receiver import FingerprintMismatchError, WeightState, WeightVersionError, attach_state
 from .source import DEFAULT_BUCKET_BYTES, named_weights, wire_specs
+from .version import check_version
 
 
 def _driver_model(llm):
@@ -70,7 +75,8 @@ class VllmColocateSender:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` there)."""
 
     def __init__(self, llm=None, *, model=None, arch: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: bool = True, use_rpc: bool = False):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backup: bool = True, use_rpc: bool = False,
+                 allow_older_versions: bool = False):
         if model is None and llm is None:
             raise ValueError("VllmColocateSender needs llm= or model=")
         if use_rpc and llm is None:
@@ -79,9 +85,39 @@ class VllmColocateSender:
         self.model = model if model is not None else (None if use_rpc else _driver_model(llm))
         self.arch = arch
         self.bucket_bytes, self.backup = bucket_bytes, backup
+        self.allow_older_versions = bool(allow_older_versions)
         self.state = WeightState()
+        self._counters: dict[str, int] = {}
         if self.model is not None:
             attach_state(self.model, self.state)
+            self.state.live_check = self._check_live
+
+    def _check_live(self) -> str | None:
+        """The commit's version counters against the live parameters' (the Receiver's check)."""
+        for k, p in self.model.named_parameters():
+            if p._version != self._counters.get(k):
+                return (f"live tensor {k!r} was written after version {self.state.version} was verified (outside "
+                        "bitmatch.sync.publish)")
+        return None
+
+    def _check_version(self, version: int, weights, dtype) -> Manifest | None:
+        """Refuse an older version, or the live one with other bytes (fingerprinted before anything is
+        written); returns the live manifest when ``weights`` are exactly the live version's."""
+        cur = self.state.version
+        if cur is None or version > cur:
+            return None
+        if version < cur and not self.allow_older_versions:
+            raise WeightVersionError(f"weight update to version {version}: the vLLM engine holds version {cur} and "
+                                     "versions must increase (a stale or replayed publish?); create the sender "
+                                     "with allow_older_versions=True to roll back on purpose")
+        if version == cur:
+            man = Manifest(version, {k: TensorSpec(tuple(t.shape), dtype, fingerprint(compute_cast(t, dtype)))
+                                     for k, t in weights})
+            if self.state.manifest is None or man.digest() != self.state.manifest.digest():
+                raise WeightVersionError(f"weight update to version {version}: the vLLM engine holds version {cur} "
+                                         "with other bytes; publish the new weights under a new version number")
+            return self.state.manifest
+        return None
 
     def _engine_params(self) -> dict[str, torch.Tensor]:
         if self.model is not None:
@@ -95,8 +131,12 @@ class VllmColocateSender:
             self.llm.collective_rpc(_rpc_load, args=(_pack(batch),))
 
     def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        version = check_version(version, "VllmColocateSender.send")
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
+        same = self._check_version(version, weights, dtype)
+        if same is not None:
+            return same  # the live version's own bytes again: nothing to write
         arch = self.arch or architecture_of(self.model if self.model is not None else model)
         eng = self._engine_params()
         layout = build_layout(arch, {k: s.shape for k, s in specs.items()},
@@ -107,7 +147,7 @@ class VllmColocateSender:
                                  f"{slot.engine_name!r} ({dtype_name(eng[slot.engine_name].dtype)})")
         st = self.state
         with st.lock:  # no generation while the engine's weights are being rewritten
-            st.updating = int(version)
+            st.updating = version
             saved = {k: v.detach().clone() for k, v in eng.items()} if self.backup and self.model else None
             fps: dict[str, str] = {}
             try:
@@ -123,6 +163,8 @@ class VllmColocateSender:
                 if batch:
                     self._load(batch)
                 del batch
+                # read before the check: a write made while the bytes are being checked shows at the next step
+                counters = {k: p._version for k, p in self.model.named_parameters()} if self.model else {}
                 eng = self._engine_params()
                 for hf, slot in layout.hf_to_engine.items():
                     view = eng[slot.engine_name][slot.row_start:slot.row_start + slot.rows]
@@ -142,8 +184,9 @@ class VllmColocateSender:
             finally:
                 st.updating = None
                 saved = None
-            man = Manifest(int(version), {k: TensorSpec(s.shape, dtype, fps[k]) for k, s in specs.items()})
-            st.version, st.manifest, st.failure = int(version), man, None
+            man = Manifest(version, {k: TensorSpec(s.shape, dtype, fps[k]) for k, s in specs.items()})
+            st.version, st.manifest, st.failure = version, man, None
+            self._counters = counters
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
             reset()  # cached KV blocks were computed with the previous weights
