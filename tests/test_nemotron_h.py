@@ -16,12 +16,12 @@ from bitmatch.models import nemotron_h as NH
 from bitmatch.testing_models import pad_batch, random_prompts
 from test_engine import assert_bitmatch, hf_logprobs
 
-Q = 8  # the tiny config's chunk_size
+Q = 8  # a chunk of 8 (the tiny config's is 16, the Triton scan's smallest): more boundaries per token
 
 
 @pytest.fixture(scope="module")
 def hf32():
-    return NH.FAMILY.tiny_model(dtype=torch.float32, seed=0)
+    return NH.FAMILY.tiny_model(dtype=torch.float32, seed=0, chunk_size=Q)
 
 
 def _patched(hf, dtype=None):

@@ -105,3 +105,22 @@ def test_locate_hf_pair_finds_no_divergence_on_every_family(family, tmp_path, ca
         rows = {o["name"]: o for o in r["ops"]}
         assert rows["layers.2.mixer.attn"]["ref"] == "HF layers.2.mixer.o_proj input"
         assert rows["layers.2.mixer.attn"]["status"] == "within tol"
+
+
+# ----------------------------------------------------------------------------- locate --pair backend (51.7)
+
+@pytest.mark.parametrize("family", [
+    "nemotron_h",
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),      # the interpreter takes minutes on these
+    pytest.param("deepseek_v4", marks=pytest.mark.slow),
+])
+def test_locate_backend_pair_runs_each_family_tiny_config(family, capsys):
+    """The family's own tiny config (what every check builds) runs on the Triton backend too: under
+    Triton's interpreter here, within tolerance of the reference. Nemotron-H's chunk of 8 was
+    refused by the Triton scan (chunks of 16 and up); prompts of 20 tokens cross its chunk of 16."""
+    pytest.importorskip("triton")
+    from bitmatch.cli import main
+
+    rc = main(["locate", "--family", family, "--pair", "backend", "--prompts", "2", "--max-len", "20"])
+    out = capsys.readouterr()
+    assert rc == 0 and "verdict: no divergent op" in out.out, out.out + out.err

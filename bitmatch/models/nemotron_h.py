@@ -276,13 +276,14 @@ class NemotronHFamily(Family):
     FP32_SUFFIXES = (".norm.weight", ".norm_f.weight", ".A_log", ".D", ".mixer.gate.weight")
 
     def tiny_config(self, name: str | None = None, **overrides):
-        """A tiny HF NemotronH config with every block kind (M, E, *, -, M) and chunk_size 8."""
+        """A tiny HF NemotronH config with every block kind (M, E, *, -, M) and chunk_size 16 (the
+        smallest the Triton scan tiles: the one tiny config runs on every backend)."""
         from transformers import NemotronHConfig  # third-party, deferred: only tiny models need it
 
         self.tiny_name(name)
         kw = dict(vocab_size=128, hidden_size=64, layers_block_type=[MAMBA, MOE, ATTN, MLP, MAMBA],
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                   moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5, norm_topk_prob=True,
                   max_position_embeddings=1024, initializer_range=0.1, use_conv_bias=True, use_bias=False,
