@@ -125,16 +125,21 @@ SENDER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import bitmatch.sync as sync
     from test_sync_tcp import big_state
-    class Slow(sync.TcpSender):
+    class Stalls(sync.TcpSender):  # stops after 3 of its 25 buckets until the test kills it
+        sent = 0
         def _send_bucket(self, *a):
             super()._send_bucket(*a)
-            time.sleep(0.05)
+            Stalls.sent += 1
+            if Stalls.sent == 3:
+                time.sleep(600)
     print("go", flush=True)
-    sync.publish(big_state(2), 2, to=Slow("127.0.0.1", int(sys.argv[1]), {token!r}, bucket_bytes=1 << 15))
+    sync.publish(big_state(2), 2, to=Stalls("127.0.0.1", int(sys.argv[1]), {token!r}, bucket_bytes=1 << 15))
 """)
 
 
 def test_tcp_sender_killed_mid_bucketed_update_keeps_old_version():
+    # the sender stalls mid-update instead of sleeping per bucket: on a loaded machine a sleeping
+    # sender could finish before the test looked, and the kill came after the commit
     m1 = big_state(1)
     live = bf16_target(m1)
     rx = sync.receive(live, staging="double_buffer")
