@@ -7,7 +7,7 @@ the rest. With verl's Ray trainer on GPUs:
     python -m verl.trainer.main_ppo actor_rollout_ref.model.path=Qwen/Qwen3-0.6B \\
         actor_rollout_ref.rollout.name=bitmatch actor_rollout_ref.rollout.calculate_log_probs=True \\
         actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.actor.strategy=fsdp2 \\
-        actor_rollout_ref.ref.strategy=fsdp2 algorithm.adv_estimator=grpo ...
+        actor_rollout_ref.ref.strategy=fsdp2 algorithm.adv_estimator=grpo trainer.use_v1=False ...
 
 verl's own Ray loop (``main_ppo`` -> ``RayPPOTrainer.fit``) runs on CPU with a local Ray and declared
 GPUs (tests/test_verl_ray.py; docs/scaling.md says what verl 0.9.1 still assumes). This script stays
