@@ -182,7 +182,7 @@ def test_inprocess_update_without_a_true_order_stamp_is_refused(case, monkeypatc
 
 
 def crafted_client(address):
-    return T.TcpSender(*address, TOKEN)._connect()
+    return T.TcpSender(*address, TOKEN, timeout=5)._connect()
 
 
 def wire_specs(m):
@@ -260,11 +260,7 @@ def test_a_tcp_frame_into_a_finished_tensor_is_refused():
             ch.send({"type": "bucket", "segments": [[k, 0, b.numel()]], "finished": {k: H.fingerprint(b)}},
                     memoryview(b.numpy()))
         ch.send({"type": "bucket", "segments": [["a.weight", 0, 8]], "finished": {}}, b"\x07" * 8)
-        try:  # before the fix the frame was taken and the commit switched to bytes no one verified
-            ch.send({"type": "commit", "version": 2, "order": rx.order(), "digest": None})
-        except OSError:
-            pass  # refused at the frame: the receiver already answered and closed
-        r = ch.recv()
+        r = ch.recv()  # control: before the fix the frame was taken without a word (no reply)
         ch.sock.close()
     assert r["ok"] is False and "a.weight" in r["error"] and "finished" in r["error"], r
     assert rx.version == 1 and bits_equal(live, m1)
