@@ -20,7 +20,8 @@ from bitmatch import controls
 from bitmatch import testing as T
 from bitmatch import verify
 from bitmatch.cli_common import (EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, front, load_error, one_line,  # noqa: F401
-                                 usage_error, version_string, writable_file_problem, writable_folder_problem)
+                                 seed_problem, usage_error, version_string, writable_file_problem,
+                                 writable_folder_problem)
 from bitmatch.demo import main as demo_main
 from bitmatch.family_check import family_cases, tiny_model_for
 from bitmatch.logprobs import check_temperature
@@ -163,6 +164,8 @@ def _locate_args_problem(a) -> str | None:
         return f"--min-len {a.min_len} is more than --max-len {a.max_len}: give --min-len <= --max-len"
     if a.tolerance is not None and not a.tolerance >= 0:
         return f"--tolerance must be >= 0, got {a.tolerance}"
+    if seed_problem(a.seed):
+        return seed_problem(a.seed)
     try:
         check_temperature("locate", a.temperature, name="--temperature")
     except ValueError as e:

@@ -23,6 +23,14 @@ def usage_error(prog: str, problem: str) -> int:
     return EXIT_USAGE
 
 
+def seed_problem(seed: int) -> str | None:
+    """``--seed`` outside [0, 2**32), in one line: the commands derive the weights' and each
+    request's sampling seed from it, and those must stay in [0, 2**64)."""
+    if not 0 <= seed < 2 ** 32:
+        return f"--seed must be an int in [0, 2**32), got {seed}"
+    return None
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (transformers' load errors span paragraphs)."""
     text = " ".join(str(e).split()) or type(e).__name__

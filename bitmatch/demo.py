@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bitmatch.cli_common import load_error, one_line, usage_error, writable_folder_problem
+from bitmatch.cli_common import load_error, one_line, seed_problem, usage_error, writable_folder_problem
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.logprobs import check_temperature, token_logprobs
 from bitmatch.models import load_model
@@ -214,6 +214,8 @@ def _args_problem(args) -> str | None:
     for flag, v in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
         if v < 1:
             return f"{flag} must be >= 1, got {v}"
+    if seed_problem(args.seed):
+        return seed_problem(args.seed)
     try:
         check_temperature("demo", args.temperature, name="--temperature")
     except ValueError as e:

@@ -159,3 +159,28 @@ def test_sampling_params_checked_after_construction(field, value):
     assert getattr(sp, field) == getattr(SamplingParams(), field)   # the refused value was not kept
     sp.max_tokens, sp.temperature, sp.seed = 3, 0.5, 2 ** 64 - 1      # control: valid values are taken
     assert (sp.max_tokens, sp.temperature, sp.seed) == (3, 0.5, 2 ** 64 - 1)
+
+
+# -- the CLI: a bad --seed is a usage error (exit 2, one line), not an internal error ----------------
+
+def _exit_code(argv) -> int:
+    from bitmatch.cli import main
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse and the demo's usage errors exit through SystemExit
+        return e.code
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 64 + 5), str(2 ** 32)])
+def test_cli_bad_seed_is_a_usage_error(seed, tmp_path, capsys):
+    assert _exit_code(["demo", "--seed", seed, "--out", str(tmp_path), "--no-plot"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"bitmatch demo: --seed must be an int in [0, 2**32), got {seed}", err
+    assert _exit_code(["locate", "--pair", "engine", "--family", "dense", "--seed", seed]) == 2
+    assert capsys.readouterr().err.strip() == f"bitmatch locate: --seed must be an int in [0, 2**32), got {seed}"
+
+
+def test_cli_largest_seed_runs(tmp_path):
+    # control: the top of the range is a seed the demo runs with
+    assert _exit_code(["demo", "--seed", str(2 ** 32 - 1), "--num-prompts", "1", "--max-tokens", "1", "--no-plot",
+                       "--out", str(tmp_path)]) == 0
