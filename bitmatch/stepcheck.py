@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 import bitmatch
+from bitmatch.models import unwrap_causal_lm
 from bitmatch.sync import fingerprints
 from bitmatch.verify import compare, locate
 
@@ -200,18 +201,47 @@ def _compared_seqs(rollout, mask) -> int:
 
 # ----------------------------------------------------------------------------- diagnosis helpers
 
-def locate_sentence(trainer_model, rollout_model, ids, mask, *, compute_dtype, block_size=None) -> str:
+def locate_sentence(trainer_model, rollout_model, ids, mask, *, compute_dtype, block_size=None,
+                    written_since_sampling=None) -> str:
     """Run the same tokens through the trainer's and the rollout's model (the rollout's attention
     through a paged cache of ``block_size`` when given, as the engine ran it) and name the first op
-    whose bits differ, as one sentence of the mismatch message."""
+    whose bits differ, as one sentence of the mismatch message. ``written_since_sampling``: the
+    rollout weights written since the engine sampled (``Engine.weights_written_since_sampling``);
+    when any were, the sentence names them as the cause (a locate on the weights as they are now
+    cannot see it, and with shared weights it compares a model with itself)."""
     r = locate(trainer_model, rollout_model, ids, mask, compute_dtype_a=compute_dtype,
                compute_dtype_b=compute_dtype, paged_b_block_size=block_size)
+    written = list(written_since_sampling or [])
+    changed = ""
+    if written:
+        more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+        changed = (f"the weights changed after the rollout sampled: {written[0]!r}{more} were written since "
+                   "(their version counters moved), so the rollout's logprobs came from other weights than the "
+                   "trainer scored with. With weights shared between rollout and trainer (rollout_weights="
+                   "'shared'), score before anything updates them (an optimizer step, a weight load or sync "
+                   "between generation and the loss), or give the rollout its own copy (rollout_weights='copy')")
     if r.first_divergent is None:
+        if changed:
+            return (f"First divergent layer: none on the current weights (all {r.ops_compared} op outputs "
+                    f"bit-identical), but {changed}.")
+        if _unwrap(trainer_model) is _unwrap(rollout_model):
+            return (f"First divergent layer: none, all {r.ops_compared} op outputs (embed_tokens .. lm_head) are "
+                    "bit-identical, but trainer and rollout share one model, so this compares the weights as "
+                    "they are now: the difference comes from weights written after sampling (a write the "
+                    "version counters do not see, e.g. through .data), after the logits (sampler / logprob) or "
+                    "from the engine's schedule.")
         return (f"First divergent layer: none, all {r.ops_compared} op outputs (embed_tokens .. lm_head) are "
                 "bit-identical between trainer and rollout model: the difference comes after the logits "
                 "(sampler / logprob) or from the engine's schedule.")
     lyr = f"layer {r.layer}, op {r.op}" if r.layer is not None else f"op {r.op}"
-    return f"First divergent layer: {r.first_divergent} ({lyr})."
+    return f"First divergent layer: {r.first_divergent} ({lyr})." + (f" Also, {changed}." if changed else "")
+
+
+def _unwrap(model):
+    """The causal LM of a model, a wrapper or a ``bitmatch.Engine`` (its ``.model``)."""
+    if not isinstance(model, torch.nn.Module) and isinstance(getattr(model, "model", None), torch.nn.Module):
+        model = model.model
+    return unwrap_causal_lm(model)
 
 
 def weights_sentence(bad: list[str]) -> str:

@@ -124,3 +124,80 @@ def test_locate_backend_pair_runs_each_family_tiny_config(family, capsys):
     rc = main(["locate", "--family", family, "--pair", "backend", "--prompts", "2", "--max-len", "20"])
     out = capsys.readouterr()
     assert rc == 0 and "verdict: no divergent op" in out.out, out.out + out.err
+
+
+# ----------------------------------------------------------------------------- the per-step check (51.3)
+
+def test_stepcheck_names_weights_written_between_sampling_and_scoring(tmp_path):
+    """Shared weights written in place after the rollout sampled (an optimizer step before the
+    loss): every op agrees on the weights as they are now, so the locate finds nothing; the
+    message names the written tensor from the engine's version-counter snapshot instead of blaming
+    the sampler."""
+    from bitmatch.stepcheck import BitmatchMismatchError, Divergence, StepChecker, locate_sentence
+    from bitmatch.testing_models import pad_batch
+
+    model = bitmatch.patch(tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0))
+    eng = Engine(model, num_gpu_blocks=32)
+    outs = eng.generate(random_prompts(2, 5, 12, seed=1),
+                        SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=0), use_tqdm=False)
+    assert eng.weights_written_since_sampling() == []
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1 + 2 ** -5)
+    assert eng.weights_written_since_sampling() == ["model.layers.0.mlp.down_proj.weight"]
+    ids, mask = pad_batch([o.prompt_token_ids + o.outputs[0].token_ids for o in outs], "right")
+    trainer = bitmatch.token_logprobs(model, ids, mask, temperature=0.7)
+    rollout, cmask = torch.zeros_like(trainer), torch.zeros_like(trainer)
+    for s, o in enumerate(outs):
+        p = len(o.prompt_token_ids) - 1
+        rollout[s, p:p + 4] = torch.tensor(o.outputs[0].logprobs)
+        cmask[s, p:p + 4] = 1
+
+    def diagnose(res):
+        s, _ = res.first_divergence
+        where = locate_sentence(model, eng, ids[s:s + 1], mask[s:s + 1], compute_dtype=torch.bfloat16,
+                                block_size=eng.block_size,
+                                written_since_sampling=eng.weights_written_since_sampling())
+        return Divergence(-1, where)
+    with pytest.raises(BitmatchMismatchError) as e:
+        StepChecker("raise", str(tmp_path)).check(step=1, mode="train", rollout=rollout, trainer=trainer,
+                                                   mask=cmask, diagnose=diagnose)
+    msg = str(e.value)
+    assert "the weights changed after the rollout sampled: 'model.layers.0.mlp.down_proj.weight'" in msg, msg
+    assert "rollout_weights='copy'" in msg and "comes after the logits" not in msg, msg
+    # without the snapshot, a shared model still says the comparison cannot see weights written since
+    where = locate_sentence(model, eng, ids[:1], mask[:1], compute_dtype=torch.bfloat16, block_size=eng.block_size)
+    assert "share one model" in where and "weights written after sampling" in where, where
+
+
+def test_trl_check_names_weights_written_before_the_loss(tmp_path):
+    """The issue's case through TRL (rollout_weights='shared', the check at the loss): a weight
+    written in place between the rollout and the loss is named as the cause, in the message and
+    the repro bundle."""
+    pytest.importorskip("trl")
+    import json
+    import os
+
+    import bitmatch.adapters.trl as bt
+    from bitmatch.testing_trl import grpo_trainer, tiny_policy
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = grpo_trainer(tiny_policy(), tmp_path / "out", 2, per_device_train_batch_size=8, num_generations=4,
+                           max_completion_length=6, learning_rate=3e-3)
+    trainer = bt.attach(trainer, on_mismatch="warn")
+    bm = trainer._bitmatch
+    loss = bm._orig["_compute_loss"]
+
+    def write_then_loss(model, inputs):
+        if trainer.state.global_step == 1:
+            with torch.no_grad():
+                trainer.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        return loss(model, inputs)
+    bm._orig["_compute_loss"] = write_then_loss
+    with pytest.warns(UserWarning) as w:
+        trainer.train()
+    (msg,) = [str(x.message) for x in w if "rollout and trainer logprobs differ" in str(x.message)]
+    assert "weights changed after the rollout sampled: 'model.layers.0.mlp.down_proj.weight'" in msg, msg
+    assert "comes after the logits" not in msg, msg
+    cfg = json.loads(open(os.path.join(bm.history[1].bundle, "config.json")).read())
+    assert cfg["rollout_weights"] == "shared"
+    assert cfg["weights_written_since_sampling"] == ["model.layers.0.mlp.down_proj.weight"]

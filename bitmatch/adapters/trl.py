@@ -431,14 +431,19 @@ class TrlAdapter:
             return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
                     "bitmatch.verify.locate against the plugin's model).", weights)
         block = self.engine.block_size if self.engine is not None else None
+        # shared weights written between sampling and scoring: a forward on the weights as they are
+        # now cannot show it; the engine's version-counter snapshot of its sampling step can
+        written = self.engine.weights_written_since_sampling() if self.engine is not None else None
         return locate_sentence(self.trainer.model, rollout, ids, mask, compute_dtype=self.compute_dtype,
-                               block_size=block), weights
+                               block_size=block, written_since_sampling=written), weights
 
     def _bundle_config(self, mode):
         t = self.trainer
         return {"temperature": t.temperature, "top_p": t.top_p, "top_k": t.top_k,
                 "compute_dtype": str(self.compute_dtype), "rollout_weights": self.rollout_weights,
                 "check_only": self.check_only, "use_vllm": bool(t.use_vllm), "weight_version": self.weight_version,
+                "weights_written_since_sampling": (self.engine.weights_written_since_sampling()[:16]
+                                                   if self.engine is not None else None),
                 "weights_fingerprint": weights_fingerprint(self.rollout_weights_source(), self.compute_dtype),
                 "model_config": t.model.config.to_dict() if hasattr(t.model.config, "to_dict") else None}
 

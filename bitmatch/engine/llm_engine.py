@@ -56,6 +56,20 @@ VLLM_REFUSED = {
 }
 
 
+def weight_versions(model) -> dict:
+    """name -> (data_ptr, version counter) of every parameter and buffer of ``model``: which tensors
+    a step read and how often each was written in place, without reading a weight (microseconds a
+    tensor). ``Engine.weights_written_since_sampling`` compares it with the snapshot taken when the
+    engine started sampling. A write through ``.data`` bumps no counter and is not seen."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        try:
+            out[name] = (t.data_ptr(), t._version)
+        except RuntimeError:   # an inference-mode tensor keeps no version counter
+            out[name] = (t.data_ptr(), None)
+    return out
+
+
 def _closed_error(where: str) -> RuntimeError:
     return RuntimeError(f"{where}: this engine was closed (Engine.close() or the end of its with block) and its KV "
                         "cache freed; build a new bitmatch.Engine(model)")
@@ -271,6 +285,7 @@ class Engine:
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         self._num_requests = 0
         self._seqs: dict[str, Sequence] = {}
+        self.sampled_weights: dict | None = None   # weight_versions(model) when the engine last started work
         _OPEN[lm] = _OPEN.get(lm, 0) + 1
         self._closed = False
         # an engine dropped without close() still counts down (its KV cache goes with it)
@@ -398,6 +413,17 @@ class Engine:
                 self._digest = (man, man.digest())
             yield version, (self._digest[1] if man is not None else None)
 
+    def weights_written_since_sampling(self) -> list[str]:
+        """The parameters and buffers written in place (or replaced) since the engine last started
+        sampling (its first step after being idle): with weights shared with a trainer, a non-empty
+        list explains a rollout / trainer mismatch that no op of a forward shows (the weights changed
+        between sampling and scoring). Empty before any step."""
+        if self.sampled_weights is None:
+            return []
+        now = weight_versions(self.model)
+        before = self.sampled_weights
+        return [n for n in now if now[n] != before.get(n)] + [n for n in before if n not in now]
+
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; returns the requests that finished in it."""
@@ -411,6 +437,7 @@ class Engine:
             return []
         if self._idle:  # first step after idle: weights derived from the parameters are rebuilt
             self._idle = False
+            self.sampled_weights = weight_versions(self.model)
             self.model_runner.weights_changed = True
             with torch.no_grad():
                 self._family.refresh_derived_weights(self._lm, force=True)
