@@ -36,9 +36,10 @@ class BucketAuth:
     """A MAC over a bucket's bytes with the session key, computed where the bytes are.
 
     On the CPU: HMAC-SHA256 over SHA-256 chunk digests (the TCP payload MAC). On a GPU: two
-    levels of a keyed universal hash, then HMAC-SHA256: the bytes as int16 halfwords h, in rows of 64; level 1 takes y = sum_i k1_i h_i per row and lane, level 2 takes
-    z = sum_j k2_j y_j mod p over groups of 4096 rows (p = 2^31 - 1), and the host HMACs the
-    z's (4 lanes x 8 bytes per 512 KiB) with the session key, the frame's label and the length.
+    levels of a keyed universal hash, then HMAC-SHA256. The bytes are read as int16 halfwords h
+    in rows of 64; level 1 takes y = sum_i k1_i h_i per row and lane, level 2 takes
+    z = sum_j k2_j y_j mod p over groups of 4096 rows (p = 2^31 - 1), and the host HMACs the z's
+    (4 lanes x 8 bytes per 512 KiB) with the session key, the frame's label and the length.
     Keys: SHAKE-256 of the session key, so unknown to whoever can write the bucket. For fixed
     other bytes each level collides with probability 1/p per lane, so a forgery passes with
     probability <= (2/p)^4 ~ 2^-120 (the bound of an epsilon-universal hash under a PRF, as in
