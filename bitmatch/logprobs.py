@@ -207,8 +207,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     for backward while all of them fit in ``KEEP_LOGITS_BYTES`` (4 GiB), and beyond that
     recomputed in backward chunk by chunk (checkpointed), so the whole [B, L, V] never exists;
     ``recompute_logits`` True / False forces either. The bits of the logprobs and of their
-    gradients depend on neither ``chunk_rows`` nor ``recompute_logits``. ``return_entropy``: also return the fp32 [B, L-1] entropy of
-    the same distribution at the same positions (with gradients): ``(logprobs, entropy)``.
+    gradients depend on neither ``chunk_rows`` nor ``recompute_logits``. ``return_entropy``: also
+    return the fp32 [B, L-1] entropy of the same distribution at the same positions (with
+    gradients): ``(logprobs, entropy)``.
     An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
     layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``): the same bits on
     every rank, gradients reduce-scattered into the shards as FSDP2's own forward has them; a

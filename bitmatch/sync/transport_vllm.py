@@ -12,8 +12,9 @@ update succeeds. Versions are checked as every transport checks them (``version.
 and must increase; the live version number with other bytes is refused before anything is
 written. In this process (``model=`` or a reachable driver model) every ``require_ready``
 compares the parameters' version counters with those read at the commit, so an in-place write
-outside ``publish`` is refused by name, as the Receiver does. Note (vLLM CPU): the stock CPU linear repacks weights after loading; the
-bitmatch vLLM plugin's non-repacking linear method is needed for load_weights to take effect.
+outside ``publish`` is refused by name, as the Receiver does. Note (vLLM CPU): the stock CPU
+linear repacks weights after loading; the bitmatch vLLM plugin's non-repacking linear method is
+needed for load_weights to take effect.
 """
 from __future__ import annotations
 
