@@ -1,7 +1,7 @@
 """GRPO with TRL on a hybrid Mamba2 + attention model (Nemotron-H), bitmatched on every step.
 
 Default: a tiny Nemotron-H built in code (random weights: Mamba2, MoE, attention and MLP blocks,
-chunk_size 8 so rollouts cross many Mamba chunks) learns the toy task of examples/trl_grpo.py on CPU
+chunk_size 16 so rollouts cross Mamba chunks) learns the toy task of examples/trl_grpo.py on CPU
 (prompt "c:", reward = fraction of the completion repeating the letter). bitmatch.Engine rolls out
 with the per-sequence Mamba state (boundary state + open chunk) and paged K/V; the adapter checks
 every generation step (on_mismatch="raise"), so a finished run is Diff = 0 on each step, and the
@@ -22,7 +22,7 @@ import trl_grpo as base  # noqa: E402  (the toy task, tokenizer and GRPOConfig a
 
 
 def tiny_policy(seed: int = 0):
-    """The tiny Nemotron-H of the tests (every block kind, chunk_size 8), fp32, trainable."""
+    """The tiny Nemotron-H of the tests (every block kind, chunk_size 16), fp32, trainable."""
     import torch
 
     from bitmatch.models.nemotron_h import tiny_model

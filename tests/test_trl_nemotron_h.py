@@ -1,4 +1,4 @@
-"""TRL GRPO with a Nemotron-H policy (Mamba2, MoE, attention, MLP blocks; chunk_size 8) through
+"""TRL GRPO with a Nemotron-H policy (Mamba2, MoE, attention, MLP blocks; chunk_size 16) through
 bitmatch.adapters.trl.attach: the adapter checks every generation step (on_mismatch="raise"), so a
 finished run is Diff = 0 on each step; the Mamba parameters, router and experts train."""
 from __future__ import annotations
