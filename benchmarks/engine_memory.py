@@ -136,6 +136,9 @@ def main(argv=None) -> int:
             rec["kv_cache_alive_after_close"] = any(c() is not None for c in caches)
             if rec["allocated_after"] is not None:
                 rec["excess_bytes"] = rec["allocated_after"] - base
+                # what this engine left behind beyond the one before it (a leak grows it every engine)
+                prev = records[-1]["allocated_after"] if records else base
+                rec["growth_bytes"] = rec["allocated_after"] - prev
             bad = rec["engine_alive_after_close"] or rec["kv_cache_alive_after_close"] or \
                 rec.get("excess_bytes", 0) > tol
             rec["passed"] = not bad

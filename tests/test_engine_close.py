@@ -179,3 +179,17 @@ def test_engine_memory_script_smoke(tmp_path):
     assert rep["passed"] and len(rep["engines"]) == 3
     assert all(e["engine_alive_after_close"] is False and e["kv_cache_alive_after_close"] is False
                for e in rep["engines"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+def test_ten_engines_with_cuda_graphs_end_at_the_models_memory(tmp_path):
+    """On the GPU (tiny model, decode steps replayed from CUDA graphs): after each of ten engines
+    (closed, left by its with block, or just dropped) memory_allocated is back at the model's,
+    with the cycle collector off. The 1.7B-shape run: benchmarks/engine_memory.py without --tiny."""
+    out = tmp_path / "engine_memory.json"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "engine_memory.py"), "--device", "cuda",
+                          "--tiny", "--engines", "10", "--max-tokens", "8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(out.read_text())
+    assert rep["passed"] and all(e["graph_replays"] > 0 for e in rep["engines"]), rep["engines"]

@@ -88,6 +88,21 @@ def warm_up_on_scratch(runner, slot_mapping: torch.Tensor, state_slots: torch.Te
         state_slots.copy_(saved[1])
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device) -> "torch.cuda.Stream":
+    """One side stream per device for every capture's warm-up: a new stream per capture would take
+    streams from torch's pool in turn, and a library workspace kept per stream (cuBLAS's) with each,
+    memory no engine's close() gives back."""
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    s = _CAPTURE_STREAMS.get(idx)
+    if s is None:
+        s = _CAPTURE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return s
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_seq_len_to_capture: int):
         bs = runner.block_size
@@ -145,7 +160,7 @@ class DecodeGraphs:
     def _capture(self, b, cap, flags):
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
         # it runs this very step, which the replay then runs again: on the scratch block and slot
-        s = torch.cuda.Stream(device=self.runner.device)
+        s = capture_stream(self.runner.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             i64 = self._buffers[0]
