@@ -265,8 +265,8 @@ def main():
         for fam in args.families.split(","):
             ckpt = save_checkpoint(SMALL[fam], os.path.join(root, fam), weights=True)
             rows = {}
-            for label, mode, eager in (("plugin, graphs + compile", "plugin", False), ("plugin, eager", "plugin", True),
-                                       ("stock vLLM (control)", "stock", False)):
+            for label, mode, eager in (("plugin, graphs + compile", "plugin", False), ("stock vLLM (control)", "stock", False),
+                                       ("plugin, eager", "plugin", True)):
                 if left() < 60:
                     rows[label] = {"skipped": "budget"}
                     continue
