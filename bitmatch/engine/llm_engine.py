@@ -290,6 +290,7 @@ class Engine:
         self._closed = False
         # an engine dropped without close() still counts down (its KV cache goes with it)
         self._finalizer = weakref.finalize(self, _engine_gone, weakref.ref(lm))
+        self._finalizer.atexit = False   # at exit the process gives everything back anyway
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
