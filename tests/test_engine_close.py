@@ -151,9 +151,9 @@ def test_derived_weights_go_with_the_last_engine(no_gc):
     q/k/v, gate/up copies and bf16 casts of the parameters it reads, kept on the model between steps.
     They stay while another engine over the model is open and go when the last one closes."""
     m = bitmatch.patch(tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=0), compute_dtype=torch.bfloat16)
-    derived = lambda: [t for layer in m.model.layers for p in (layer.self_attn, layer.mlp)  # noqa: E731
-                       for e in fused_copies(p).values() for t in (e.weight,)] + \
-        [c for p in m.parameters() for entry in lora._KEPT_CASTS.get(p, {}).values() for c in entry[1:] if c is not None]
+    derived = lambda: [e.weight for layer in m.model.layers for p in (layer.self_attn, layer.mlp)  # noqa: E731
+                       for e in fused_copies(p).values()] + \
+        [c for p in m.parameters() for c in lora.kept_casts(p).values()]
     a, b = _engine(m), _engine(m)
     ref = a.generate(PROMPTS, SP, use_tqdm=False)
     kept = [weakref.ref(t) for t in derived()]

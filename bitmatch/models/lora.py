@@ -36,7 +36,8 @@ from bitmatch.models.state import create_state, drop_state, get_state
 from bitmatch.precision import cast_param, compute_cast
 
 __all__ = ["is_lora_layer", "merged_weight", "linear", "merged_state_dict", "check_lora_layer", "rollout_weight",
-           "refresh_rollout_weights", "graph_capturable", "kept_weights", "drop_kept_weights"]
+           "refresh_rollout_weights", "graph_capturable", "kept_weights", "kept_casts",
+           "drop_kept_weights"]
 
 
 def is_lora_layer(mod) -> bool:
@@ -211,6 +212,11 @@ def _kept_cast(p, dtype):
 
 
 precision.set_kept_cast(_kept_cast)
+
+
+def kept_casts(p) -> dict:
+    """``{dtype: cast}`` the engine keeps of parameter ``p`` (empty if none)."""
+    return {dt: e[1] for dt, e in _KEPT_CASTS.get(p, {}).items() if e[1] is not None}
 
 
 def drop_kept_weights(lm) -> None:
