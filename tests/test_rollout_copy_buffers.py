@@ -86,3 +86,14 @@ def test_mismatched_rotary_table_is_refused():
     with pytest.raises(ValueError, match="rotary_emb.inv_freq.*differs"):
         copy.publish(1, [*lm.state_dict().items(), ("model.rotary_emb.inv_freq", inv * 2)])
     copy.publish(1, [*lm.state_dict().items(), ("model.rotary_emb.inv_freq", inv)])
+
+
+def test_tied_config_is_tied_in_the_copy():
+    lm = _trainer("dense")
+    assert lm.config.tie_word_embeddings
+    copy = bsync.RolloutCopy.from_config(lm.config, BF16, "cpu")
+    assert copy.model.lm_head.weight is copy.model.get_input_embeddings().weight
+    copy.publish(1, list(lm.named_parameters()))            # the tied tensor once, as named_parameters has it
+    assert torch.equal(_logprobs(copy.model), _logprobs(lm))
+    with pytest.raises(ValueError, match="tied to 'model.embed_tokens.weight'"):  # control: two different values
+        copy.publish(2, [*lm.named_parameters(), ("lm_head.weight", lm.lm_head.weight * 2)])
