@@ -108,10 +108,6 @@ def _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p):
         raise ValueError(f"{op}: attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
     if attention_mask is not None:
-        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)].flatten()[:1].tolist()
-            raise ValueError(f"{op}: attention_mask must hold 0 (padding) and 1 (a real token) only, got {bad}; "
-                             "pass (attention_mask != 0).long() if any nonzero value means a real token")
         _refuse_mask_holes(op, attention_mask)
     if host_readable(input_ids):  # else checked on the device once packed (check_token_ids)
         real = input_ids if attention_mask is None else input_ids[attention_mask != 0]
@@ -138,6 +134,11 @@ def _refuse_mask_holes(op: str, attention_mask: torch.Tensor) -> None:
     """Each row's ones must be one run (left and/or right padding): packing would drop a masked
     token in the middle and renumber the positions after it, which scores another sequence than
     HF does for the same mask."""
+    # values first, in the one function that reads the mask on the host (tests/test_training_syncs.py)
+    if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)].flatten()[:1].tolist()
+        raise ValueError(f"{op}: attention_mask must hold 0 (padding) and 1 (a real token) only, got {bad}; "
+                         "pass (attention_mask != 0).long() if any nonzero value means a real token")
     m = attention_mask != 0
     L = m.shape[1]
     if L == 0:
