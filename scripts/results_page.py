@@ -549,6 +549,25 @@ def r_sync_h200(d):
                "publish via CUDA IPC", "publish via TCP loopback", "flipped bit caught"], rows)
 
 
+def r_engine_memory(d):
+    rows = [[r.get("engine"), r.get("mode"), r.get("stock_override"), r.get("cuda_graphs"),
+             (r.get("allocated_while_held") or 0) / 2 ** 30, (r.get("allocated_after") or 0) / 2 ** 30,
+             (r.get("growth_bytes") or 0) / 2 ** 20, r.get("engine_alive_after_close"), r.get("passed")]
+            for r in d.get("engines", d.get("records", []))]
+    return header(d) + table(["engine", "dropped by", "stock ops", "CUDA graphs", "GiB while held", "GiB after",
+                              "growth MiB", "engine alive after", "passed"], rows)
+
+
+def r_vllm_gpu(d):
+    rows = []
+    for fam, runs in sorted((k.split("/", 1)[1], v) for k, v in d.get("sections", {}).items() if k.startswith("diff/")):
+        for label, r in runs.items():
+            rows.append([fam, label, r.get("tokens"), r.get("mismatches"), r.get("max_abs_diff"),
+                         r.get("cached_tokens"), r.get("error") or r.get("skipped")])
+    return header(d) + table(["family", "engine", "tokens", "mismatches", "max abs diff", "prefix-cached tokens",
+                              "error"], rows)
+
+
 def r_sync_cpu(d):
     r = d.get("results", {})
     return header(d) + table(["what", "value"], [[k, v] for k, v in r.items() if "GBps" in k or k.startswith("ratio")])
@@ -647,6 +666,9 @@ RENDERERS = {
     "tp_shard_linear_h200": ("A TP rank's row-parallel linear in both layouts, one GPU (`benchmarks/tp_layout.py "
                              "--world 1`)", r_tp_shard_linear),
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
+    "sync_h100": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
+    "engine_memory": ("Engines give their memory back (`benchmarks/engine_memory.py`)", r_engine_memory),
+    "vllm_gpu": ("The vLLM plugin on GPU vLLM: Diff vs token_logprobs (`benchmarks/vllm_gpu.py`)", r_vllm_gpu),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
     "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),
     "golden_gpu_h200": ("Golden bits on the GPU (`benchmarks/golden_gpu.py`)", r_golden_gpu),
