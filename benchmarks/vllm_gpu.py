@@ -163,6 +163,7 @@ def trainer_diff(ckpt: str, runs: list[dict]) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
     bitmatch.patch(model)
     mism = tot = 0
+    where = {"first token": 0, "later token": 0, "prompt prefix-cached": 0, "prompt not cached": 0}
     order = list(range(len(runs)))[::-1]
     worst = 0.0
     for a in range(0, len(order), 5):
@@ -175,11 +176,15 @@ def trainer_diff(ckpt: str, runs: list[dict]) -> dict:
             got = torch.tensor(runs[i]["logprobs"], dtype=torch.float32)
             ref = lp[b, p - 1:p + c - 1]
             mism += int((got != ref).sum())
+            # where they differ: the first sampled token comes from a prefill step, the others from decode
+            for j in (got != ref).nonzero().flatten().tolist():
+                where["first token" if j == 0 else "later token"] += 1
+                where["prompt prefix-cached" if runs[i]["cached"] else "prompt not cached"] += 1
             worst = max(worst, float((got - ref).abs().max()))
             tot += c
     del model
     torch.cuda.empty_cache()
-    return {"tokens": tot, "mismatches": mism, "max_abs_diff": worst,
+    return {"tokens": tot, "mismatches": mism, "max_abs_diff": worst, "mismatches_where": where,
             "cached_tokens": sum(r["cached"] or 0 for r in runs)}
 
 
