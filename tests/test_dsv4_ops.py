@@ -92,7 +92,7 @@ def test_sink_attention_grads_match_float64():
     out = K.sink_attention(leaves[0], pos, leaves[1], leaves[2], mask, leaves[3], scale=0.2, window=5)
     w = torch.randn(out.shape, generator=_g(0))
     (out * w).sum().backward()
-    from kernels.compressed_attention import _sink_plain
+    from bitmatch.kernels.compressed_attention import _sink_plain
     l64 = [t.detach().double().requires_grad_() for t in (q, kv, ent, sinks)]
     (_sink_plain(l64[0], l64[1], l64[2], l64[3], pos, mask, 0.2, 5).double() * w.double()).sum().backward()
     for a, b in zip(leaves, l64):
@@ -192,7 +192,7 @@ def test_indexer_matches_hf_scorer_and_topk_fp32():
         h = torch.cat([w, torch.zeros(20, 12)], 1) * 2.0  # * 2 = (H=4)^0.5 undone by weights_scaling
         ref = scorer(q[None], keys[None], h[None])[0]
     got = K.indexer_topk(q, pos, keys, w, rate=4, top_k=2, softmax_scale=16 ** -0.5)
-    from kernels.indexer import indexer_scores_reference
+    from bitmatch.kernels.indexer import indexer_scores_reference
     ours = indexer_scores_reference(q, keys, w, 16 ** -0.5)
     assert (ours - ref).abs().max() < 1e-5
     future = torch.arange(5).view(1, -1) >= ((pos + 1) // 4).view(-1, 1)
