@@ -45,7 +45,8 @@ MANIFEST = "manifest.json"
 # What the V1 engine core, GPU worker, FLASH_ATTN backend, sampler, compilation backend, fused MoE and
 # the Qwen3 / Qwen3-MoE model modules import beyond a node with torch, triton and transformers
 # (found by importing those modules from the slimmed vLLM tree under the node's torch).
-VLLM_IMPORTS = ("msgspec", "pyzmq", "cbor2", "pybase64", "cachetools", "openai", "openai-harmony",
+# openai: the last release before vLLM 0.26 (later ones import httpx2, which the node lacks) and its distro.
+VLLM_IMPORTS = ("msgspec", "pyzmq", "cbor2", "pybase64", "cachetools", "openai<=2.48.0", "distro", "openai-harmony",
                 "fastapi", "starlette", "pydantic", "pydantic-core", "llguidance", "xgrammar",
                 "partial-json-parser", "jiter", "sniffio", "annotated-types", "typing-inspection",
                 "opentelemetry-api", "apache-tvm-ffi", "blake3", "py-cpuinfo", "prometheus-client",
@@ -122,6 +123,11 @@ def _freeze(path: str | None) -> dict[str, str]:
     return out
 
 
+def _name(spec: str) -> str:
+    """The normalized project name of a requirement such as ``openai<=2.48.0``."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0]).lower()
+
+
 def _download(specs: list[str], dest: Path, python: str, platform_tag: str) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", python,
            "--platform", platform_tag, "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
@@ -135,7 +141,7 @@ def build(args) -> Path:
     version, _ = vllm_for_torch(args.torch, args.python)
     print(f"vLLM {version} pins torch=={args.torch}", flush=True)
     node = _freeze(args.node_freeze)
-    extras = [p for p in (args.extra or VLLM_IMPORTS) if re.sub(r"[-_.]+", "-", p).lower() not in node]
+    extras = [p for p in (args.extra or VLLM_IMPORTS) if _name(p) not in node]
     with tempfile.TemporaryDirectory() as tmp:
         wheels, site = Path(tmp, "wheels"), Path(tmp, "site")
         wheels.mkdir()
