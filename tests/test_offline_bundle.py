@@ -87,3 +87,10 @@ def test_picks_the_release_that_pins_the_torch(monkeypatch):
     assert ob.vllm_for_torch("2.13.0", "3.12")[0] == "0.27.0"
     with pytest.raises(ob.BundleError, match="torch==2.12.0"):
         ob.vllm_for_torch("2.12.0", "3.12")
+
+
+def test_node_packages_are_left_out_by_name(tmp_path):
+    freeze = tmp_path / "node.txt"
+    freeze.write_text("OpenAI==2.50.0\npy_cpuinfo==9.0.0\n")
+    node = ob._freeze(str(freeze))
+    assert [p for p in ("openai<=2.48.0", "py-cpuinfo", "distro") if ob._name(p) not in node] == ["distro"]
