@@ -87,3 +87,17 @@ def test_v1_runner_chosen_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv(plugin.V2_RUNNER_VAR, "1")
     plugin._select_v1_runner()
     assert os.environ[plugin.V2_RUNNER_VAR] == "1"  # an explicit choice stays (and checks.py refuses V2)
+
+
+def test_captured_attention_covers_every_context():
+    """vLLM captures its FULL decode graphs with a dummy batch whose contexts are a token long and
+    replays them for any context: a captured launch must be sized for the longest the model allows."""
+    from types import SimpleNamespace
+
+    from bitmatch.adapters.vllm.model import attention_bounds
+
+    md = SimpleNamespace(max_query_len=1, max_seq_len=1)  # what the dummy capture run reports
+    assert attention_bounds(md, 64, 1024, capturing=False) == (1, 1)
+    assert attention_bounds(md, 64, 1024, capturing=True) == (64, 1024)
+    assert attention_bounds(md, 2048, 1024, capturing=True) == (1024, 1024)
+    assert attention_bounds(SimpleNamespace(), 8, 1024, capturing=False) == (None, None)  # the kernel computes them

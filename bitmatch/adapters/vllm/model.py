@@ -135,6 +135,17 @@ def _host_int(md, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def attention_bounds(md, num_tokens: int, max_model_len: int, capturing: bool) -> tuple[int | None, int | None]:
+    """(max_query_len, max_seq_len) for the attention launch. Eager: vLLM's host values of this
+    step. While vLLM captures a FULL CUDA graph they are the dummy batch's (its contexts are a
+    token long) and the graph is replayed for longer contexts: a launch sized by them would not
+    cover a replayed step's KV. So a captured launch covers every context the model allows (the
+    partitions past a row's context are empty: the same bits, kernels/triton/attention.py)."""
+    if capturing:
+        return min(num_tokens, max_model_len), max_model_len
+    return _host_int(md, "max_query_len"), _host_int(md, "max_seq_len")
+
+
 class BitmatchMixin:
     """Put first in the bases of a vLLM causal LM: replaces forward and compute_logits."""
 
@@ -142,6 +153,7 @@ class BitmatchMixin:
         check_engine_config(vllm_config)  # again here: a worker may be started by other means
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         keep_plain_linear_weights(self)
+        object.__setattr__(self, "_bitmatch_max_model_len", int(vllm_config.model_config.max_model_len))
         object.__setattr__(self, "_bitmatch_attns",
                            [m for m in self.modules() if hasattr(m, "kv_cache") and hasattr(m, "layer_name")])
         for attn in self._bitmatch_attns:
@@ -190,13 +202,15 @@ class BitmatchMixin:
                                            "supported under vLLM yet (one paged K/V cache per attention layer)")
         n = int(md.num_actual_tokens)
         nreq = md.seq_lens.shape[0]
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        max_query_len, max_seq_len = attention_bounds(md, n, self._bitmatch_max_model_len, capturing)
         ctx = ForwardContext(
             positions=positions[:n].long(), query_start_loc=md.query_start_loc[:nreq + 1],
             seq_lens=md.seq_lens, block_table=md.block_table[:nreq], slot_mapping=writable_slots(md.slot_mapping[:n]),
             caches={groups[0].name: {i: paged_kv_views(a) for i, a in zip(groups[0].layers, attns)}},
-            # vLLM's host-side bounds: without them each layer reads seq_lens back (a sync, and none
-            # is allowed while vLLM captures a CUDA graph)
-            max_query_len=_host_int(md, "max_query_len"), max_seq_len=_host_int(md, "max_seq_len"))
+            # host-side bounds: without them each layer reads seq_lens back (a sync, and none is
+            # allowed while vLLM captures a CUDA graph)
+            max_query_len=max_query_len, max_seq_len=max_seq_len)
         hidden[:n] = forward_hidden(skel, input_ids[:n], ctx)
         return hidden
 
