@@ -559,13 +559,27 @@ def r_engine_memory(d):
 
 
 def r_vllm_gpu(d):
+    """benchmarks/vllm_gpu.py: Diff of each engine row vs token_logprobs; decode speed by mode."""
     rows = []
     for fam, runs in sorted((k.split("/", 1)[1], v) for k, v in d.get("sections", {}).items() if k.startswith("diff/")):
         for label, r in runs.items():
+            where = ", ".join(f"{k} {v}" for k, v in (r.get("mismatches_where") or {}).items() if v)
             rows.append([fam, label, r.get("tokens"), r.get("mismatches"), r.get("max_abs_diff"),
-                         r.get("cached_tokens"), r.get("error") or r.get("skipped")])
-    return header(d) + table(["family", "engine", "tokens", "mismatches", "max abs diff", "prefix-cached tokens",
-                              "error"], rows)
+                         r.get("cached_tokens"), where or None, r.get("error") or r.get("skipped")])
+    out = header(d) + table(["family", "engine", "tokens", "mismatches", "max abs diff", "prefix-cached tokens",
+                             "where", "error"], rows)
+    for key, sp in sorted((k, v) for k, v in d.get("sections", {}).items() if k.startswith("speed/")):
+        roof = sp.get("roofline_tok_s") or {}
+        srows = []
+        for mode in ("stock", "batch_invariant", "plugin", "engine"):
+            got = sp.get(mode)
+            got = got if isinstance(got, list) else (got or {}).get("rows") or []
+            for r in got:
+                srows.append([mode, r.get("B"), r.get("decode_tok_s"), r.get("ttft_s"), r.get("vs_stock"),
+                              roof.get(str(r.get("B")), roof.get(r.get("B")))])
+        out += ["", f"Decode speed, {key.split('/', 1)[1]} (tokens/s; roofline: weights + KV read once per step)", ""]
+        out += table(["mode", "B", "decode tok/s", "TTFT s", "vs stock", "roofline tok/s"], srows)
+    return out
 
 
 def r_sync_cpu(d):
