@@ -135,8 +135,7 @@ def _attn_ctx(device, B, n_ctx, n_new, caches, bs, nb):
 def attention_section(a, model, device, res):
     """The V4 attention block per layer type: trainer prefill, engine decode, engine == trainer bits."""
     from bitmatch.context import ForwardContext
-    from bitmatch.models import deepseek_v4_attention as A
-    from bitmatch.models import family_of, unwrap_causal_lm
+    from bitmatch.models import deepseek_v4_attention as A, family_of, unwrap_causal_lm
     from bitmatch.models.registry import allocate_caches
     lm, fam = unwrap_causal_lm(model), family_of(model)
     spec, dt, bs = fam.build_spec(lm), torch.bfloat16, 16
@@ -566,7 +565,7 @@ def main(argv=None):
     if "tiles" in sections and a.device == "cuda":
         try:
             tiles_section(a, out, save)
-        except Exception as exc:
+        except Exception:
             import traceback
             res["tiles_error"] = traceback.format_exc()[-3000:]
         save()

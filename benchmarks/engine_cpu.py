@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+
 from stock_ops import stock_ops  # benchmarks/ (this script's folder) is on sys.path
 
 
@@ -69,6 +70,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import transformers
+
     from bitmatch.engine import SamplingParams
     from bitmatch.testing_models import random_prompts, tiny_model
 

@@ -42,12 +42,12 @@ def main(argv=None):
     from torch.overrides import TorchFunctionMode
 
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    import test_golden_bits as G
+    from triton.runtime.interpreter import InterpretedFunction
 
     import bitmatch.kernels as K
+    import test_golden_bits as G
     from bitmatch.kernels import order
     from bitmatch.kernels.triton import linear as triton_linear
-    from triton.runtime.interpreter import InterpretedFunction
 
     interpreted = isinstance(triton_linear._linear_kernel, InterpretedFunction)
     if interpreted != (a.device == "cpu"):

@@ -32,11 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+import bitmatch.kernels as K  # noqa: E402
 import gpu_train  # noqa: E402
 from stock_ops import stock_ops  # noqa: E402
-
-import bitmatch.kernels as K  # noqa: E402
-
 
 
 # ------------------------------------------------------------------ diff

@@ -26,8 +26,17 @@ import torch.nn.functional as F
 
 # the stock ops HF runs, one definition each: the op table's (kernels/stock.py)
 import bitmatch.kernels.stock as KS
-from _common import BF, DEV, Recorder, cuda_ms, empty_cache, host_syncs, sync, top_kernels
-from _common import host_profile as host_profile_of
+from _common import (
+    BF,
+    DEV,
+    Recorder,
+    cuda_ms,
+    empty_cache,
+    host_profile as host_profile_of,
+    host_syncs,
+    sync,
+    top_kernels,
+)
 
 QWEN3 = {  # the public Qwen3 configs' shapes (random weights)
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -328,8 +337,8 @@ def liger(size, ids, ours_ms, ours_peak, iters, profile=True, ours=None) -> dict
     turn (``alternate``) and the ratio is theirs; the logprobs are checked unchanged with Liger's
     module-level swaps in place (bitmatch's forward must not read HF's functions)."""
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
         import liger_kernel
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
     except ImportError as e:
         return {"liger": f"not installed ({e}); carry the liger-kernel wheel"}
     import transformers.models.qwen3.modeling_qwen3 as mq

@@ -56,8 +56,7 @@ def census(batch: int) -> dict:
     import bitmatch
     import bitmatch.kernels as K
     import bitmatch.models as M
-    from bitmatch.engine import Engine, SamplingParams, graphs
-    from bitmatch.engine import model_runner as mr
+    from bitmatch.engine import Engine, SamplingParams, graphs, model_runner as mr
     from bitmatch.models.deepseek_v4_tiny import tiny_model
     from bitmatch.testing_models import random_prompts
 

@@ -58,6 +58,7 @@ SHAPES = {"nemotron_h_8b": dict(heads=128, head_dim=64, groups=8, state=128, chu
 class Bench:
     def __init__(self, a):
         import torch
+
         import bitmatch.kernels as K
         from bitmatch.kernels.triton import mamba_ssd
         self.torch, self.K, self.ssd_mod, self.a = torch, K, mamba_ssd, a
@@ -260,6 +261,7 @@ class Bench:
         against a plain fp32 torch SSD's autograd (max |diff| / max |ref| per input)."""
         torch = self.torch
         import torch.nn.functional as F
+
         from bitmatch.kernels.mamba import scan_plain
         A, D, db = self.params(s)
         x, dt, B, C = self.inputs(T, s, seed=6)

@@ -27,6 +27,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
+
 from _common import machine_info  # noqa: E402
 
 KW = dict(eps=1e-6, norm_eps=1e-6)

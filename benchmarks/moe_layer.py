@@ -33,6 +33,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+
 from _common import machine_info
 
 

@@ -128,8 +128,9 @@ def time_fwd_bwd_public(K):
     """Training step of the public ops (bitmatch.kernels, autograd) vs stock autograd, eager:
     linear at M = 4096 (its backward: stock matmuls in the operand dtype) and attention_prefill
     (Triton forward + flash backward, through kernels/attention.py's wiring)."""
-    import bitmatch.kernels as BK
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import bitmatch.kernels as BK
     res = {"linear": {}, "attention": {}}
     for name in ("qkv", "o", "gate_up", "down"):
         N, Kd = SHAPES[name]

@@ -187,8 +187,12 @@ def worker(rank, a, store):
     import bitmatch
     from bitmatch.context import ForwardContext
     from bitmatch.models import forward_hidden
-    from bitmatch.parallel import TPGroup, disable_tensor_parallel, enable_tensor_parallel
-    from bitmatch.parallel import token_logprobs as tp_logprobs
+    from bitmatch.parallel import (
+        TPGroup,
+        disable_tensor_parallel,
+        enable_tensor_parallel,
+        token_logprobs as tp_logprobs,
+    )
 
     tp = TPGroup.current()
     if a.layout == "dp_ep":

@@ -16,18 +16,26 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
-from bitmatch import controls
-from bitmatch import testing as T
-from bitmatch import verify
-from bitmatch.cli_common import (EXIT_DIVERGED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, front, load_error, one_line,  # noqa: F401
-                                 seed_problem, usage_error, version_string, writable_file_problem,
-                                 writable_folder_problem)
+from bitmatch import controls, testing as T, verify
+from bitmatch.cli_common import (  # noqa: F401
+    EXIT_DIVERGED,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_USAGE,
+    front,
+    load_error,
+    one_line,
+    seed_problem,
+    usage_error,
+    version_string,
+    writable_file_problem,
+    writable_folder_problem,
+)
 from bitmatch.demo import main as demo_main
 from bitmatch.family_check import family_cases, tiny_model_for
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import families, load_model
-from bitmatch.replay import read_bundle
-from bitmatch.replay import replay as replay_bundle
+from bitmatch.replay import read_bundle, replay as replay_bundle
 from bitmatch.testing_models import random_prompts
 
 

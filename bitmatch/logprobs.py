@@ -10,8 +10,13 @@ from torch.utils.checkpoint import checkpoint
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.kernels import check_on_device, host_readable
-from bitmatch.models import Packed, compute_logits, forward_hidden, unwrap_causal_lm
-from bitmatch.models import compute_dtype_of as default_compute_dtype
+from bitmatch.models import (
+    Packed,
+    compute_dtype_of as default_compute_dtype,
+    compute_logits,
+    forward_hidden,
+    unwrap_causal_lm,
+)
 from bitmatch.parallel.ddp import ddp_forward, ddp_wrapper
 from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 import bitmatch
-from bitmatch.stepcheck import weights_fingerprint
 from bitmatch.logprobs import token_logprobs
 from bitmatch.models.lora import merged_state_dict
+from bitmatch.stepcheck import weights_fingerprint
 from bitmatch.verify import CompareResult, LocateResult, compare, locate
 
 __all__ = ["Bundle", "ReplayResult", "read_bundle", "replay"]

@@ -27,6 +27,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, strategies as st
 
 import bitmatch.kernels as K
+
 # the controls' stock attention (torch SDPA per sequence): the op table's, kernels/stock.py
 from bitmatch.kernels.stock import sdpa_paged as stock_sdpa_paged, sdpa_prefill as stock_sdpa_prefill
 

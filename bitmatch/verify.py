@@ -14,8 +14,21 @@ from bitmatch.faults import engine_temperature_fault, kernel_fault, parse_inject
 from bitmatch.kernels import use_backend
 from bitmatch.models import registry, unwrap_causal_lm
 from bitmatch.testing_models import pad_batch
-from bitmatch.tracing import (PAIRS, LocateResult, Recorder, diff_traces, lp_reciprocal, merge_pieces, merge_traces,
-                              model_device, op_fingerprint, packed_trace, paged_trace, schedule_steps, trace_dtype)
+from bitmatch.tracing import (
+    PAIRS,
+    LocateResult,
+    Recorder,
+    diff_traces,
+    lp_reciprocal,
+    merge_pieces,
+    merge_traces,
+    model_device,
+    op_fingerprint,
+    packed_trace,
+    paged_trace,
+    schedule_steps,
+    trace_dtype,
+)
 
 __all__ = ["compare", "CompareResult", "locate", "locate_pair", "LocateResult", "op_fingerprint", "float_hex",
            "format_table", "parse_inject", "perturb_weight", "kernel_fault", "schedule_steps", "PAIRS"]

@@ -24,9 +24,14 @@ import time
 # the toy task (tokenizer, prompts, reward, tiny policy, GRPOConfig) lives in the package, so the
 # TRL tests and an installed bitmatch use the same one; the other examples import it from here too
 from bitmatch.testing_trl import (  # noqa: F401  (the other examples read them from here)
-    LETTERS, TOY_COMPLETION_LEN, char_tokenizer, repeat_letter_reward, tiny_policy, toy_config, toy_dataset,
+    LETTERS,
+    TOY_COMPLETION_LEN,
+    char_tokenizer,
+    repeat_letter_reward,
+    tiny_policy,
+    toy_config,
+    toy_dataset,
 )
-
 
 # ----------------------------------------------------------------------------- main
 

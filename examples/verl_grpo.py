@@ -78,8 +78,8 @@ def save_tiny_model(path: str, seed: int = 0) -> str:
 def make_config(model_path: str, *, bitmatch: bool = True, steps: int = 4, prompts: int = 2, n: int = 4,
                 response_length: int = 6, temperature: float = 0.9, extra=()):
     """verl's own ``ppo_trainer`` config (hydra), GRPO, tiny batch, with VERL_OVERRIDES."""
-    from hydra import compose, initialize_config_dir
     import verl.trainer.config as tc
+    from hydra import compose, initialize_config_dir
 
     over = [
         f"actor_rollout_ref.model.path={model_path}", "actor_rollout_ref.model.use_remove_padding=True",
@@ -147,10 +147,10 @@ def lowercase_scores(batch, tokenizer):
 def grpo_step(worker, cfg, step: int, after_sync=None) -> dict:
     """One step of RayPPOTrainer.fit (decoupled mode) on verl's own code: weight sync, rollout,
     old / ref logprobs, debug metrics (+ bitmatch/*), rollout_corr/*, GRPO advantages, actor update."""
+    import verl.utils.debug.metrics as debug_metrics
     from verl.trainer.ppo.core_algos import AdvantageEstimator
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
-    import verl.utils.debug.metrics as debug_metrics
 
     trainer = types.SimpleNamespace(config=cfg, actor_rollout_wg=worker, ref_policy_wg=worker,
                                     distillation_config=None, use_reference_policy=True,

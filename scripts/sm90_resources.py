@@ -59,8 +59,7 @@ def resources(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int
 
 
 def _sink(backward: bool):
-    from bitmatch.kernels.triton import compressed_attention as CA
-    from bitmatch.kernels.triton import compressed_attention_bwd as CB
+    from bitmatch.kernels.triton import compressed_attention as CA, compressed_attention_bwd as CB
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "ent_ptr": "*bf16", "sel_ptr": "*i32", "sink_ptr": "*fp32",
              "o_ptr": "*bf16", "lse_ptr": "*fp32", "pos_ptr": "*i64", "start_ptr": "*i64", "seq_ptr": "*i64",
              "bt_ptr": "*i32", "bt_stride": "i32", "page_size": "i32", "H": "i32", "n_sel": "i32",
@@ -89,8 +88,7 @@ _MOE_TYPES = {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "a_ptr", "h_ptr", "g_ptr
 
 def _moe():
     """The grouped expert GEMMs at each row of their config tables (widths multiples of 16)."""
-    from bitmatch.kernels.triton import moe as TM
-    from bitmatch.kernels.triton import moe_bwd as TB
+    from bitmatch.kernels.triton import moe as TM, moe_bwd as TB
     dv, out = ("H", "I", "K_CHUNK", "N_IN"), {}
     for act, name in ((0, "swiglu"), (1, "relu2")):
         for bound, BM, BN1, _, BK, warps, stages in TM.CONFIG_TABLE:
@@ -112,6 +110,7 @@ def _moe():
 def _ssd():
     """The Mamba2 SSD scan at Nemotron-H 8B widths (its fixed config)."""
     import torch
+
     from bitmatch.kernels.triton import mamba_ssd as MS
     names = ["x_ptr", "dt_ptr", "bias_ptr", "B_ptr", "C_ptr", "xb_ptr", "bb_ptr"]
     types = {**{n: "*bf16" for n in names}, **{n: "*fp32" for n in ("A_ptr", "D_ptr", "y_ptr", "S_ptr", "db_ptr",

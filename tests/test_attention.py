@@ -2,8 +2,13 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
-from bitmatch.testing import (BitMismatch, assert_batch_invariant, assert_schedule_invariant, stock_sdpa_paged,
-                              stock_sdpa_prefill)
+from bitmatch.testing import (
+    BitMismatch,
+    assert_batch_invariant,
+    assert_schedule_invariant,
+    stock_sdpa_paged,
+    stock_sdpa_prefill,
+)
 
 
 def _seqs(lens, hq, hkv, d, dtype=torch.bfloat16, seed=0):

@@ -6,22 +6,21 @@ ties to the lowest index), each with a control that fails; the whole model engin
 the Triton backend; a decode step reads nothing back to the host."""
 from __future__ import annotations
 
-import bitmatch.kernels as K
 import pytest
 import torch
+
+import bitmatch
+import bitmatch.kernels as K
+import bitmatch.models as M
+from bitmatch.engine import Engine, SamplingParams, model_runner
 from bitmatch.kernels import stock
 from bitmatch.kernels.compressed_attention import KeyRows, entry_list, sink_attention_rows
 from bitmatch.kernels.indexer import indexer_select
-from host_reads import host_reads
-from test_engine import assert_bitmatch
-
-import bitmatch
-import bitmatch.models as M
-from bitmatch.engine import Engine, SamplingParams
-from bitmatch.engine import model_runner
 from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
 from bitmatch.testing_models import random_prompts
+from host_reads import host_reads
+from test_engine import assert_bitmatch
 
 pytestmark = pytest.mark.interpreter
 H, D, W, RATE = 4, 32, 5, 4

@@ -435,8 +435,8 @@ def test_triton_model_rows_alone_equal_packed():
     packed with another, and a prefix == the first rows of the longer sequence (bf16); close to
     the reference backend in fp32 (in bf16 a near-tie in the indexer may pick another entry)."""
     import bitmatch
-    from bitmatch.models import forward_hidden
     from bitmatch.context import ForwardContext
+    from bitmatch.models import forward_hidden
     from bitmatch.models.deepseek_v4_tiny import tiny_model
 
     a, b = torch.randint(3, 128, (12,), generator=_g(23)), torch.randint(3, 128, (8,), generator=_g(24))

@@ -22,15 +22,22 @@ import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import SamplingParams
 from bitmatch.engine.graphs import graph_safe
-from bitmatch.models import deepseek_v4 as V4
-from bitmatch.models import family_of, unwrap_causal_lm
+from bitmatch.models import deepseek_v4 as V4, family_of, unwrap_causal_lm
 from bitmatch.models.deepseek_v4_tiny import tiny_model
-from bitmatch.testing_models import random_prompts
-from test_engine import assert_bitmatch
 from bitmatch.testing import same_outputs
-from graph_buckets import (decode_step_reads, eager_and_simulated, lora_updates_keep_the_bits,
-                          one_request_in_buckets, opt_in_needs_runnable_lora, padding_into_a_real_block, run,
-                          stale_kept_weights, staggered)
+from bitmatch.testing_models import random_prompts
+from graph_buckets import (
+    decode_step_reads,
+    eager_and_simulated,
+    lora_updates_keep_the_bits,
+    one_request_in_buckets,
+    opt_in_needs_runnable_lora,
+    padding_into_a_real_block,
+    run,
+    staggered,
+    stale_kept_weights,
+)
+from test_engine import assert_bitmatch
 
 OPT_IN = V4.DeepseekV4Family.cuda_graph_safe  # the family's own, before any fixture forces it on
 

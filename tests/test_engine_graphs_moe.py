@@ -23,13 +23,13 @@ import bitmatch.kernels as K
 from bitmatch.engine import SamplingParams
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import family_of, unwrap_causal_lm
-from bitmatch.models.state import create_state, drop_state
 from bitmatch.models.qwen3_moe import Qwen3MoeFamily
+from bitmatch.models.state import create_state, drop_state
+from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts, tiny_model
+from graph_buckets import eager_and_simulated, one_request_in_buckets, padding_into_a_real_block, run, staggered
 from host_reads import host_reads
 from test_engine import assert_bitmatch
-from bitmatch.testing import same_outputs
-from graph_buckets import eager_and_simulated, one_request_in_buckets, padding_into_a_real_block, run, staggered
 
 # both layers sparse, 8 experts top-2; small attention (the reference kernels are slow per step)
 TINY = dict(hidden_size=64, num_hidden_layers=2, mlp_only_layers=[], num_attention_heads=2, num_key_value_heads=1)

@@ -24,13 +24,20 @@ import torch
 import bitmatch
 from bitmatch.engine import SamplingParams, model_runner
 from bitmatch.engine.graphs import graph_safe
-from bitmatch.models import nemotron_h as NH
-from bitmatch.models import unwrap_causal_lm
+from bitmatch.models import nemotron_h as NH, unwrap_causal_lm
 from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts
-from graph_buckets import (decode_step_reads, eager_and_simulated, lora_updates_keep_the_bits,
-                          one_request_in_buckets, opt_in_needs_runnable_lora, padding_into_a_real_block, run,
-                          stale_kept_weights, staggered)
+from graph_buckets import (
+    decode_step_reads,
+    eager_and_simulated,
+    lora_updates_keep_the_bits,
+    one_request_in_buckets,
+    opt_in_needs_runnable_lora,
+    padding_into_a_real_block,
+    run,
+    staggered,
+    stale_kept_weights,
+)
 from test_engine import assert_bitmatch
 
 # every block type (Mamba, attention, MLP, MoE); a chunk of 8 so decode crosses chunk boundaries

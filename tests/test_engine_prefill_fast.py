@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import bitmatch.kernels as K
+from bitmatch.engine import Engine, SamplingParams, model_runner as mr
 from bitmatch.kernels import order
-from bitmatch.engine import Engine, SamplingParams
-from bitmatch.engine import model_runner as mr
 from bitmatch.testing_models import random_prompts, tiny_model
 
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.block_manager import BlockManager, compute_block_hash
 from bitmatch.engine.sequence import Sequence
+from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts, tiny_model
 from test_engine import assert_bitmatch
-from bitmatch.testing import same_outputs
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,16 @@ import torch
 
 import bitmatch
 from bitmatch import Engine, SamplingParams
-from bitmatch.parallel import TPGroup, data_parallel_experts
 from bitmatch.parallel import (
-    disable_tensor_parallel, enable_expert_parallel, enable_tensor_parallel, idle_step, keep_local_experts,
-    reduce_data_parallel_gradients, step_data_parallel,
+    TPGroup,
+    data_parallel_experts,
+    disable_tensor_parallel,
+    enable_expert_parallel,
+    enable_tensor_parallel,
+    idle_step,
+    keep_local_experts,
+    reduce_data_parallel_gradients,
+    step_data_parallel,
 )
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import tiny_model

@@ -23,6 +23,7 @@ import sys
 import textwrap
 
 import pytest
+
 from import_allowlist import LOCAL_IMPORTS, PRIVATE_USES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

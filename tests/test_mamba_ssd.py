@@ -15,9 +15,9 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
+from bitmatch.kernels.triton import mamba_ssd
 from bitmatch.models import nemotron_h as NH
 from bitmatch.testing import assert_bitwise_equal
-from bitmatch.kernels.triton import mamba_ssd
 from bitmatch.testing_models import random_prompts
 from test_engine import assert_bitmatch
 

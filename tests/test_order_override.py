@@ -6,10 +6,7 @@ import pytest
 
 from bitmatch.kernels import order
 from bitmatch.kernels.order import ORDER, CanonicalOrder
-from bitmatch.kernels.triton import attention as TA
-from bitmatch.kernels.triton import linear as TL
-from bitmatch.kernels.triton import logprobs as TLP
-from bitmatch.kernels.triton import norm as TN
+from bitmatch.kernels.triton import attention as TA, linear as TL, logprobs as TLP, norm as TN
 
 
 def test_override_changes_the_stamp_and_restores_it():

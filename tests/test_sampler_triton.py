@@ -16,8 +16,7 @@ import torch
 import bitmatch.kernels as K
 from bitmatch.engine.host import upload
 from bitmatch.engine.sampling import Sampler, SamplingParams, reported_logprobs
-from bitmatch.kernels import _exact
-from bitmatch.kernels import sampling as S
+from bitmatch.kernels import _exact, sampling as S
 from bitmatch.kernels._backend import use_backend
 
 interpret = pytest.mark.interpreter

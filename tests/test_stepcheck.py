@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from bitmatch.stepcheck import (METRIC_KEYS, BitmatchMismatchError, NothingComparedError, StepChecker)
+from bitmatch.stepcheck import METRIC_KEYS, BitmatchMismatchError, NothingComparedError, StepChecker
 
 
 def _lp(b=3, t=5, seed=0):

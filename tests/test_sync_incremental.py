@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import bitmatch.sync as sync
-from bitmatch.precision import compute_cast
 from bitmatch.sync.transport_inprocess import InProcessSender
 from sync_helpers import bits_equal as bits
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import bitmatch.sync as sync
-from bitmatch.precision import compute_cast
 from bitmatch.sync.shared_bucket import OpenedBucket
 from sync_helpers import FakeVllmQwen3, bits_equal, tiny_qwen3
 

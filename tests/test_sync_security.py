@@ -3,7 +3,6 @@ server, an idle connection, odd tokens, crafted frames, writes to the live weigh
 verified publish, versions out of order (issue 24, items 1-7)."""
 from __future__ import annotations
 
-import hmac
 import json
 import secrets
 import socket
@@ -17,9 +16,7 @@ import bitmatch.sync as sync
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.kernels.order import stamp_for_device
 from bitmatch.precision import compute_cast
-from bitmatch.sync import channel as C
-from bitmatch.sync import hash as H
-from bitmatch.sync import transport_tcp as T
+from bitmatch.sync import channel as C, hash as H, transport_tcp as T
 from bitmatch.testing_models import tiny_model
 from sync_helpers import bf16_target, bits_equal, two_tensor_state
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import bitmatch.sync as sync
-from bitmatch.precision import compute_cast
 from bitmatch.sync import channel as C
 from sync_helpers import FakeVllmQwen3, bf16_target, bits_equal, tiny_qwen3, two_tensor_state
 

@@ -20,8 +20,7 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch.precision import compute_cast
-from bitmatch.sync import channel as C
-from bitmatch.sync import hash as H
+from bitmatch.sync import channel as C, hash as H
 from bitmatch.sync.shared_bucket import BucketAuth
 from bitmatch.sync.transport_tcp import TcpReceiverServer
 from sync_helpers import bf16_target, bits_equal, two_tensor_state

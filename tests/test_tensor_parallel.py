@@ -11,7 +11,6 @@ results; this process computes TP = 1 with the unsharded model (``bitmatch.token
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -22,12 +21,28 @@ import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
 from bitmatch.context import ForwardContext
 from bitmatch.kernels import order
-from bitmatch.models import allocate_caches, compute_logits as tp1_compute_logits, forward_hidden as tp1_forward_hidden
-from bitmatch.models import cache_groups as model_cache_groups
+from bitmatch.models import (
+    allocate_caches,
+    cache_groups as model_cache_groups,
+    compute_logits as tp1_compute_logits,
+    forward_hidden as tp1_forward_hidden,
+)
 from bitmatch.parallel import (
-    TPGroup, allreduce_expert_parallel, allreduce_row_parallel_linear, cache_groups, comm_bytes_per_layer,
-    compute_logits, disable_tensor_parallel, enable_tensor_parallel, expert_parallel_experts, forward_hidden,
-    fsdp_unsharded, gathered_row_parallel_linear, reduce_tp_gradients, shard_dense_model, shard_linear,
+    TPGroup,
+    allreduce_expert_parallel,
+    allreduce_row_parallel_linear,
+    cache_groups,
+    comm_bytes_per_layer,
+    compute_logits,
+    disable_tensor_parallel,
+    enable_tensor_parallel,
+    expert_parallel_experts,
+    forward_hidden,
+    fsdp_unsharded,
+    gathered_row_parallel_linear,
+    reduce_tp_gradients,
+    shard_dense_model,
+    shard_linear,
     token_logprobs,
 )
 from bitmatch.testing_models import tiny_model

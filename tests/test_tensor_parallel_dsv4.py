@@ -20,12 +20,18 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
-from bitmatch.models import cache_groups as model_cache_groups
-from bitmatch.models import compute_logits as tp1_compute_logits
-from bitmatch.models import family_of
-from bitmatch.models import forward_hidden as tp1_forward_hidden
+from bitmatch.models import (
+    cache_groups as model_cache_groups,
+    compute_logits as tp1_compute_logits,
+    family_of,
+    forward_hidden as tp1_forward_hidden,
+)
 from bitmatch.parallel import (
-    allreduce_row_parallel_linear, enable_tensor_parallel, reduce_tp_gradients, shard_deepseek_v4, token_logprobs,
+    allreduce_row_parallel_linear,
+    enable_tensor_parallel,
+    reduce_tp_gradients,
+    shard_deepseek_v4,
+    token_logprobs,
 )
 from bitmatch.testing import assert_bitwise_equal, bits_equal
 from bitmatch.testing_models import tiny_model

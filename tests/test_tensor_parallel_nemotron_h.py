@@ -12,18 +12,20 @@ compares every rank's bits.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
-from bitmatch.models import cache_groups as model_cache_groups, family_of
-from bitmatch.models import forward_hidden as tp1_forward_hidden
+from bitmatch.models import cache_groups as model_cache_groups, family_of, forward_hidden as tp1_forward_hidden
 from bitmatch.models.registry import tp_shard
 from bitmatch.parallel import (
-    TPGroup, disable_tensor_parallel, enable_tensor_parallel, reduce_tp_gradients, shard_nemotron_h,
+    TPGroup,
+    disable_tensor_parallel,
+    enable_tensor_parallel,
+    reduce_tp_gradients,
+    shard_nemotron_h,
     token_logprobs,
 )
 from bitmatch.parallel.nemotron_h import MambaShard

@@ -13,8 +13,7 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import (assert_diff_zero, assert_trained, grpo_trainer, load_example,  # noqa: E402
-                                  params_snapshot)
+from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, load_example, params_snapshot  # noqa: E402
 
 
 def _dsv4_example():
@@ -45,9 +44,9 @@ def test_grpo_deepseek_v4_three_steps_diff_zero(tmp_path):
 def test_example_refuses_an_unreadable_quantized_checkpoint(tmp_path):
     """FP8 / FP4 checkpoints load (tests/test_quant_loader.py); a format bitmatch cannot read
     exactly is refused by name before any weight loads."""
-    from bitmatch.models.deepseek_v4_tiny import tiny_config
-
     import transformers
+
+    from bitmatch.models.deepseek_v4_tiny import tiny_config
 
     transformers.AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:

@@ -13,8 +13,8 @@ peft = pytest.importorskip("peft")
 import bitmatch  # noqa: E402
 import bitmatch.kernels as K  # noqa: E402
 from bitmatch.models import lora  # noqa: E402
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model  # noqa: E402
 from bitmatch.testing import bits
+from bitmatch.testing_models import pad_batch, random_prompts, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 T = 0.8
@@ -141,6 +141,7 @@ def test_adapters_on_weights_read_directly_are_refused_by_name(build, config, na
     # embeddings): an adapter there would be ignored, so it is refused, naming the module and the
     # LoraConfig option. V4's o_a_proj adapter ran before, silently without its delta
     import warnings
+
     from peft import LoraConfig, get_peft_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's tied-embedding notice
@@ -153,6 +154,7 @@ def test_control_adapters_on_the_projections_run():
     # the refusal's control: the same models with adapters on projections bitmatch runs through its
     # LoRA linear reproduce PEFT's forward (V4: the query and output projections, MoE: attention)
     import copy as _copy
+
     from peft import LoraConfig, get_peft_model
     for build, targets in ((_v4, ["q_b_proj", "o_b_proj", "kv_proj"]), (_moe, ["q_proj", "o_proj"])):
         torch.manual_seed(3)

@@ -11,8 +11,7 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import (assert_diff_zero, assert_trained, grpo_trainer, params_snapshot,  # noqa: E402
-                                  repeat_letter_reward)
+from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, params_snapshot, repeat_letter_reward  # noqa: E402
 
 
 def test_router_aux_loss_is_refused_with_the_fix(tmp_path):

@@ -34,11 +34,10 @@ def _child(spec):
     import bitmatch.adapters.vllm as bv
 
     bv.enable()   # BITMATCH=1 before vLLM is built (inside GRPOTrainer.__init__)
-    from trl import GRPOTrainer
     from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
 
     import bitmatch.adapters.trl as bt
-
     import bitmatch.testing_trl as ex
     ckpt = spec["ckpt"]
     model = ex.tiny_policy(dtype=torch.bfloat16)

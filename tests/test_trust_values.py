@@ -14,7 +14,6 @@ from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 from bitmatch.verify import compare
 from sync_helpers import FakeVllmQwen3, bf16_target, tiny_qwen3, two_tensor_state
 
-
 # -- verify.compare: zero compared tokens, float64, -inf ---------------------------------------------
 
 @pytest.mark.parametrize("args", [

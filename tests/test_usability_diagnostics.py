@@ -14,7 +14,6 @@ from bitmatch.testing import same_outputs
 from bitmatch.testing_models import random_prompts, tiny_model
 from test_engine import assert_bitmatch
 
-
 # ----------------------------------------------------------------------------- prefix caching (51.10)
 
 def _prefill_tokens(engine) -> list:

@@ -59,6 +59,7 @@ def test_plugin_loaded_through_the_entry_point():
     import verl  # noqa: F401
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
     from verl.workers.rollout.replica import RolloutReplicaRegistry
+
     import bitmatch.adapters.verl as bv
     from bitmatch.adapters.verl.rollout import BitmatchReplica, BitmatchRollout
 
@@ -151,6 +152,7 @@ def test_control_stock_actor_has_nonzero_diff(bitmatch_worker, model_dir):
 
 def test_config_refusals_name_the_setting():
     from types import SimpleNamespace as NS
+
     from bitmatch.adapters.verl.rollout import check_rollout_config
 
     ok = dict(calculate_log_probs=True, temperature=0.9, do_sample=True, top_k=-1, top_p=1.0, dtype="bfloat16",

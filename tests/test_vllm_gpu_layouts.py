@@ -62,9 +62,8 @@ def test_overlapping_blocks_are_refused():
 
 
 def test_padding_slots_go_to_the_null_block():
-    from bitmatch.adapters.vllm.model import writable_slots
-
     import bitmatch.kernels as K
+    from bitmatch.adapters.vllm.model import writable_slots
 
     slots = torch.tensor([17, -1, 33, -1], dtype=torch.int32)
     got = writable_slots(slots)

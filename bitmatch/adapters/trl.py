@@ -56,12 +56,19 @@ import bitmatch
 import bitmatch.adapters.vllm as plugin
 import bitmatch.sync as bsync
 from bitmatch import is_patched
-from bitmatch.stepcheck import (BitmatchMismatchError, Divergence, StepCheck, StepChecker, locate_sentence,
-                                weights_fingerprint, weights_sentence)
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import lora, unwrap_causal_lm
 from bitmatch.models.lora import plain_name
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
+from bitmatch.stepcheck import (
+    BitmatchMismatchError,
+    Divergence,
+    StepCheck,
+    StepChecker,
+    locate_sentence,
+    weights_fingerprint,
+    weights_sentence,
+)
 
 logger = logging.getLogger("bitmatch.trl")
 

@@ -27,7 +27,6 @@ import bitmatch.kernels as K
 from bitmatch.engine.host import upload
 from bitmatch.logprobs import check_temperature
 
-
 # top_k as packed into int64: any k >= the vocabulary keeps every token, so clamping a larger k
 # (2**63 would overflow) to a bound above every vocabulary changes no mask
 _TOP_K_MAX = 2 ** 62

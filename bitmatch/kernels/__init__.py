@@ -4,19 +4,20 @@ silent fallback. See each module's docstring for its canonical reduction order; 
 declares every op (invariance axes, stock counterpart, backends, order version) and ``override``."""
 from ._backend import SUPPORTED_DTYPES, backend_for, check_on_device, host_readable, use_backend
 from .activation import silu_and_mul
+from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .compressed_attention import KeyRows, sink_attention, sink_attention_rows
 from .compressor import compress_rows, compress_windows
 from .indexer import indexer_select, indexer_topk
-from .mhc import hc_head, hc_post, hc_pre
-from .rotary_interleaved import apply_rotary_interleaved
-from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .linear import linear
-from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
 from .logprobs import full_logprobs, token_logprobs
+from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
+from .mhc import hc_head, hc_post, hc_pre
 from .moe import moe_combine, moe_experts, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
+from .rotary_interleaved import apply_rotary_interleaved
 from .sampling import apply_top_k_top_p, categorical_sample, top_k_top_p_mask, uniform_noise
+
 # last: the op table reads the ops above from their modules; override swaps them on this package
 from .table import OPS, override
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import (backend_for, check_float, check_int, check_same_device, recompute_grads,
-                       triton_impl)
+from ._backend import backend_for, check_float, check_int, check_same_device, recompute_grads, triton_impl
 
 F64 = torch.float64
 _SCRATCH = 1 << 22  # float64 score elements per query chunk: bounds memory, not bits

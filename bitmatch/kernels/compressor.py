@@ -30,8 +30,15 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import (backend_for, check_float, check_int, check_same_device, needs_autograd, recompute_grads,
-                       triton_impl)
+from ._backend import (
+    backend_for,
+    check_float,
+    check_int,
+    check_same_device,
+    needs_autograd,
+    recompute_grads,
+    triton_impl,
+)
 
 F64 = torch.float64
 _ROWS_SCRATCH = 1 << 24  # elements of gathered windows per reference chunk (memory only, never bits)

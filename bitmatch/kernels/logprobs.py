@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _exact
-from ._backend import (backend_for, check_float, check_int, check_on_device, host_readable, recompute_grads,
-                       triton_impl)
+from ._backend import backend_for, check_float, check_int, check_on_device, host_readable, recompute_grads, triton_impl
 
 F64 = torch.float64
 _ROW_CHUNK = 16

@@ -45,8 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from . import _exact
-from ._backend import (backend_for, check_float, check_int, check_on_device, host_readable, needs_autograd,
-                       recompute_grads, triton_impl)
+from ._backend import (
+    backend_for,
+    check_float,
+    check_int,
+    check_on_device,
+    host_readable,
+    needs_autograd,
+    recompute_grads,
+    triton_impl,
+)
 
 F64 = torch.float64
 _SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x above it

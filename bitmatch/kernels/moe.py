@@ -26,8 +26,17 @@ from __future__ import annotations
 import torch
 
 from . import _exact, stock
-from ._backend import (backend_for, check_float, check_in_range, check_int, check_same_device, host_readable,
-                       needs_autograd, recompute_grads, triton_impl)
+from ._backend import (
+    backend_for,
+    check_float,
+    check_in_range,
+    check_int,
+    check_same_device,
+    host_readable,
+    needs_autograd,
+    recompute_grads,
+    triton_impl,
+)
 from .activation import silu_and_mul_reference
 from .linear import linear_reference
 

@@ -33,8 +33,7 @@ import torch
 
 from . import _exact
 from ._backend import backend_for, check_float, triton_impl
-from .logprobs import check_logprob_args as _check_scalar_temperature
-from .logprobs import scaled_logits
+from .logprobs import check_logprob_args as _check_scalar_temperature, scaled_logits
 
 F64 = torch.float64
 _SUM_BITS = 62                      # a row's weight sum stays below 2**62 < 2**63 (int64)

@@ -12,10 +12,21 @@ import torch
 from bitmatch.models import lora
 from bitmatch.models.pack import Packed, pack
 from bitmatch.models.registry import (
-    CacheGroup, Family, PatchState, allocate_caches, check_config, families, family_for_architecture,
-    family_for_config, patch_state, register, spec_of, supported_architectures, supported_message,
+    CacheGroup,
+    Family,
+    PatchState,
+    allocate_caches,
+    check_config,
+    compute_dtype_of as _compute_dtype_of,
+    families,
+    family_for_architecture,
+    family_for_config,
+    patch_state,
+    register,
+    spec_of,
+    supported_architectures,
+    supported_message,
 )
-from bitmatch.models.registry import compute_dtype_of as _compute_dtype_of
 
 __all__ = [
     "forward_hidden", "compute_logits", "cache_groups", "allocate_caches", "check_supported", "load_model",

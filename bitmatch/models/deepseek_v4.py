@@ -35,8 +35,7 @@ from bitmatch.context import ForwardContext
 from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
 from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
-from bitmatch.models import deepseek_v4_attention as A
-from bitmatch.models import deepseek_v4_tiny, lora
+from bitmatch.models import deepseek_v4_attention as A, deepseek_v4_tiny, lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, refresh_fused, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.precision import cast_param

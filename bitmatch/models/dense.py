@@ -41,6 +41,7 @@ from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, r
 from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param
 
+
 def _kernels():
     """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
     return K

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitmatch.models import compute_dtype_of, family_of, lora, unwrap_causal_lm
-from bitmatch.models import deepseek_v4 as V4
+from bitmatch.models import compute_dtype_of, deepseek_v4 as V4, family_of, lora, unwrap_causal_lm
 from bitmatch.models.deepseek_v4_attention import QueryHeads
 from bitmatch.models.registry import tp_shard
 from bitmatch.precision import cast_param

@@ -32,14 +32,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bitmatch.models import compute_dtype_of, family_of, lora, unwrap_causal_lm
-from bitmatch.models import nemotron_h as NH
+from bitmatch.models import compute_dtype_of, family_of, lora, nemotron_h as NH, unwrap_causal_lm
 from bitmatch.models.registry import tp_shard
 
 from .collectives import TPGroup, copy_to_ranks
 from .expert_parallel import ExpertRows, data_parallel_experts, expert_parallel_experts
-from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard
-from .tensor_parallel import compute_logits as vocab_parallel_logits
+from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard, compute_logits as vocab_parallel_logits
 
 
 @dataclass

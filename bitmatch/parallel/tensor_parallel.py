@@ -34,17 +34,19 @@ import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.kernels.linear import LinearFunction
 from bitmatch.logprobs import check_temperature, pack_rows
-from bitmatch.models import CacheGroup, compute_dtype_of, family_of, unwrap_causal_lm
-from bitmatch.models import dense, lora, qwen3_moe
+from bitmatch.models import CacheGroup, compute_dtype_of, dense, family_of, lora, qwen3_moe, unwrap_causal_lm
 from bitmatch.models.registry import forget_spec, tp_shard
 from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, all_gather_cat, copy_to_ranks
 from .expert_parallel import (
-    ExpertRows, allreduce_data_parallel_experts, data_parallel_experts, expert_parallel_experts, keep_only_rows,
+    ExpertRows,
+    allreduce_data_parallel_experts,
+    data_parallel_experts,
+    expert_parallel_experts,
+    keep_only_rows,
 )
-
 
 # ----------------------------------------------------------------------------- linear layers
 

@@ -26,8 +26,19 @@ import torch
 
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, fingerprint, fingerprints_of
 from .names import Layout, architecture_of, build_layout, layout_rules
-from .receiver import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, Receiver, SyncError, Update,
-                       WeightsNotReadyError, WeightState, WeightVersionError, require_ready, weight_state)
+from .receiver import (
+    AuthenticationError,
+    CanonicalOrderError,
+    FingerprintMismatchError,
+    Receiver,
+    SyncError,
+    Update,
+    WeightsNotReadyError,
+    WeightState,
+    WeightVersionError,
+    require_ready,
+    weight_state,
+)
 from .rollout_copy import RolloutCopy, storage_dtypes
 from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
 from .transport_inprocess import InProcessSender

@@ -18,8 +18,14 @@ import torch
 from bitmatch.kernels.order import stamp_for_device
 from bitmatch.models.state import create_state, get_state
 
-from .errors import (AuthenticationError, CanonicalOrderError, FingerprintMismatchError, SyncError,  # noqa: F401
-                     WeightsNotReadyError, WeightVersionError)
+from .errors import (  # noqa: F401
+    AuthenticationError,
+    CanonicalOrderError,
+    FingerprintMismatchError,
+    SyncError,
+    WeightsNotReadyError,
+    WeightVersionError,
+)
 from .fingerprint import Manifest, TensorSpec, byte_view, dtype_name, fingerprint, fingerprints_of
 from .names import architecture_of, build_layout
 from .version import check_version

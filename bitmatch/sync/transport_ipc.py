@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from .channel import raise_reply
 from .shared_bucket import BucketAuth, SharedBucket
 from .source import iter_buckets
-from .channel import raise_reply
 from .transport_tcp import TcpSender
 
 DEFAULT_IPC_BUCKET_BYTES = 256 << 20

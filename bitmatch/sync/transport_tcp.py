@@ -35,8 +35,17 @@ import time
 
 import torch
 
-from .channel import (LOOPBACK, Channel, client_handshake, error_reply, raise_reply, receiver_name, refuse_client,
-                      server_handshake, token_bytes)
+from .channel import (
+    LOOPBACK,
+    Channel,
+    client_handshake,
+    error_reply,
+    raise_reply,
+    receiver_name,
+    refuse_client,
+    server_handshake,
+    token_bytes,
+)
 from .errors import AuthenticationError, FingerprintMismatchError, SyncError
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, check_hash_name
 from .receiver import Receiver

@@ -41,6 +41,7 @@ def require_plugin() -> None:
     if plugin_loaded():
         return
     import verl  # noqa: F401  (loads the entry points)
+
     from bitmatch.adapters.verl import plugin
     if plugin.LOAD_ERROR is not None:
         raise RuntimeError(f"bitmatch verl plugin failed to load: {plugin.LOAD_ERROR!r}. Check that verl==0.9.1 "

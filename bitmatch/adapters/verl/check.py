@@ -23,8 +23,8 @@ import os
 import torch
 
 from bitmatch import switch
-from bitmatch.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
 from bitmatch.adapters.verl import require_plugin
+from bitmatch.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
 
 _CHECKER: StepChecker | None = None
 _ORIG_DEBUG = None

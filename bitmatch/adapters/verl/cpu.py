@@ -70,8 +70,8 @@ def register_engine() -> None:
     """verl's FSDP engine for the ``cpu`` device, and FSDP2's CPU offload without pinned memory
     (pinning needs an accelerator); idempotent. Its import reads the platform: after
     ``register_platform``."""
-    from verl.workers.engine.base import EngineRegistry
     import verl.workers.engine.fsdp.transformer_impl as ti
+    from verl.workers.engine.base import EngineRegistry
 
     for backend in ("fsdp", "fsdp2"):
         EngineRegistry._engines["language_model"][backend].setdefault("cpu", ti.FSDPEngineWithLMHead)
