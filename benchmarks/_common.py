@@ -414,7 +414,8 @@ def rollout_row(graphs, eager, hf, ids, n_new, device, params, warm, extra=None)
                  graphs=graph_use(graphs))
         engine_run(eager, prompts, warm)
         wall, steps, toks_e = engine_run(eager, prompts, params)
-        r.update(eager_wall_s=wall, eager_decode_ms=decode_ms(steps, n_new), graphs_vs_eager_bits_equal=toks_g == toks_e)
+        r.update(eager_wall_s=wall, eager_decode_ms=decode_ms(steps, n_new),
+                 graphs_vs_eager_bits_equal=toks_g == toks_e)
         if extra is not None:
             r.update(extra(prompts))
         hf_generate(hf, ids[:, :16].to(device), 2)

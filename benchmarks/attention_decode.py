@@ -186,12 +186,13 @@ def main():
         print(f"B={B:4d} ctx={ctx:5d} cap={cap:5d} floor {floor_ms * 1e3:8.1f} us | old "
               f"{r.get('old_frac_floor', 0):.3f} | new default {r['new_default_frac_floor']:.3f} best {best:.3f} "
               f"| diff old/new {r.get('old_vs_new_elements_differing')} sdpa {r['sdpa_fp32_max_abs_err']:.2e} "
-              f"prefill {r.get('decode_vs_prefill_elements_differing')} cap {r.get('capture_len_vs_exact_elements_differing')}",
+              f"prefill {r.get('decode_vs_prefill_elements_differing')} "
+              f"cap {r.get('capture_len_vs_exact_elements_differing')}",
               flush=True)
         for k in [k for k, v in r["new"].items() if isinstance(v, dict)]:
             print(f"    {k}: {r['new'][k]['ms'] * 1e3:8.1f} us {r['new'][k]['frac_floor']:.3f} "
                   f"diff {r['new'][k]['elements_differing_from_default']}", flush=True)
-        del kc, vc, bts, qs
+        kc = vc = bts = qs = None  # frees them now (not del: call() reads these names)
         torch.cuda.empty_cache()
     commit = args.commit
     if not commit:

@@ -44,7 +44,8 @@ def main(argv=None):
         to, ts = bench(ours), bench(stock)
         rows.append({"op": op, "shape": shape, "M": m, "bitmatch_ms": to * 1e3, "stock_ms": ts * 1e3,
                      "ratio": ts / to})
-        print(f"{op:<18} {shape:<14} M={m:<5} bitmatch {to*1e3:9.2f} ms  stock {ts*1e3:9.2f} ms  ratio {ts/to:.3f}", flush=True)
+        print(f"{op:<18} {shape:<14} M={m:<5} bitmatch {to*1e3:9.2f} ms  stock {ts*1e3:9.2f} ms  ratio {ts/to:.3f}",
+              flush=True)
 
     lin = {"qkv": (H, (HQ + 2 * HKV) * D), "o": (HQ * D, H), "gate_up": (H, 2 * I), "down": (I, H), "lm_head": (H, V)}
     for name, (k, n) in lin.items():
@@ -60,7 +61,8 @@ def main(argv=None):
         add("rms_norm", f"{H}", m, lambda: K.rms_norm(x, wn, 1e-6),
             lambda: wn * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf))
         add("fused_add_rms_norm", f"{H}", m, lambda: K.fused_add_rms_norm(x, r, wn, 1e-6),
-            lambda: (lambda s: wn * (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf))(x + r))
+            lambda: (lambda s: wn * (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+                     .to(bf))(x + r))
         g = torch.randn(m, 2 * I).to(bf)
         add("silu_and_mul", f"{I}", m, lambda: K.silu_and_mul(g), lambda: F.silu(g[:, :I]) * g[:, I:])
         q, kk = torch.randn(m, HQ, D).to(bf), torch.randn(m, HKV, D).to(bf)
@@ -92,7 +94,8 @@ def main(argv=None):
             lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd))
     geo = lambda xs: float(torch.tensor(xs).log().mean().exp()) if xs else None  # noqa: E731
     summary = {op: geo([r["ratio"] for r in rows if r["op"] == op]) for op in dict.fromkeys(r["op"] for r in rows)}
-    res = {"command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "machine": platform.processor() or platform.machine(),
+    res = {"command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
+           "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "python": platform.python_version(), "note": "ratio = stock time / bitmatch time, same run; "
            "stock = torch eager bf16 (F.linear, SDPA, log_softmax)", "geomean_ratio_by_op": summary, "rows": rows}

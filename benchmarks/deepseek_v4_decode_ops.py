@@ -139,7 +139,8 @@ def linears_section(a, seq, out):
         n = max(2, min(64, math.ceil(3 * L2 / nbytes)))
         ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(n)]
         outs = torch.empty(n, M, N, device="cuda", dtype=dtype)
-        row = {"calls_per_step": calls, "table_cfg": list(cfg0), "table_split": split0, "weight_copies": n, "splits": {}}
+        row = {"calls_per_step": calls, "table_cfg": list(cfg0), "table_split": split0, "weight_copies": n,
+               "splits": {}}
         tiles = [tuple(cfg0[:6])] + [t for t in (HALF_TILES if dtype != torch.float32 else F32_TILES)
                                      if t != tuple(cfg0[:6])]
         if N > 65536:

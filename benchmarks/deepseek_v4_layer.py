@@ -20,11 +20,12 @@ DIR/deepseek_v4_<device>.json (command, machine, versions, setup, results, ratio
 
 ``--sections attn``: the attention block alone (deepseek_v4_attention.attention) of each layer
 type (sliding / CSA / HCA) at batches ``--attn-batches``: the trainer's packed prefill of B x seq
-rows (forward alone, and forward + backward), and the engine's decode step (B rows against paged caches holding B x seq tokens, block size
-16, graph-style host bounds); per-token times, decode / prefill ratios, and the engine == trainer
-bit check (the decode rows vs the last rows of the trainer's prefill of seq + 1 tokens, same x);
-then the fused sink-attention backward vs the plain fp32 recompute on random rows (first batch x
-seq, HCA and CSA at rate 4): each gradient's relative error and both times.
+rows (forward alone, and forward + backward), and the engine's decode step (B rows against paged
+caches holding B x seq tokens, block size 16, graph-style host bounds); per-token times, decode /
+prefill ratios, and the engine == trainer bit check (the decode rows vs the last rows of the
+trainer's prefill of seq + 1 tokens, same x); then the fused sink-attention backward vs the plain
+fp32 recompute on random rows (first batch x seq, HCA and CSA at rate 4): each gradient's relative
+error and both times.
 
 On CUDA the V4 attention runs batched with fused Triton kernels (sink attention, indexer scores;
 the compressor pools through gathers + the compress_windows composition), no per-sequence loop,
@@ -443,7 +444,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sections", default="train,rollout", help="comma list of train, rollout, decode, tiles (CUDA), attn")
+    ap.add_argument("--sections", default="train,rollout",
+                    help="comma list of train, rollout, decode, tiles (CUDA), attn")
     ap.add_argument("--decode-batch", type=int, default=64, help="decode section: sequences per step")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--profile", action="store_true",

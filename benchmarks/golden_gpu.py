@@ -52,7 +52,8 @@ def main(argv=None):
     interpreted = isinstance(triton_linear._linear_kernel, InterpretedFunction)
     if interpreted != (a.device == "cpu"):
         raise SystemExit(f"golden_gpu: Triton's interpreter is {'on' if interpreted else 'off'} for --device "
-                         f"{a.device} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported)")
+                         f"{a.device} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} "
+                         "when triton was imported)")
 
     factories = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.tensor, torch.zeros, torch.ones,
                  torch.full, torch.arange, torch.empty}

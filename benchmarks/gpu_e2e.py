@@ -352,7 +352,8 @@ def lora_rollout(size, B, prompt_len, n_new, rank=16, n_check=8):
     r = {"B": B, "rank": rank, "targets": targets, "lora_parameters": sum(p.numel() for n, p in pm.named_parameters()
                                                                            if "lora_" in n)}
     with torch.no_grad():
-        for name, model, extra in (("merged", merged, {}), ("lora", pm, {}), ("lora_eager", pm, dict(enforce_eager=True))):
+        for name, model, extra in (("merged", merged, {}), ("lora", pm, {}),
+                                   ("lora_eager", pm, dict(enforce_eager=True))):
             eng = bitmatch.Engine(model, **kw, **extra)
             _engine_run(eng, prompts, warm)
             _engine_run(eng, prompts, warm)

@@ -273,7 +273,8 @@ def train_compare(model, hf, B, L, vocab, device, syncs=False, host_profile=Fals
             m.eval()
     if grads:
         res["grad_agreement"] = grad_agreement(model, hf, ours, stock)
-    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3, ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
+    res.update(stock_tokens_per_s=B * L / res["stock_step_ms"] * 1e3,
+               ours_tokens_per_s=B * L / res["ours_step_ms"] * 1e3,
                tokens_per_s_ratio=res["stock_step_ms"] / res["ours_step_ms"],
                peak_memory_ratio=res["ours_peak_gib"] / max(res["stock_peak_gib"], 1e-9))
     print("train", {k: v for k, v in res.items() if not k.startswith("profile")}, flush=True)
@@ -367,7 +368,8 @@ def liger(size, ids, ours_ms, ours_peak, iters, profile=True, ours=None) -> dict
             delattr(mq, k)
         for k, v in saved.items():
             setattr(mq, k, v)
-    out = {**prof, "liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l, "liger_peak_gib": peak,
+    out = {**prof, "liger_version": getattr(liger_kernel, "__version__", "?"), "liger_step_ms": t_l,
+           "liger_peak_gib": peak,
            "liger_tokens_per_s": ids.numel() / t_l * 1e3, "tokens_per_s_ratio_vs_liger": t_l / ours_ms,
            "peak_memory_ratio_vs_liger": ours_peak / max(peak, 1e-9)}
     model.zero_grad(set_to_none=True)

@@ -193,8 +193,8 @@ def sweep_shape(lin, N, K, ms, deadline):
               f"best {e.get('best_ms', float('nan')):.4f} {e.get('best', {}).get('kind')} "
               f"{e.get('best', {}).get('cfg')} maxdiff {e['rows_differing_max']}", flush=True)
         res[str(M)] = e
-        del xs, ref
-    del ws
+        xs = ref = None  # frees them now (not del: t() reads xs)
+    ws = None
     torch.cuda.empty_cache()
     return res
 

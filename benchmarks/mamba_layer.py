@@ -455,7 +455,8 @@ def main(argv=None):
     path = os.path.join(a.out, "mamba_layer.json")
     res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": a.commit,
            "machine": _common.machine_info(a.device), "mamba_ssm": note,
-           "kernels": {"ours_scan": "bitmatch.kernels.triton.mamba_ssd._ssd_kernel (+ _stash_kernel with a cache, except for one-token calls given host bounds: the decode rows)",
+           "kernels": {"ours_scan": "bitmatch.kernels.triton.mamba_ssd._ssd_kernel (+ _stash_kernel with a cache, "
+                                    "except for one-token calls given host bounds: the decode rows)",
                        "ours_conv": "bitmatch.kernels.triton.mamba._conv_kernel",
                        "mamba_ssm_prefill": "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"
                        if ssd else None,

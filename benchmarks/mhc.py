@@ -122,7 +122,8 @@ def bench(fn, cfg, graph=False):
 
 def rows_differ(a, b):
     a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return int((a.view(torch.uint8 if a.dtype == torch.bool else a.dtype).ne(b) & ~(a.isnan() & b.isnan())).any(-1).sum())
+    differ = a.view(torch.uint8 if a.dtype == torch.bool else a.dtype).ne(b) & ~(a.isnan() & b.isnan())
+    return int(differ.any(-1).sum())
 
 
 def invariance(fn, x, extra, sizes, toks):

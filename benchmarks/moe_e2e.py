@@ -141,7 +141,8 @@ def stock_graphs(model, a, device, rec):
         _common.engine_run(eng, prompts, warm)
         wall, steps, _ = _common.engine_run(eng, prompts, lambda i: bitmatch.SamplingParams(
             temperature=1.0, max_tokens=n_new, ignore_eos=True, seed=i))
-    r.update(wall_s=wall, decode_ms=_common.decode_ms(steps, n_new), tokens_per_s=B * n_new / wall, graphs=_common.graph_use(eng))
+    r.update(wall_s=wall, decode_ms=_common.decode_ms(steps, n_new), tokens_per_s=B * n_new / wall,
+             graphs=_common.graph_use(eng))
     rec.put("stock_graphs", r)
     print("stock_graphs", r, flush=True)
 

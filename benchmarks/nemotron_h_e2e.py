@@ -188,7 +188,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--few-decode-config", default=None,
                     help='JSON: Mamba scan config keys for decode launches of few programs (one or two sequences), '
-                         'e.g. \'{"BP": 16, "num_warps": 4}\': the whole model\'s Diff under a candidate before it lands')
+                         'e.g. \'{"BP": 16, "num_warps": 4}\': the whole model\'s Diff under a candidate '
+                         'before it lands')
     a = ap.parse_args(argv)
     if a.smoke:
         explicit = {t.split("=")[0].lstrip("-").replace("-", "_") for t in (argv or sys.argv[1:]) if t.startswith("--")}

@@ -184,7 +184,7 @@ def time_attention(K, quick, ceil):
                                         "sdpa_TFLOPs": flops / (a * 1e-3) / 1e12,
                                         "sdpa_gqa": gqa_note}
         print("prefill", S, a, b, a / b, flush=True)
-        del q, k, v, qd, kd, vd
+        q = k = v = qd = kd = vd = None  # frees them now (not del: sdpa and the lambdas read these names)
         torch.cuda.empty_cache()
     bw = ceil["copy_bw_TBps"] * 1e12
     page = 16
@@ -237,7 +237,7 @@ def time_attention(K, quick, ceil):
                 "copy_same_bytes_ms": c, "ratio_vs_copy_of_kv_bytes_read_once": (c / 2) / b,
                 "ours_TBps": kv_bytes / (b * 1e-3) / 1e12}
             print("decode", B, ctx, b, a / b, roof_ms / b, flush=True)
-            del kc, vc, kd, vd, src, dst
+            kc = vc = kd = vd = src = dst = None
             torch.cuda.empty_cache()
     return out
 # Canonical-order variants of the attention kernels compared side by side in one run:
@@ -608,9 +608,9 @@ def attention_bwd_cudnn(K, Hq=32, Hkv=8, D=128, cases=((1024,) * 4, (1500, 300, 
                                                                  None, max_seqlen=S)
                 try:
                     g1, g2 = run(), run()
-                    case[name] = {**{f"d{n}_rms_err_rel": float(((a.float() - r).pow(2).mean() / r.pow(2).mean()).sqrt())
-                                     for n, a, r in zip("qkv", g1, ref)},
-                                  "run_to_run_equal": all(torch.equal(x, y) for x, y in zip(g1, g2)),
+                    err = {f"d{n}_rms_err_rel": float(((a.float() - r).pow(2).mean() / r.pow(2).mean()).sqrt())
+                           for n, a, r in zip("qkv", g1, ref)}
+                    case[name] = {**err, "run_to_run_equal": all(torch.equal(x, y) for x, y in zip(g1, g2)),
                                   "ms": triton_bench(run)}
                 except Exception:
                     case[f"{name}_error"] = traceback.format_exc()[-1500:]

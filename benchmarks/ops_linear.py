@@ -73,9 +73,9 @@ def time_linear(K, quick, ms=MS):
                     "eager_cublas_ms": e_cb, "eager_ours_ms": e_us, "eager_ratio": e_cb / e_us}
             print(f"linear {name} M={M}: cublas {t_cb:.4f} ours {t_us:.4f} ratio {t_cb / t_us:.3f}",
                   flush=True)
-            del xs
+            xs = None  # frees the inputs now (not del: the timed lambdas read xs)
         out[name] = r
-        del ws
+        ws = None
         torch.cuda.empty_cache()
     return out
 
@@ -126,9 +126,9 @@ def time_linear_tma(K, ms=None):
                 e["best_ratio"] = e["table_ratio"]
             print("linear_tma", name, M, json.dumps(e)[:500], flush=True)
             r[M] = e
-            del xs, ref
+            xs = ref = None
         out[name] = r
-        del ws
+        ws = None
         torch.cuda.empty_cache()
     return out
 def cublas_nosplit_subprocess(out_dir):
@@ -151,7 +151,7 @@ def cublas_only(path):
             r[M] = bench(lambda i: (lambda: F.linear(xs[i % len(xs)], ws[i % len(ws)])),
                          wbytes + M * Kd * 2)
         out[name] = r
-        del ws
+        ws = None
         torch.cuda.empty_cache()
     with open(path, "w") as f:
         json.dump(out, f)
@@ -221,8 +221,8 @@ def sweep_linear(K, ms=None):
                     entry["best"][S] = {"ms": best[0], "cfg": best[1], "ratio": t_cb / best[0]}
             print("sweep", name, M, json.dumps(entry["best"]), flush=True)
             r[M] = entry
-            del xs
+            xs = None
         res[name] = r
-        del w, ws
+        w = ws = None
         torch.cuda.empty_cache()
     return res

@@ -3,6 +3,7 @@ silu_and_mul, apply_rotary, token_logprobs and full_logprobs, each row alone vs 
 (control: torch's log_softmax), times against the stock torch ops, and the public ops' training
 step (forward + backward) against stock autograd."""
 import json
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -81,13 +82,13 @@ def time_rowwise(K):
         a = bench(lambda i: (lambda: torch_fused(xs[i % 4], rs[i % 4])), nb * 2)
         b = bench(lambda i: (lambda: K.norm.fused_add_rms_norm(xs[i % 4], rs[i % 4], w, 1e-6)), nb * 2)
         out[f"fused_add_rms_norm_M{M}"] = {"torch_ms": a, "ours_ms": b, "ratio": a / b}
-        del xs, rs
+        xs = rs = None  # frees them now (not del: the timed lambdas read these names)
         I = 12288
         xs = [torch.randn(M, 2 * I, device=DEV, dtype=BF) for _ in range(2)]
         a = bench(lambda i: (lambda: F.silu(xs[i % 2][:, :I]) * xs[i % 2][:, I:]), M * I * 6)
         b = bench(lambda i: (lambda: K.activation.silu_and_mul(xs[i % 2])), M * I * 6)
         out[f"silu_and_mul_M{M}"] = {"torch_ms": a, "ours_ms": b, "ratio": a / b}
-        del xs
+        xs = None
         T = M
         qs = [torch.randn(T, 32, 128, device=DEV, dtype=BF) for _ in range(4)]
         kk = [torch.randn(T, 8, 128, device=DEV, dtype=BF) for _ in range(4)]
@@ -107,7 +108,7 @@ def time_rowwise(K):
         b = bench(lambda i: (lambda: K.rotary.apply_rotary(qs[i % 4], kk[i % 4], cos, sin)), nb)
         out[f"apply_rotary_T{T}"] = {"torch_ms": a, "ours_ms": b, "ratio": a / b,
                                      "note": "torch side gets cos/sin pre-concatenated in bf16 (free)"}
-        del qs, kk
+        qs = kk = None
         torch.cuda.empty_cache()
     V = 151936
     for N in (64, 1024):
@@ -122,7 +123,7 @@ def time_rowwise(K):
         a = bench(lambda i: (lambda: torch.log_softmax(lgs[i % 2].float() / temp[:, None], -1)), nb)
         b = bench(lambda i: (lambda: K.logprobs.full_logprobs(lgs[i % 2], temp)), nb)
         out[f"full_logprobs_N{N}"] = {"torch_ms": a, "ours_ms": b, "ratio": a / b}
-        del lgs
+        lgs = None
     return out
 def time_fwd_bwd_public(K):
     """Training step of the public ops (bitmatch.kernels, autograd) vs stock autograd, eager:
@@ -143,7 +144,7 @@ def time_fwd_bwd_public(K):
         res["linear"][f"{name}_M{M}"] = {"stock_fwd_bwd_ms": t_st, "ours_fwd_bwd_ms": t_us,
                                          "ratio": t_st / t_us}
         print("fwd_bwd linear", name, t_st, t_us, flush=True)
-        del x, w, g
+        x = w = g = None
     Hq, Hkv, D, S, B = 32, 8, 128, 4096, 4
     T = S * B
     q, k, v = (torch.randn(T, h, D, device=DEV, dtype=BF) for h in (Hq, Hkv, Hkv))

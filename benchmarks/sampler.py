@@ -148,7 +148,8 @@ def check_batch(b, gen, dev, res):
         (TS.int_weights(vals, vals[:, :1], bits) != S._int_weights(vals, vals[:, :1], bits)).sum())
     # exp64 itself, float64 bits: Triton vs _exact.exp64 on CUDA; the FMA-contracted build as control
     e_ref = S._exact.exp64(vals.to(F64) - vals[:, :1].to(F64))
-    r["exp64_bits_mismatch_vs_torch_cuda"] = int((TS.int_weights(vals, vals[:, :1], bits, _raw_exp=True) != e_ref).sum())
+    r["exp64_bits_mismatch_vs_torch_cuda"] = int(
+        (TS.int_weights(vals, vals[:, :1], bits, _raw_exp=True) != e_ref).sum())
     r["control_fma_exp64_bits_mismatch"] = int(
         (TS.int_weights(vals, vals[:, :1], bits, _raw_exp=True, _fp_fusion=True) != e_ref).sum())
     r["exp64_entries"] = e_ref.numel()
@@ -281,7 +282,8 @@ def main():
               f"{r['tokens_mismatch_vs_cpu']:>5} {r['boundary_tokens_mismatch_vs_torch_cuda']:>5} "
               f"{r['control_fma_weights_mismatch']:>8} {r['control_recip_T_weights_mismatch']:>8} "
               f"{str(r['graph_equal_eager']):>5} {tp['new_call_ms']:7.3f} "
-              f"{tp['new_device_step_ms']:6.3f} {tm['graph_replay_ms']:6.3f} {kt['torch_ms']:9.3f} {kt['triton_ms']:8.3f} "
+              f"{tp['new_device_step_ms']:6.3f} {tm['graph_replay_ms']:6.3f} "
+              f"{kt['torch_ms']:9.3f} {kt['triton_ms']:8.3f} "
               f"{kt['triton_split1_ms']:6.3f} {tm['new_call_ms']:6.2f} "
               f"{kt['top_k_top_p_mask_ms']:6.2f} {r['int_weights_sorted_mismatch_vs_torch_cuda']:>4} "
               f"{r['mask_rows_mismatch_vs_cpu']:>5} {str(r['splits_same_tokens']):>6} "

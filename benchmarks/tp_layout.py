@@ -273,7 +273,8 @@ def shard_linears(a):
             x = torch.randn(t, k, generator=g, device=dev).to(torch.bfloat16)
             full = timer(lambda: K.linear(x, w))
             for tp in (2, 4, 8):
-                w_rows, w_cols, x_cols = w[: n // tp].contiguous(), w[:, : k // tp].contiguous(), x[:, : k // tp].contiguous()
+                w_rows, w_cols = w[: n // tp].contiguous(), w[:, : k // tp].contiguous()
+                x_cols = x[:, : k // tp].contiguous()
                 row = {"linear": name, "N": n, "K": k, "tokens": t, "tp": tp, "tp1_ms": full,
                        "gather_rows_ms": timer(lambda: shard_linear(x, w_rows, None, n)),
                        "stock_cols_cublas_ms": timer(lambda: F.linear(x_cols, w_cols)),

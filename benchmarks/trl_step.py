@@ -242,7 +242,8 @@ def run_one(name, a, shape, base, workdir):
     profiler = StepProfiler(a.profile_step) if a.profile_step is not None else None
     if profiler is not None:
         trainer.add_callback(profiler)
-    trainer._generate = timed(marked(trainer._generate, GENERATE_RANGE), a.device, gen, step_of)   # not one of the methods attach rebinds
+    # _generate is not one of the methods attach rebinds
+    trainer._generate = timed(marked(trainer._generate, GENERATE_RANGE), a.device, gen, step_of)
     orig_publish = bitmatch.sync.publish
     if attached:
         bm = trainer._bitmatch
@@ -287,7 +288,7 @@ def run_one(name, a, shape, base, workdir):
     if cuda:
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     release(trainer)
-    del trainer
+    trainer = None  # not del: step_of reads trainer
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

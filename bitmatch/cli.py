@@ -56,18 +56,22 @@ def _cases(device: str):
     n = 12
     rows_ = [
         ("linear", "batch, padding", lambda: T.assert_batch_invariant(lambda x: K.linear(x, w), rows, cases=n) or n),
-        ("rms_norm", "batch, padding", lambda: T.assert_batch_invariant(lambda x: K.rms_norm(x, wn, 1e-6), rows, cases=n) or n),
+        ("rms_norm", "batch, padding",
+         lambda: T.assert_batch_invariant(lambda x: K.rms_norm(x, wn, 1e-6), rows, cases=n) or n),
         ("fused_add_rms_norm", "batch, padding",
-         lambda: T.assert_batch_invariant(lambda x, r: K.fused_add_rms_norm(x, r, wn, 1e-6), (rows, res), cases=n) or n),
+         lambda: T.assert_batch_invariant(lambda x, r: K.fused_add_rms_norm(x, r, wn, 1e-6), (rows, res),
+                                          cases=n) or n),
         ("apply_rotary", "batch, position",
-         lambda: T.assert_batch_invariant(lambda a, b, c, s: K.apply_rotary(a, b, c, s), (q, k, cos, sin), max_batch=64, cases=n) or n),
+         lambda: T.assert_batch_invariant(lambda a, b, c, s: K.apply_rotary(a, b, c, s), (q, k, cos, sin),
+                                          max_batch=64, cases=n) or n),
         ("silu_and_mul", "batch, padding", lambda: T.assert_batch_invariant(K.silu_and_mul, rows, cases=n) or n),
         ("attention", "schedule (prefill/chunked/decode), block size, batch",
          lambda: T.assert_schedule_invariant(seqs, 0.125, cases=6) or 6),
         ("attention (window 16)", "schedule, block size, batch",
          lambda: T.assert_schedule_invariant(seqs, 0.125, sliding_window=16, cases=4) or 4),
         ("token_logprobs", "batch, padding",
-         lambda: T.assert_batch_invariant(lambda x, t: K.token_logprobs(x, t, 0.7), (lg, tok), max_batch=64, cases=n) or n),
+         lambda: T.assert_batch_invariant(lambda x, t: K.token_logprobs(x, t, 0.7), (lg, tok), max_batch=64,
+                                          cases=n) or n),
     ]
     if device == "cpu":  # thread count is a CPU axis; CUDA launch parallelism is covered by the batch axis
         rows_.insert(1, ("linear", "threads", lambda: T.assert_thread_invariant(_lin, (rows.repeat(40, 1), w)) or 2))
@@ -101,7 +105,8 @@ def check(argv=None) -> int:
     if a.family is not None:
         try:
             if not any(a.family in (f.name, *f.model_types) for f in families()):
-                tiny_model_for(a.family)   # a family's named tiny shape passes; anything else raises naming the families
+                # a family's named tiny shape passes; anything else raises naming the families
+                tiny_model_for(a.family)
         except ValueError as e:
             print(f"bitmatch check: {e}", file=sys.stderr)
             return 2
@@ -253,7 +258,8 @@ def locate(argv=None) -> int:
     if a.format == "json":
         print(json.dumps(report, indent=1))
     else:
-        print(f"model: {what}, {a.dtype}; {len(prompts)} prompts of {a.min_len}-{a.max_len} tokens; T = {a.temperature}")
+        print(f"model: {what}, {a.dtype}; {len(prompts)} prompts of {a.min_len}-{a.max_len} tokens; "
+              f"T = {a.temperature}")
         print(verify.format_table(results, a.rows))
         print("verdict:", "no divergent op" if report["bitmatched"] else "DIVERGED at " + "; ".join(
             r.first_divergent for r in results if not r.bitmatched))

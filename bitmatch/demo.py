@@ -97,8 +97,10 @@ def _plot(path, diffs_on, diffs_off, title):
 
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
     xs = list(range(len(diffs_off)))
-    ax.plot(xs, diffs_off, ".", ms=3, color="tab:red", label=f"bitmatch off (stock HF): {sum(d != 0 for d in diffs_off)} / {len(diffs_off)} differ")
-    ax.plot(list(range(len(diffs_on))), diffs_on, ".", ms=3, color="tab:green", label=f"bitmatch on: {sum(d != 0 for d in diffs_on)} / {len(diffs_on)} differ")
+    ax.plot(xs, diffs_off, ".", ms=3, color="tab:red",
+            label=f"bitmatch off (stock HF): {sum(d != 0 for d in diffs_off)} / {len(diffs_off)} differ")
+    ax.plot(list(range(len(diffs_on))), diffs_on, ".", ms=3, color="tab:green",
+            label=f"bitmatch on: {sum(d != 0 for d in diffs_on)} / {len(diffs_on)} differ")
     ax.set_yscale("symlog", linthresh=1e-7)
     ax.set_xlabel("sampled token (all rollouts, in order)")
     ax.set_ylabel("|trainer - rollout| logprob")
@@ -179,7 +181,8 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, 
                 f"{c.k3_kl:>10.3g}")
 
     say(f"rollouts: {num_prompts} requests in batches of {[len(g) for g in groups]} "
-        f"(max_num_seqs 1/4/64, block sizes 16/32, chunked prefill on/off, 24-token step budget), {max_tokens} tokens each, T={temperature}")
+        f"(max_num_seqs 1/4/64, block sizes 16/32, chunked prefill on/off, 24-token step budget), "
+        f"{max_tokens} tokens each, T={temperature}")
     say(f"trainer : one right-padded batch of {num_prompts} sequences (reversed order), bitmatch.token_logprobs")
     say(f"  {'':<22} {'tokens':>8} {'mismatches':>11} {'max |diff|':>12} {'mean |diff|':>12} {'k3 KL':>10}")
     say(row("bitmatch on", on))

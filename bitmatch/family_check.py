@@ -119,7 +119,8 @@ def family_cases(family: str, device: str, n: int = 6):
             win = a[6] if len(a) > 6 else k.get("sliding_window")
             cu_ = cu.tolist()
             sq = [(q[s:e], kk[s:e], v[s:e]) for s, e in zip(cu_[:-1], cu_[1:])]
-            out.append((label, f"schedule (prefill/chunked/decode), block size, batch{', window ' + str(win) if win else ''}",
+            axes = f"schedule (prefill/chunked/decode), block size, batch{', window ' + str(win) if win else ''}"
+            out.append((label, axes,
                         lambda sq=sq, scale=scale, win=win: assert_schedule_invariant(
                             sq, scale, sliding_window=win, cases=n) or n, False))
         elif op in ("attention_paged", "write_kv_cache", "attention_decode"):

@@ -37,7 +37,8 @@ ON_MISMATCH = ("raise", "warn", "log")
 METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3", "bitmatch/compared_tokens",
                "bitmatch/compared_seqs")
 
-__all__ = ["BitmatchMismatchError", "NothingComparedError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH", "METRIC_KEYS",
+__all__ = ["BitmatchMismatchError", "NothingComparedError", "StepCheck", "StepChecker", "Divergence", "ON_MISMATCH",
+           "METRIC_KEYS",
            "check_policy", "locate_sentence", "weights_sentence", "weights_fingerprint",
            "versions", "write_bundle"]
 

@@ -311,7 +311,8 @@ def _engine_pair(model, prompts, temperature, max_tokens, fault, meta, engine_kw
             engine_temperature_fault(bool(fault and fault[0] == "temperature")):
         outs = eng.generate(prompts, params, use_tqdm=False)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    keys = [(s, len(o.prompt_token_ids) - 1 + j) for s, o in enumerate(outs) for j in range(len(o.outputs[0].token_ids))]
+    keys = [(s, len(o.prompt_token_ids) - 1 + j)
+            for s, o in enumerate(outs) for j in range(len(o.outputs[0].token_ids))]
     reported = torch.tensor([x for o in outs for x in o.outputs[0].logprobs], dtype=torch.float32)
     tb = rec.trace() + [("logprobs", keys, (reported,))]
     # the trainer: the ops of the packed prefill token_logprobs runs, then token_logprobs itself
@@ -396,8 +397,9 @@ def locate_pair(pair: str, model, prompts, *, inject: str | None = None, tempera
         mine = copy.deepcopy(unwrap_causal_lm(model)).float()
         tb = _side_b(mine, fault, lambda m, lp: packed_trace(m, seqs, torch.float32, temperature, lp))
         cands = _hf_candidates(ref, seqs, [n for n, _, _ in tb], temperature)
-        return [diff_traces(cands, tb, 1e-4 if tolerance is None else tolerance, side_a="HF fp32", side_b="bitmatch fp32",
-                      comparison="HF reference forward (fp32) vs bitmatch forward (fp32)", **meta)]
+        return [diff_traces(cands, tb, 1e-4 if tolerance is None else tolerance, side_a="HF fp32",
+                            side_b="bitmatch fp32",
+                            comparison="HF reference forward (fp32) vs bitmatch forward (fp32)", **meta)]
     # backend
     import os
 

@@ -48,7 +48,8 @@ def tiny_policy(seed: int = 0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="path of a DeepSeek-V4 checkpoint, bf16 or FP8/FP4 (default: a tiny one built in code)")
+    ap.add_argument("--model",
+                    help="path of a DeepSeek-V4 checkpoint, bf16 or FP8/FP4 (default: a tiny one built in code)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch", type=int, default=16, help="completions per step (num_generations = 8)")

@@ -11,10 +11,11 @@ the rest. With verl's Ray trainer on GPUs:
 
 verl's own Ray loop (``main_ppo`` -> ``RayPPOTrainer.fit``) runs on CPU with a local Ray and declared
 GPUs (tests/test_verl_ray.py; docs/scaling.md says what verl 0.9.1 still assumes). This script stays
-in one process and runs verl's own worker and trainer code directly: ``ActorRolloutRefWorker`` (FSDP2 actor and ref on gloo, the ``bitmatch`` rollout built
-through verl's ``_ROLLOUT_REGISTRY``), ``update_weights`` (naive mode) every step, and the
-trainer's own ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` / ``compute_advantage`` (GRPO)
-/ ``_update_actor``, ``calculate_debug_metrics`` and ``compute_rollout_correction_and_add_to_batch``.
+in one process and runs verl's own worker and trainer code directly: ``ActorRolloutRefWorker``
+(FSDP2 actor and ref on gloo, the ``bitmatch`` rollout built through verl's ``_ROLLOUT_REGISTRY``),
+``update_weights`` (naive mode) every step, and the trainer's own ``_compute_old_log_prob`` /
+``_compute_ref_log_prob`` / ``compute_advantage`` (GRPO) / ``_update_actor``,
+``calculate_debug_metrics`` and ``compute_rollout_correction_and_add_to_batch``.
 The task: a tiny Qwen3 built in code (character tokenizer) learns to answer in lowercase letters.
 
     python examples/verl_grpo.py                 # tiny model, CPU, 4 steps
@@ -86,7 +87,8 @@ def make_config(model_path: str, *, bitmatch: bool = True, steps: int = 4, promp
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.rollout.temperature={temperature}",
         f"actor_rollout_ref.rollout.response_length={response_length}", "actor_rollout_ref.rollout.prompt_length=4",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=True",

@@ -37,8 +37,8 @@ def resources(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int
         raise ValueError(f"{fn.fn.__name__}: give a type or a constexpr for {missing}")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if (aligned and sig[n].startswith("*") and n not in unaligned) or n in divisible}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={n: constexprs[n] for n in names if n in constexprs},
-                                    attrs=attrs)
+    src = triton.compiler.ASTSource(fn=fn, signature=sig,
+                                    constexprs={n: constexprs[n] for n in names if n in constexprs}, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -19,7 +19,8 @@ LOCAL_IMPORTS = {
         "benchmarks/trl_step.py can time it by wrapping bitmatch.sync.publish",
     # lazily loaded optional / heavy pieces
     ("bitmatch.sync.hash", "bitmatch.kernels.triton.fingerprint"):
-        "optional extra: the Triton fingerprint kernel, imported on the first GPU tensor (pip install bitmatch[triton])",
+        "optional extra: the Triton fingerprint kernel, imported on the first GPU tensor "
+        "(pip install bitmatch[triton])",
     ("bitmatch.adapters.vllm", "bitmatch.kernels.order"):
         "vLLM imports this plugin in every process it starts: the kernels load only when it is enabled",
     ("bitmatch.adapters.vllm", "bitmatch.adapters.vllm.checks"):

@@ -30,7 +30,8 @@ def test_schedule_invariant_fp32():
 def test_control_sdpa_is_schedule_variant():
     seqs = _seqs([1, 29, 70], 4, 2, 64)
     with pytest.raises(BitMismatch):
-        assert_schedule_invariant(seqs, 0.125, prefill_fn=stock_sdpa_prefill, paged_fn=stock_sdpa_paged, cases=8, seed=1)
+        assert_schedule_invariant(seqs, 0.125, prefill_fn=stock_sdpa_prefill, paged_fn=stock_sdpa_paged, cases=8,
+                                  seed=1)
 
 
 def test_prefill_close_to_sdpa():
@@ -69,7 +70,8 @@ def test_attention_bad_inputs():
         K.attention_prefill(q, q, q, torch.tensor([0, 3], dtype=torch.int32), 0.1)
     kc = torch.zeros(2, 4, 3, 8)
     with pytest.raises(ValueError, match="seq_len"):
-        K.attention_decode(q[:1], kc, kc, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([9], dtype=torch.int32), 0.1)
+        K.attention_decode(q[:1], kc, kc, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([9], dtype=torch.int32),
+                           0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -77,7 +79,8 @@ def test_token_logprobs_batch_invariant(dtype):
     rows = (torch.randn(5, 3001) * 4).to(dtype)
     toks = torch.randint(0, 3001, (5,))
     temp = torch.tensor([0.6, 1.0, 0.9, 1.3, 0.7])
-    assert_batch_invariant(lambda x, t, T: K.token_logprobs(x, t, T.clamp_min(0.5)), (rows, toks, temp), max_batch=128, cases=8, seed=8)
+    assert_batch_invariant(lambda x, t, T: K.token_logprobs(x, t, T.clamp_min(0.5)), (rows, toks, temp),
+                           max_batch=128, cases=8, seed=8)
     ref = torch.log_softmax(rows.double() / temp.double()[:, None], -1)[torch.arange(5), toks]
     assert (K.token_logprobs(rows, toks, temp).double() - ref).abs().max() < 1e-5
     full = K.full_logprobs(rows, temp)

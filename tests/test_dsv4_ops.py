@@ -2,7 +2,8 @@
 hc_head, apply_rotary_interleaved): each against HF's own formula in fp32 (parity), each along
 its invariance axis (a query alone vs with others / with more keys and entries present, a window
 alone vs with others, a token alone vs in a batch) with a control where a stock path can fail,
-ties in the indexer to the lowest index, gradients vs float64, and the Triton-backend versions under TRITON_INTERPRET=1."""
+ties in the indexer to the lowest index, gradients vs float64, and the Triton-backend versions
+under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import pytest

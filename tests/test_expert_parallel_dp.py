@@ -4,10 +4,10 @@ DeepSeek models are served this way: each rank runs its own requests, the routed
 over the ranks, and a MoE layer moves each (token, slot) row to its expert's rank and back. Each
 rank here gets its own batch (other lengths, other padding) and its own prompts; every rank's
 trainer logprobs and engine tokens / logprobs must equal the one-process ones of that rank's inputs,
-bit for bit, whatever the other ranks run (Qwen3-MoE, DeepSeek-V4, Nemotron-H). Backward: the ranks' gradients summed equal the one
-process's gradient of the summed loss (within fp32 rounding). The control is stock expert
-parallelism: each rank combines its own experts' share of every token and the partial outputs are
-all-reduced (``allreduce_expert_parallel``), which differs.
+bit for bit, whatever the other ranks run (Qwen3-MoE, DeepSeek-V4, Nemotron-H). Backward: the ranks'
+gradients summed equal the one process's gradient of the summed loss (within fp32 rounding). The
+control is stock expert parallelism: each rank combines its own experts' share of every token and
+the partial outputs are all-reduced (``allreduce_expert_parallel``), which differs.
 """
 from __future__ import annotations
 
@@ -206,13 +206,15 @@ def test_ranks_out_of_work_step_idle(ranks, name):
     assert len(set(steps)) == 1 and steps[0] >= 3 + 2 * (world - 1), steps
     for r, got in enumerate(res):
         prompts, n = _uneven_prompts(r)
-        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=41 + i) for i in range(len(prompts))]
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=41 + i)
+                  for i in range(len(prompts))]
         want = Engine(lm, block_size=4, num_gpu_blocks=64).generate(prompts, params, use_tqdm=False)
         for i, ((t, lp), w) in enumerate(zip(got[f"{name}/uneven"][0], want)):
             assert t.tolist() == list(w.outputs[0].token_ids), f"{name} rank {r} prompt {i}: tokens"
             assert_bitwise_equal(lp, torch.tensor(w.outputs[0].logprobs), f"{name} rank {r} prompt {i}: logprobs")
         for (t, lp), (t2, lp2) in zip(got[f"{name}/uneven_generate"], got[f"{name}/uneven"][0]):
-            assert torch.equal(t, t2) and torch.equal(lp, lp2), f"{name} rank {r}: Engine.generate vs step_data_parallel"
+            assert torch.equal(t, t2) and torch.equal(lp, lp2), (
+                f"{name} rank {r}: Engine.generate vs step_data_parallel")
     ids1, mask1 = _batch(10)
     with torch.no_grad():
         assert_bitwise_equal(res[0][f"{name}/second"], bitmatch.token_logprobs(lm, ids1, mask1),

@@ -207,7 +207,8 @@ CASES = {
         _rn(6, 8, seed=16, dtype=F32), 2, scoring="sigmoid", renormalize=True,
         correction_bias=_rn(8, seed=17, dtype=F32, scale=0.1), scaling=1.5)},
     "moe_experts": {"6 tokens 4 experts h64 i32 swiglu": lambda: K.moe_experts(*_moe_case())},
-    "moe_combine": {"6 tokens k3 h64": lambda: K.moe_combine(_rn(6, 3, 64, seed=36), torch.rand(6, 3, generator=_g(37)))},
+    "moe_combine": {"6 tokens k3 h64":
+                    lambda: K.moe_combine(_rn(6, 3, 64, seed=36), torch.rand(6, 3, generator=_g(37)))},
     "sink_attention": {"L24 C6 h4 d32 bf16": _sink_attention},
     "sink_attention_rows": {"2 seqs HCA m4 w6 bf16": lambda: _sink_rows(False),
                             "2 seqs CSA m4 w6 bf16": lambda: _sink_rows(True)},

@@ -304,7 +304,8 @@ def test_triton_scan_interpreter_schedule_invariance_and_parity():
     A, D, db = -torch.rand(h, generator=gen) - 0.1, torch.randn(h, generator=gen), torch.randn(h, generator=gen)
 
     def call(sl, start=None, cache=None, slot=1):
-        kw = {} if cache is None else dict(seq_start=torch.tensor([start]), cache=cache, state_slots=torch.tensor([slot]))
+        kw = {} if cache is None else dict(seq_start=torch.tensor([start]), cache=cache,
+                                           state_slots=torch.tensor([slot]))
         return K.mamba_chunk_scan(x[sl], dt[sl], A, B[sl], C[sl], q, torch.tensor([0, sl.stop - sl.start]), D=D,
                                   dt_bias=db, dt_min=DT_MIN, **kw)
 

@@ -5,8 +5,9 @@ Cases: swiglu (with and without DeepSeek-V4's swiglu_limit) and relu2; 4, 8 and 
 top-k 1, 2 and 4; experts that receive no token (their gradients must be exact zeros); routing
 ties; T * k, H and I that are not multiples of the tiles. Gradients need not be invariant, only
 correct: fp32 within rtol 1e-4 / atol 1e-5 of float64 (the CPU gradient tests' tolerance), bf16
-within 0.02 of the largest entry (0.03 in the interpreter, which truncates fp32 -> bf16). Controls show that the check fails when the routing-weight
-factor is dropped or the clamp's gradient mask is ignored.
+within 0.02 of the largest entry (0.03 in the interpreter, which truncates fp32 -> bf16). Controls
+show that the check fails when the routing-weight factor is dropped or the clamp's gradient mask is
+ignored.
 """
 import pytest
 import torch

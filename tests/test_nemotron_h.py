@@ -127,9 +127,9 @@ def test_gradients_match_hf_autograd():
 def test_parity_latent_moe_biases_tied_embeddings():
     """The optional parts: MoE latent projection (fc1/fc2), in/out_proj and MLP biases, no conv bias,
     tied embeddings, a chunk of 4 and a pattern starting with attention."""
-    hf = NH.FAMILY.tiny_model(dtype=torch.float32, seed=5, moe_latent_size=24, use_bias=True, mlp_bias=True, use_conv_bias=False,
-                       tie_word_embeddings=True, chunk_size=4,
-                       layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention"])
+    hf = NH.FAMILY.tiny_model(dtype=torch.float32, seed=5, moe_latent_size=24, use_bias=True, mlp_bias=True,
+                              use_conv_bias=False, tie_word_embeddings=True, chunk_size=4,
+                              layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention"])
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if n.endswith(".bias"):

@@ -63,7 +63,8 @@ def test_unsupported_architecture_error():
         with pytest.raises(ValueError) as e:
             fn(g)
         msg = str(e.value)
-        for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel"):
+        for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                     "GPT2LMHeadModel"):
             assert arch in msg
 
 

@@ -170,7 +170,8 @@ def test_fp8_weights_equal_the_reference_bit_for_bit(fp8_fp4):
         # within the quantization step of the original: e4m3 keeps 4 significant bits (half-ulp 2**-4
         # relative) plus the bf16 rounding, and the block scale's absolute floor for tiny values
         o = orig[key].double()
-        s = e8m0_value(written[key[:-7] + ".scale"]).repeat_interleave(128, 0).repeat_interleave(128, 1)[:o.shape[0], :o.shape[1]]
+        s = e8m0_value(written[key[:-7] + ".scale"]).repeat_interleave(128, 0).repeat_interleave(128, 1)
+        s = s[:o.shape[0], :o.shape[1]]
         err = (got.double() - o).abs()
         assert bool((err <= o.abs() * (2 ** -4 + 2 ** -8) + s * 2 ** -9).all()), f"{key}: max err {err.max():.3g}"
 
@@ -282,7 +283,8 @@ def test_refuses_options(tmp_path, option, match):
 def test_refuses_wrong_scale_shape(tmp_path):
     key = "model.layers.1.attn.wq_b.scale"
     write_checkpoint(str(tmp_path), edit=lambda t: t.__setitem__(key, t[key][:1]))
-    with pytest.raises(quant.QuantizedCheckpointError, match=r"scale '.*wq_b.scale' has shape \[1, 1\].*needs \[2, 1\]"):
+    with pytest.raises(quant.QuantizedCheckpointError,
+                       match=r"scale '.*wq_b.scale' has shape \[1, 1\].*needs \[2, 1\]"):
         load_pretrained(str(tmp_path))
 
 

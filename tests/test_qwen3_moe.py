@@ -81,7 +81,9 @@ def test_ties_and_zero_token_experts():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
                 w = layer.mlp.gate.weight
-                w[3].copy_(w[1]); w[5].copy_(w[1]); w[6].copy_(w[2])
+                w[3].copy_(w[1])
+                w[5].copy_(w[1])
+                w[6].copy_(w[2])
     bitmatch.patch(model)
     x = torch.randn(64, model.config.hidden_size).to(torch.bfloat16)
     logits = K.linear(x.float(), model.model.layers[0].mlp.gate.weight.float())

@@ -90,7 +90,8 @@ def _verl_test_overrides() -> list[str]:
 
     src = (README.parent / "tests" / "test_verl_ray.py").read_text()
     fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "_overrides")
-    return [c.value for c in ast.walk(fn) if isinstance(c, ast.Constant) and isinstance(c.value, str) and "=" in c.value]
+    return [c.value for c in ast.walk(fn)
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and "=" in c.value]
 
 
 def test_readme_verl_command_is_the_tested_one():

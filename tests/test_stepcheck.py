@@ -18,7 +18,8 @@ def _lp(b=3, t=5, seed=0):
 
 def _check(checker, rollout, trainer, mask, **kw):
     logged = {}
-    c = checker.check(step=7, mode="train", rollout=rollout, trainer=trainer, mask=mask, log_metrics=logged.update, **kw)
+    c = checker.check(step=7, mode="train", rollout=rollout, trainer=trainer, mask=mask, log_metrics=logged.update,
+                      **kw)
     return c, logged
 
 
@@ -47,7 +48,8 @@ def test_mismatch_counts_beside_compared_counts(tmp_path):
         _check(StepChecker("raise", str(tmp_path), max_bundles=0), lp, other, mask)
     assert not isinstance(e.value, NothingComparedError)
     c, m = _check(StepChecker("log", str(tmp_path), max_bundles=0), lp, other, mask)
-    assert (m["bitmatch/mismatch_tokens"], m["bitmatch/compared_tokens"], m["bitmatch/compared_seqs"]) == (1.0, 10.0, 3.0)
+    counts = (m["bitmatch/mismatch_tokens"], m["bitmatch/compared_tokens"], m["bitmatch/compared_seqs"])
+    assert counts == (1.0, 10.0, 3.0)
     assert not c.bitmatched
 
 

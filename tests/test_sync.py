@@ -132,7 +132,7 @@ def test_inprocess_bit_flip_detected_previous_version_kept_generation_refused():
     m1, m2 = tiny_qwen3(seed=0), tiny_qwen3(seed=2)
     engine = tiny_qwen3(seed=1, dtype=torch.bfloat16)
     rx = sync.receive(engine)
-    man1 = sync.publish(m1, 1, to=rx)
+    sync.publish(m1, 1, to=rx)
     with pytest.raises(sync.FingerprintMismatchError) as ei:
         sync.publish(m2, 2, to=FlippingSender(rx))
     e = ei.value

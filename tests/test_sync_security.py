@@ -181,7 +181,8 @@ def crafted_client(address) -> C.Channel:
 
 
 def begin(ch, specs, version=2, **extra):
-    ch.send({"type": "begin", "version": version, "hash": "bmh1", "order": stamp_for_device("cpu"), "tensors": specs, **extra})
+    ch.send({"type": "begin", "version": version, "hash": "bmh1", "order": stamp_for_device("cpu"), "tensors": specs,
+             **extra})
     return ch.recv()
 
 

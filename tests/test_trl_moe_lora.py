@@ -51,9 +51,10 @@ def test_lora_on_moe_experts_is_refused_at_attach(tmp_path):
     import bitmatch.adapters.trl as bt
 
     trainer = _trainer(tmp_path, 1, ATTENTION + ["gate_proj", "up_proj", "down_proj"])
-    with pytest.raises(ValueError, match=r"^attach: the LoRA adapter on model\.layers\.0\.mlp\.experts \(ParamWrapper\) "
-                                         r"wraps a Qwen3MoeExperts, not an nn\.Linear: bitmatch runs LoRA on Linear "
-                                         r"layers only\. Leave it out of LoraConfig\(target_modules=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"^attach: the LoRA adapter on model\.layers\.0\.mlp\.experts "
+                                         r"\(ParamWrapper\) wraps a Qwen3MoeExperts, not an nn\.Linear: bitmatch "
+                                         r"runs LoRA on Linear layers only\. Leave it out of "
+                                         r"LoraConfig\(target_modules=\.\.\.\)"):
         bt.attach(trainer)
 
 

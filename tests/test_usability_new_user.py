@@ -210,7 +210,8 @@ def test_token_logprobs_on_fp16_names_the_fix():
     from bitmatch import token_logprobs
 
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match=r"token_logprobs: .*torch.float16.*bf16 or fp32.*compute_dtype=torch.bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"token_logprobs: .*torch.float16.*bf16 or fp32.*compute_dtype=torch.bfloat16"):
         token_logprobs(_tiny(torch.float16), ids)
     assert token_logprobs(_tiny(torch.float16), ids, compute_dtype=torch.bfloat16).shape == (1, 2)
 

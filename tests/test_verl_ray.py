@@ -49,7 +49,8 @@ def _write_task(d: pathlib.Path) -> None:
             for i, c in enumerate("abcdabcd")]
     pd.DataFrame(rows).to_parquet(d / "train.parquet")
     (d / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-                                 "    return sum('a' <= ch <= 'z' for ch in solution_str) / max(len(solution_str), 1)\n")
+                                 "    return sum('a' <= ch <= 'z' for ch in solution_str) "
+                                 "/ max(len(solution_str), 1)\n")
 
 
 def _overrides(d: pathlib.Path, *, gpus: int, steps: int, bitmatch: bool) -> list[str]:

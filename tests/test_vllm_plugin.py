@@ -132,7 +132,8 @@ def test_engine_check_names_a_registered_family_the_plugin_does_not_run():
         mc.hf_config.architectures = ["Qwen3ForCausalLM"]
         check_engine_config(cfg)  # a supported family passes the same gate
         cfg.parallel_config.tensor_parallel_size = 2  # vLLM's K-split row-parallel layers: refused, pointing on
-        with pytest.raises(BitmatchUnsupportedError, match="tensor_parallel_size=2.*all-reduce.*enable_tensor_parallel"):
+        with pytest.raises(BitmatchUnsupportedError,
+                           match="tensor_parallel_size=2.*all-reduce.*enable_tensor_parallel"):
             check_engine_config(cfg)
     finally:
         registry._BY_MODEL_TYPE.pop("probe_hybrid", None)

@@ -4,8 +4,8 @@
 so the ranks inherit this process's imports instead of re-importing torch and transformers), calls
 ``body(tp)`` on each with its ``TPGroup`` and returns the dicts they returned, in rank order (saved
 with torch.save, so tensors come back with their bits); ``ranks_fixture`` makes it a module fixture
-per world size; ``padded_batch`` and ``packed_ctx`` are the inputs they score. ``FakeTP`` stands for a group's place where
-only rank and world are read (sharding refusals), with no process group.
+per world size; ``padded_batch`` and ``packed_ctx`` are the inputs they score. ``FakeTP`` stands for
+a group's place where only rank and world are read (sharding refusals), with no process group.
 """
 from __future__ import annotations
 

@@ -35,10 +35,11 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
   compared when the last one has been through the loss: no extra forward, and what is proven equal
   is what the gradient used. It
   logs ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` and what they are
-  over, ``bitmatch/compared_tokens``, ``bitmatch/compared_seqs``, into ``trainer._metrics[mode]`` (they reach wandb / tensorboard with TRL's own), and on any difference
-  applies ``on_mismatch``: ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the
-  step, the first divergent sequence and token, both values as hex bits, the first divergent
-  layer (``bitmatch.verify.locate``) and the path of a small repro bundle.
+  over, ``bitmatch/compared_tokens``, ``bitmatch/compared_seqs``, into ``trainer._metrics[mode]``
+  (they reach wandb / tensorboard with TRL's own), and on any difference applies ``on_mismatch``:
+  ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the step, the first divergent
+  sequence and token, both values as hex bits, the first divergent layer
+  (``bitmatch.verify.locate``) and the path of a small repro bundle.
 
 ``watch(trainer)`` installs only the comparison (no patching), to measure a stock run's gap.
 Supported: trl >= 1.16, < 1.17 (``pip install bitmatch[trl]``).
@@ -558,7 +559,8 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
     to at use on both sides (default: bf16 under ``GRPOConfig(bf16=True)`` with fp32 weights, else
     the weights' dtype). rollout_weights (without vLLM): "shared" (the engine reads the policy's
     own tensors; PEFT LoRA layers on kept merged weights), "copy" (a rollout copy synced through
-    ``bitmatch.sync`` every step), "auto" (= "shared"). repro_dir: where repro bundles go (default ``<output_dir>/bitmatch_repro``).
+    ``bitmatch.sync`` every step), "auto" (= "shared"). repro_dir: where repro bundles go (default
+    ``<output_dir>/bitmatch_repro``).
     engine_kwargs: passed to ``bitmatch.Engine`` (block_size, kv_cache_bytes, max_num_seqs, ...).
     Without a KV budget there, the engine takes ``GRPOConfig.vllm_gpu_memory_utilization`` of the
     GPU for itself, as TRL's colocated vLLM does (``Engine(memory_share="engine")``), and without

@@ -24,10 +24,10 @@ Graphs hold the parameters' device addresses: the key of the captured set is eve
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
 in-place update (``copy_``, an optimizer step) is read by the next replay as is. Derived weights a
 family caches (dense's fused q/k/v, gate/up; LoRA layers' merged weights) are refreshed in place
-through ``Family.refresh_derived_weights(lm)`` (a no-op by default). Both checks run when ``runner.weights_changed`` is set: the
-engine sets it whenever it starts work after being idle (weights change between generate calls:
-while requests run the engine refuses a weight switch), so a replay pays neither the walk over
-every parameter (~1.7 ms on 8B) nor the per-layer version checks.
+through ``Family.refresh_derived_weights(lm)`` (a no-op by default). Both checks run when
+``runner.weights_changed`` is set: the engine sets it whenever it starts work after being idle
+(weights change between generate calls: while requests run the engine refuses a weight switch), so a
+replay pays neither the walk over every parameter (~1.7 ms on 8B) nor the per-layer version checks.
 """
 from __future__ import annotations
 

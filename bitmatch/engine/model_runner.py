@@ -260,7 +260,8 @@ class ModelRunner:
         self.num_steps += 1
         inp = StepInputs(scheduled, self.block_size)
         seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
-        params, seeds, indices = [s.params for s in seqs], [s.seed for s in seqs], [s.num_completion_tokens for s in seqs]
+        params, seeds = [s.params for s in seqs], [s.seed for s in seqs]
+        indices = [s.num_completion_tokens for s in seqs]
         out = None
         # a hooked prepare (bitmatch.verify's recorder, tests) observes every step: eager then
         hooked = "prepare" in self.__dict__

@@ -26,9 +26,10 @@ Reference: CPU (``sink_attention_rows`` groups the rows by sequence on the host:
 there, and each row's bits are the per-query exact value above). Backward: the reference backend
 (and the one-sequence ``sink_attention``) a plain fp32 recompute; ``sink_attention_rows`` on the
 Triton backend a fused flash-style kernel from the forward's saved logsumexp
-(kernels/triton/compressed_attention_bwd.py). Triton backend (CUDA): kernels/triton/compressed_attention.py, one fused kernel
-(sink-initialized online softmax over absolute-position key blocks, then entry blocks: its
-docstring states that backend's order); ``sink_attention`` runs the same kernel.
+(kernels/triton/compressed_attention_bwd.py). Triton backend (CUDA):
+kernels/triton/compressed_attention.py, one fused kernel (sink-initialized online softmax over
+absolute-position key blocks, then entry blocks: its docstring states that backend's order);
+``sink_attention`` runs the same kernel.
 """
 from __future__ import annotations
 
@@ -122,7 +123,10 @@ class SinkAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, kv, entries, sinks, qpos, entry_mask = ctx.saved_tensors
-        fn = lambda a, b, c, d: _sink_plain(a, b, c, d, qpos, entry_mask, *ctx.args)
+
+        def fn(a, b, c, d):
+            return _sink_plain(a, b, c, d, qpos, entry_mask, *ctx.args)
+
         grads = recompute_grads(fn, (q, kv, entries, sinks), ctx.needs_input_grad[:4], (g,))
         return (*grads, None, None, None, None)
 
@@ -376,11 +380,13 @@ def sink_attention_rows(q, qpos, kv, sinks, rows: KeyRows, *, scale: float, wind
                          f"{tuple(kv.shape)} {kv.dtype}")
     tq, h, d = q.shape
     if qpos.shape != (tq,) or sinks.shape != (h,):
-        raise ValueError(f"{op}: qpos must be [T={tq}] and sinks [H={h}]; got {tuple(qpos.shape)}, {tuple(sinks.shape)}")
+        raise ValueError(f"{op}: qpos must be [T={tq}] and sinks [H={h}]; "
+                         f"got {tuple(qpos.shape)}, {tuple(sinks.shape)}")
     if entries is not None:
         check_float("entries", entries, op)
         if entries.dim() != 2 or entries.shape[1] != d or entries.dtype != q.dtype:
-            raise ValueError(f"{op}: entries must be [S, D={d}] in q's dtype, got {tuple(entries.shape)} {entries.dtype}")
+            raise ValueError(f"{op}: entries must be [S, D={d}] in q's dtype, "
+                             f"got {tuple(entries.shape)} {entries.dtype}")
         if not isinstance(rate, int) or rate < 1:
             raise ValueError(f"{op}: rate must be a positive int with entries, got {rate!r}")
     if selected is not None:

@@ -110,7 +110,8 @@ def compress_windows(kv, gate, position_bias, *, prev_kv=None, prev_gate=None, h
     for n, t in (("kv", kv), ("gate", gate), ("position_bias", position_bias)):
         check_float(n, t, op)
     if kv.dim() != 3 or gate.shape != kv.shape:
-        raise ValueError(f"{op}: kv and gate must be [W, m, C] of one shape, got {tuple(kv.shape)}, {tuple(gate.shape)}")
+        raise ValueError(f"{op}: kv and gate must be [W, m, C] of one shape, "
+                         f"got {tuple(kv.shape)}, {tuple(gate.shape)}")
     w_, m, c = kv.shape
     if position_bias.shape != (m, c):
         raise ValueError(f"{op}: position_bias must be [m={m}, C={c}], got {tuple(position_bias.shape)}")

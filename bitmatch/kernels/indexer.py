@@ -80,7 +80,8 @@ def indexer_topk(q, qpos, keys, weights, *, rate: int, top_k: int, softmax_scale
     if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
         raise ValueError(f"{op}: q must be [Tq, H, Di] and keys [C, Di], got {tuple(q.shape)}, {tuple(keys.shape)}")
     if weights.shape != q.shape[:2] or qpos.shape != (q.shape[0],):
-        raise ValueError(f"{op}: weights must be [Tq, H] and qpos [Tq], got {tuple(weights.shape)}, {tuple(qpos.shape)}")
+        raise ValueError(f"{op}: weights must be [Tq, H] and qpos [Tq], "
+                         f"got {tuple(weights.shape)}, {tuple(qpos.shape)}")
     if q.dtype != keys.dtype:
         raise ValueError(f"{op}: q ({q.dtype}) and keys ({keys.dtype}) must share a dtype")
     if not isinstance(rate, int) or rate < 1 or not isinstance(top_k, int) or top_k < 1:

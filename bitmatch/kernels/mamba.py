@@ -455,8 +455,10 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, *, D=None, dt_bias=
         if len(cache) != 4:
             raise ValueError(f"{op}: cache must be (ssm_state, x_buf, B_buf, dt_buf)")
         Q = chunk_size
-        for nm, t, shp, dt_ in (("ssm_state", cache[0], (H, P, N), torch.float32), ("x_buf", cache[1], (Q, H, P), x.dtype),
-                                ("B_buf", cache[2], (Q, G, N), x.dtype), ("dt_buf", cache[3], (Q, H), torch.float32)):
+        for nm, t, shp, dt_ in (("ssm_state", cache[0], (H, P, N), torch.float32),
+                                ("x_buf", cache[1], (Q, H, P), x.dtype),
+                                ("B_buf", cache[2], (Q, G, N), x.dtype),
+                                ("dt_buf", cache[3], (Q, H), torch.float32)):
             _check_state(op, nm, t, shp, dt_, state_slots, nb)
         if seq_start is None or seq_start.shape != (nb,):
             raise ValueError(f"{op}: with a cache, seq_start must be [{nb}] (each sequence's first position)")

@@ -24,8 +24,8 @@ active order's stamp.
   squares in ``hc_block_k`` lanes.
 - both: every op family carries a version (``op_versions``, keyed by the ``kernels/`` module that
   defines the op) for what its code alone fixes (the Mamba2 scan on absolute chunks, the
-  DeepSeek-V4 sink-attention and indexer kernels' block walks and tiles, rounding points): bump it when that code changes
-  the bits (``tests/test_golden_bits.py`` fails until you do).
+  DeepSeek-V4 sink-attention and indexer kernels' block walks and tiles, rounding points): bump it
+  when that code changes the bits (``tests/test_golden_bits.py`` fails until you do).
 """
 from __future__ import annotations
 

@@ -328,7 +328,8 @@ class DeepseekV4Family(Family):
                 continue
             rtype = sub.get("rope_type", "default")
             if rtype not in SUPPORTED_ROPE_TYPES:
-                out.append(f"rope_parameters[{label!r}].rope_type={rtype!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+                out.append(f"rope_parameters[{label!r}].rope_type={rtype!r} "
+                           f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         rd = int(getattr(config, "qk_rope_head_dim", 0) or 0)
         if rd % 2 or rd > getattr(config, "head_dim", 0):
             out.append(f"qk_rope_head_dim={rd} (must be even and <= head_dim)")

@@ -65,7 +65,8 @@ def sequences(ctx, positions) -> KeyRows:
     """How every row of the step finds the positions of its own sequence (``KeyRows``): the paged
     caches through the block table (engine), or the packed step rows (trainer: each sequence's
     rows contiguous from position 0). Device ops only; the bound on positions is a host int
-    (``ctx.max_seq_len``: the longest sequence; else the block table's width, or T), so a decode step can be a CUDA graph."""
+    (``ctx.max_seq_len``: the longest sequence; else the block table's width, or T), so a decode
+    step can be a CUDA graph."""
     T = positions.shape[0]
     if ctx.paged:
         bs = next(iter(next(iter(ctx.caches.values())).values()))[0].shape[1]

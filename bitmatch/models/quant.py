@@ -177,7 +177,8 @@ def fp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
                                        f"{k} values a row (packed {tuple(packed.shape)}); expected {want} "
                                        f"(one e8m0 scale per {FP4_GROUP} values, K a multiple of {FP4_GROUP})")
     if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise QuantizedCheckpointError(f"dequantize: fp4 scales must be e8m0 (float8_e8m0fnu or uint8), got {scale.dtype}")
+        raise QuantizedCheckpointError(
+            f"dequantize: fp4 scales must be e8m0 (float8_e8m0fnu or uint8), got {scale.dtype}")
     b = packed.reshape(-1, kp).view(torch.uint8)
     s = scale_values(scale.reshape(-1, want[-1]))
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device)
@@ -359,7 +360,8 @@ def dequantized_bytes(config_or_index, dtype: torch.dtype = torch.bfloat16) -> i
                 for k in keys:
                     sl = h.get_slice(k)
                     dt, n = sl.get_dtype(), math.prod(sl.get_shape())
-                    scaled = any(k[: -len(".weight")] + s in keys for s in SCALE_SUFFIXES) if k.endswith(".weight") else False
+                    scaled = (any(k[: -len(".weight")] + s in keys for s in SCALE_SUFFIXES)
+                              if k.endswith(".weight") else False)
                     if k.endswith(SCALE_SUFFIXES) and k[: k.rfind(".")] + ".weight" in keys:
                         continue
                     if scaled and dt in ("I8", "U8"):

@@ -13,7 +13,8 @@ How to add a family (one module plus its tests):
    naming the option and the value), ``build_spec(lm)`` (a frozen dataclass read from the config
    and modules), ``forward_hidden`` / ``compute_logits`` on ``bitmatch.kernels`` only,
    ``cache_groups(spec, dtype)`` (the engine allocates what they describe: ``"paged_kv"``,
-   per-token ``"paged"`` state, per-sequence ``"per_seq"`` state; see ``CacheGroup``) and ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
+   per-token ``"paged"`` state, per-sequence ``"per_seq"`` state; see ``CacheGroup``) and
+   ``patch_modules(lm)`` (what ``bitmatch.patch`` rebinds).
 3. Declare ``packed_modules``: how vLLM merges HF tensors (``qkv_proj`` = q, k, v rows) or
    renames them; ``bitmatch.sync`` and the vLLM plugin derive their name tables from it.
 4. Declare its tiny shapes: ``tiny_config(name=None, **overrides)`` (and ``tiny_configs`` for

@@ -3,9 +3,11 @@
 ``tensor_parallel``: gather-only tensor parallelism for the dense family and Qwen3-MoE (no
 cross-rank sums, so TP = N gives TP = 1's bits with every kernel's canonical order unchanged), the
 per-family dispatch (``enable_tensor_parallel``) and the TP trainer's ``reduce_tp_gradients``;
-``deepseek_v4`` / ``nemotron_h``: those families' layouts on the same pieces; ``expert_parallel``: experts spread over ranks, combined in the one-rank slot order;
-``collectives``: the fixed-order, bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models
-on bitmatch's forward and backward; ``ddp``: DistributedDataParallel models run inside DDP's forward. docs/scaling.md has the design and its costs.
+``deepseek_v4`` / ``nemotron_h``: those families' layouts on the same pieces; ``expert_parallel``:
+experts spread over ranks, combined in the one-rank slot order; ``collectives``: the fixed-order,
+bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models on bitmatch's forward and
+backward; ``ddp``: DistributedDataParallel models run inside DDP's forward. docs/scaling.md has the
+design and its costs.
 
 Names are imported lazily (as in ``bitmatch``): ``bitmatch.logprobs`` imports ``bitmatch.parallel.fsdp``
 for sharded models, and ``tensor_parallel`` imports ``bitmatch.logprobs``, so this package's

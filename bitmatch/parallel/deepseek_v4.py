@@ -99,7 +99,8 @@ class MoeShard(ExpertRows):
             args = (ids, w, *self.expert_weights(), self.num_experts)
             if self.ep is not None:
                 return data_parallel_experts(x, *args, self.ep, activation="swiglu", swiglu_limit=self.limit)
-            return expert_parallel_experts(copy_to_ranks(x, tp), *args, tp, activation="swiglu", swiglu_limit=self.limit)
+            return expert_parallel_experts(copy_to_ranks(x, tp), *args, tp, activation="swiglu",
+                                           swiglu_limit=self.limit)
 
         def shared(x):
             return V4.clamped_swiglu(self.gate, self.up, self.down, copy_to_ranks(x, tp), self.limit)

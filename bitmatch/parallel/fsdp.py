@@ -69,7 +69,8 @@ def fsdp_units(model) -> list:
     below = {id(m) for m in root.modules()}
     stray = [n for n, m in units if id(m) not in below]
     if id(root) in layers or stray:
-        raise ValueError(f"bitmatch: {stray[0] if stray else root_name or type(root).__name__!r} is fully_shard-ed but no fully_shard-ed module "
+        raise ValueError(f"bitmatch: {stray[0] if stray else root_name or type(root).__name__!r} is fully_shard-ed "
+                         "but no fully_shard-ed module "
                          "holds every other one; fully_shard the model itself too (FSDP2's root unit, which holds "
                          "the embedding, the final norm and the head)")
     outer = []

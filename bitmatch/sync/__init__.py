@@ -50,7 +50,8 @@ from .version import check_version
 __all__ = [
     "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
     "stamp_weight_version", "require_ready", "HASH_NAME", "weight_state", "Manifest", "TensorSpec", "Receiver",
-    "Update", "WeightState", "InProcessSender", "TcpSender", "IpcSender", "fingerprints_of", "TcpReceiverServer", "VllmColocateSender",
+    "Update", "WeightState", "InProcessSender", "TcpSender", "IpcSender", "fingerprints_of", "TcpReceiverServer",
+    "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
     "RolloutCopy", "storage_dtypes",

@@ -214,7 +214,8 @@ class Receiver:
             live = self.slots.live
             counters = {k: t._version for k, t in live.items()}  # before the check: a write during it shows
             self.state.manifest = Manifest(int(initial_version), {
-                k: TensorSpec(tuple(v.shape), v.dtype, fp) for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
+                k: TensorSpec(tuple(v.shape), v.dtype, fp)
+                for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
             self.seal(counters)
 
     def seal(self, counters: dict[str, int]) -> None:

@@ -238,7 +238,8 @@ class TcpReceiverServer:
                         self._bucket(ch, upd, f, shared, auth, specs)
                     elif f.get("type") == "commit":
                         if f.get("version") != version or f.get("order") != h.get("order"):
-                            raise SyncError("commit frame: version or canonical-order stamp differ from the begin frame")
+                            raise SyncError("commit frame: version or canonical-order stamp differ from the begin "
+                                            "frame")
                         man = upd.commit(f.get("digest"))
                         ch.send({"ok": True, "version": man.version, "digest": man.digest()})
                         return

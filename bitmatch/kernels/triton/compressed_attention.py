@@ -134,13 +134,15 @@ def sink_attention_rows(q, qpos, kv, entries, selected, sinks, rows, scale, wind
     sel = selected.to(torch.int32).contiguous() if selected is not None else qpos
     n_sel = selected.shape[1] if selected is not None else 0
     if rows.paged_mode:
-        start, seq, bt, bt_stride, page = qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0), rows.block_size
+        start, seq, bt, bt_stride, page = (qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0),
+                                           rows.block_size)
     else:
         start, seq, bt, bt_stride, page = rows.row_start, qpos, qpos, 0, 1
     kw = {} if interp else dict(num_warps=WARPS, num_stages=2, enable_fp_fusion=False)
     prec = "ieee" if (q.dtype == torch.float32 or interp) else "tf32"
     _sink_rows_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        q, kv, ent, sel, sinks.float().contiguous(), out, lse if lse is not None else out, qpos, start, seq, bt, bt_stride, page, H, n_sel,
+        q, kv, ent, sel, sinks.float().contiguous(), out, lse if lse is not None else out, qpos, start, seq, bt,
+        bt_stride, page, H, n_sel,
         float(scale) * _LOG2E, int(window), int(rate), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N, PAGED=rows.paged_mode, MODE=mode, INTERP=interp, PREC=prec,
         STORE_LSE=lse is not None, **kw)

@@ -128,7 +128,8 @@ def sink_attention_rows_backward(g, q, qpos, kv, entries, selected, sinks, rows,
     sel = selected.to(torch.int32).contiguous() if selected is not None else qpos
     n_sel = selected.shape[1] if selected is not None else 0
     if rows.paged_mode:
-        start, seq, bt, bt_stride, page = qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0), rows.block_size
+        start, seq, bt, bt_stride, page = (qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0),
+                                           rows.block_size)
     else:
         start, seq, bt, bt_stride, page = rows.row_start, qpos, qpos, 0, 1
     kw = {} if interp else dict(num_warps=BWD_WARPS, num_stages=1)

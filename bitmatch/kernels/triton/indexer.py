@@ -67,7 +67,8 @@ def indexer_scores_rows(q, qpos, keys, weights, rows, rate, n_cols, softmax_scal
         return out
     interp = interpreting(q)
     if rows.paged_mode:
-        start, seq, bt, bt_stride, page = qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0), rows.block_size
+        start, seq, bt, bt_stride, page = (qpos, rows.seq_idx, rows.block_table, rows.block_table.stride(0),
+                                           rows.block_size)
     else:
         start, seq, bt, bt_stride, page = rows.row_start, qpos, qpos, 0, 1
     kw = {} if interp else dict(num_warps=WARPS, enable_fp_fusion=False)

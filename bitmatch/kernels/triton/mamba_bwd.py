@@ -11,9 +11,10 @@ step waiting on the host.
 Scan, per chunk (absolute positions, Q of them; a = the chunk's cumsum of dt * A, xdt = x * dt,
 L[l, s] = exp(a_l - a_s) for s <= l, CB = C_l . B_s, S_in / S_out the state entering / leaving it,
 dS = dL/dS_out, the gradient the next chunk passes back; y and S as in kernels/mamba.py):
-- _states_kernel, one program per (sequence, head, direction, block of the state's P rows): S_in of every chunk walking forward
-  (S_out = exp(a_last) S_in + sum_s exp(a_last - a_s) xdt_s B_s^T) and dS of every chunk walking
-  backward (dS_in = exp(a_last) dS_out + sum_l exp(a_l) dy_l^T C_l), each [P, N] fp32 per chunk.
+- _states_kernel, one program per (sequence, head, direction, block of the state's P rows): S_in of
+  every chunk walking forward (S_out = exp(a_last) S_in + sum_s exp(a_last - a_s) xdt_s B_s^T) and
+  dS of every chunk walking backward (dS_in = exp(a_last) dS_out + sum_l exp(a_l) dy_l^T C_l), each
+  [P, N] fp32 per chunk.
 - _chunk_kernel, one program per (chunk, head), every chunk at once:
   dxdt_s = sum_{l >= s} L CB dy_l + exp(a_last - a_s) B_s dS^T;   dx = dxdt dt + D dy
   dB_s = sum_{l >= s} L (dy_l . xdt_s) C_l + exp(a_last - a_s) xdt_s dS   (per head; summed per group)

@@ -217,7 +217,8 @@ def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, nee
     _act_bwd_kernel[(grid_m, tiles_i)](
         x, g, w_in, w_out, weights, tok, order, aw, dh, dh if h is None else h, dwp, tile_end, counts, row_start,
         H, I, E, S, float(limit) if limit is not None else 0.0, ACT=ACT_CODE[activation],
-        HAS_LIMIT=limit is not None, HAS_H=h is not None, BM=BM, BN=BN, BK=BK, BLOCK_E=block_e, INTERP=interp, PREC=prec, **kw)
+        HAS_LIMIT=limit is not None, HAS_H=h is not None, BM=BM, BN=BN, BK=BK, BLOCK_E=block_e, INTERP=interp,
+        PREC=prec, **kw)
     d_weights = None
     if need_w:  # column-tile partials summed in tile order, then back to (token, rank) order
         d_weights = torch.empty(S, device=dev, dtype=torch.float32).index_copy_(0, order, dwp.sum(0))
@@ -227,7 +228,8 @@ def moe_experts_backward(g, x, ids, weights, w_in, w_out, activation, limit, nee
         out = torch.empty_like(like)
         tiles_k = triton.cdiv(Kd, wBK)
         _wgrad_kernel[(triton.cdiv(N, wBN) * tiles_k, E)](
-            p, q, tok, out, counts, row_start, N, Kd, tiles_k, GATHER_P=gather_p, BN=wBN, BK=wBK, BM=wBM, INTERP=interp, PREC=prec, **wkw)
+            p, q, tok, out, counts, row_start, N, Kd, tiles_k, GATHER_P=gather_p, BN=wBN, BK=wBK, BM=wBM,
+            INTERP=interp, PREC=prec, **wkw)
         return out
     d_in = wgrad(dh, x, n_in, H, False, w_in) if need_in else None
     d_out = wgrad(g, aw, H, I, True, w_out) if need_out else None
