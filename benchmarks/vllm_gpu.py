@@ -265,6 +265,67 @@ def trainer_diff(ckpts: dict[str, str], runs: list[dict]) -> dict:
             "reload_s": [r["reload_s"] for r in runs if "reload_s" in r]}
 
 
+def probe(ckpt: str, args) -> dict:
+    """Where a plugin mismatch comes from, without vLLM: bitmatch.Engine vs token_logprobs on the same
+    checkpoint and prompts; verify.locate_pair's engine and schedule pairs (first divergent op); the
+    head's linear at every decode M vs the rows of one big M."""
+    import torch
+
+    import bitmatch
+    import bitmatch.kernels as K
+    from bitmatch import verify
+    from bitmatch.testing_models import pad_batch
+
+    out = {}
+    model = bitmatch.load_model(ckpt, device=DEV)
+    bitmatch.patch(model)
+    vocab = model.lm_head.weight.shape[0]
+    big = DEV == "cuda"  # on the CPU: a smoke run of this logic at toy sizes
+    ps = prompts_for(24, vocab, 0) if big else prompts_for(2, vocab, 0, hi=12, shared=8)
+    new = 40 if big else 3
+    with torch.no_grad():
+        eng = bitmatch.Engine(model, max_num_seqs=64, max_num_batched_tokens=512)
+        twice = [p for p in ps for _ in range(2)]  # vLLM's n = 2
+        outs = eng.generate(twice, bitmatch.SamplingParams(temperature=T, max_tokens=new), use_tqdm=False)
+        seqs, lps = [], []
+        for p, o in zip(twice, outs):
+            for c in o.outputs:
+                seqs.append((p, list(c.token_ids)))
+                lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+        mism = tot = 0
+        for a in range(0, len(seqs), 5):
+            chunk = seqs[a:a + 5]
+            ids, mask = pad_batch([p + t for p, t in chunk], "right")
+            ref = bitmatch.token_logprobs(model, ids.to(DEV), mask.to(DEV), temperature=T).cpu()
+            for b, (p, t) in enumerate(chunk):
+                got = lps[a + b]
+                mism += int((got != ref[b, len(p) - 1:len(p) - 1 + len(t)]).sum())
+                tot += len(t)
+        out["engine vs token_logprobs"] = {"tokens": tot, "mismatches": mism}
+        print("probe engine", out["engine vs token_logprobs"], flush=True)
+        del eng
+        # the head: every M a decode step may have vs the same rows inside one trainer-sized M
+        g = torch.Generator(device=DEV).manual_seed(0)
+        h = torch.randn(2048 if big else 16, model.config.hidden_size, device=DEV, generator=g).to(torch.bfloat16)
+        W = model.lm_head.weight
+        full = K.linear(h, W)
+        ms = list(range(1, 65)) + [96, 128, 200, 256, 512] if big else [1, 3]
+        bad = [m for m in ms if not torch.equal(K.linear(h[:m], W), full[:m])]
+        out["lm_head linear M-invariance"] = {"M_checked": len(ms), "M_differing": bad}
+        print("probe head", bad, flush=True)
+    for pair in ("engine", "schedule"):
+        try:
+            few = [p[:200] for p in ps[:6]]
+            res = verify.locate_pair(pair, model, few, temperature=T, max_tokens=new, block_size=16,
+                                     engine_kw=dict(block_size=16, max_num_batched_tokens=128))
+            out[f"locate {pair}"] = [{"comparison": r.to_dict().get("comparison"), "bitmatched": r.bitmatched,
+                                      "first_divergent": r.first_divergent} for r in res]
+        except Exception as e:  # noqa: BLE001
+            out[f"locate {pair}"] = f"{type(e).__name__}: {e}"
+        print("probe locate", pair, out[f"locate {pair}"], flush=True)
+    return out
+
+
 def engine_speed(cfg: dict, args) -> list[dict]:
     """bitmatch.Engine on a random bf16 HF model of the same shape: the same timing rule."""
     import torch
@@ -374,6 +435,13 @@ def main():
                 rows[label] = r
                 print(fam, label, {k: v for k, v in r.items() if k != "log_tail"}, flush=True)
                 rec.put(f"diff/{fam}", rows)
+    if "probe" in args.sections:
+        for fam in args.families.split(","):
+            ckpt = save_checkpoint(SMALL[fam], os.path.join(root, f"{fam}_probe"), weights=True, seed=0)
+            try:
+                rec.put(f"probe/{fam}", probe(ckpt, args))
+            except Exception:
+                rec.err(f"probe/{fam}")
     if "speed" in args.sections:
         ckpt = save_checkpoint(QWEN3_8B, os.path.join(root, "qwen3_8b"), weights=False)
         rows = {"roofline_tok_s": {B: roofline(QWEN3_8B, B, args.prompt_len + args.new_tokens // 2, args.hbm_tbps)
