@@ -95,8 +95,7 @@ def prompts_for(n: int, vocab: int, seed: int, lo: int = 5, hi: int = 300, share
 
 # ------------------------------------------------------------------ child: one vLLM engine
 def child(args) -> None:
-    import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kw = dict(model=args.ckpt, skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_prefix_caching=True,
               gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
@@ -200,7 +199,8 @@ def run_child(args, mode: str, task: str, ckpt: str, eager: bool, timeout: float
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         log, _ = p.communicate()
-        return {"error": f"timed out after {timeout:.0f} s", "log_tail": log[-4000:], "wall_s": time.perf_counter() - t0}
+        return {"error": f"timed out after {timeout:.0f} s", "log_tail": log[-4000:],
+                "wall_s": time.perf_counter() - t0}
     if p.returncode != 0 or not os.path.exists(out):
         return {"error": f"exit {p.returncode}", "log_tail": log[-4000:],
                 "wall_s": time.perf_counter() - t0}
@@ -312,6 +312,11 @@ def probe(ckpt: str, args) -> dict:
         ms = list(range(1, 65)) + [96, 128, 200, 256, 512] if big else [1, 3]
         bad = [m for m in ms if not torch.equal(K.linear(h[:m], W), full[:m])]
         out["lm_head linear M-invariance"] = {"M_checked": len(ms), "M_differing": bad}
+        # the logprob kernels on the same values stored as bf16 and as fp32
+        lg = (full[:512] if big else full).contiguous()
+        tok = torch.randint(0, vocab, (lg.shape[0],), device=DEV, generator=g)
+        a, b = K.token_logprobs(lg, tok, T), K.token_logprobs(lg.float(), tok, T)
+        out["token_logprobs bf16 vs fp32 logits"] = {"rows": lg.shape[0], "differing": int((a != b).sum())}
         print("probe head", bad, flush=True)
     for pair in ("engine", "schedule"):
         try:
@@ -356,7 +361,7 @@ def engine_speed(cfg: dict, args) -> list[dict]:
         t1, tn = timed(1), timed(args.new_tokens)
         rows.append({"B": B, "ttft_s": t1, "t_new_s": tn, "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1)})
         print("engine", rows[-1], flush=True)
-    del eng, model
+    eng = model = None  # not del: timed() reads eng
     torch.cuda.empty_cache()
     return rows
 

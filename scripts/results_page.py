@@ -63,7 +63,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 def machine_of(d) -> str:
     m = d.get("machine")
     if isinstance(m, str):
-        return m + (f", {d['cpus']} cores" if d.get("cpus") else "") + (f", torch {d['torch']}" if d.get("torch") else "")
+        cores = f", {d['cpus']} cores" if d.get("cpus") else ""
+        return m + cores + (f", torch {d['torch']}" if d.get("torch") else "")
     if not isinstance(m, dict):
         m = {}
     v = d.get("versions") if isinstance(d.get("versions"), dict) else {}
@@ -106,7 +107,8 @@ def r_gpu_ops(d):
         ["linear vs cuBLAS with split-K off, geomean M <= 256", s.get("linear_vs_cublas_nosplit_geomean_M<=256")],
         ["attention prefill vs SDPA flash, lowest", att.get("prefill_ratio_min")],
         ["attention decode / K/V-read roofline, geomean", att.get("decode_vs_roofline_geomean")],
-        ["attention decode / roofline, geomean at K/V >= 64 MiB", att.get("decode_vs_roofline_geomean_kv_bytes>=64MiB")],
+        ["attention decode / roofline, geomean at K/V >= 64 MiB",
+         att.get("decode_vs_roofline_geomean_kv_bytes>=64MiB")],
         ["attention decode vs SDPA flash, geomean", att.get("decode_vs_sdpa_geomean")],
         ["attention backward vs SDPA flash backward, geomean", s.get("attention_bwd_geomean")],
         ["attention fwd+bwd vs SDPA flash, geomean", s.get("attention_fwd_bwd_geomean")],
@@ -163,7 +165,8 @@ def r_gpu_e2e(d):
     if isinstance(diff, dict):
         out.append(f"**Diff** (`{latest['diff']}`): engine vs `token_logprobs` {fmt(diff.get('total_mismatches'))} "
                    f"mismatches of {fmt(diff.get('total_tokens'))} sampled tokens; stock HF trainer "
-                   f"{fmt(diff.get('total_control_mismatches'))} of {fmt(diff.get('total_tokens'))}; same tokens across "
+                   f"{fmt(diff.get('total_control_mismatches'))} of {fmt(diff.get('total_tokens'))}; same "
+                   f"tokens across "
                    f"configs: {fmt(diff.get('same_tokens_across_configs'))}.")
         out.append("")
     for sec in sorted(s for s in latest if s.startswith("rollout")):
@@ -242,7 +245,8 @@ def r_attention_decode(d):
     for name, c in d.get("cases", {}).items():
         rows.append([c.get("B"), c.get("ctx"), c.get("max_seq_len"), c.get("old_frac_floor"),
                      c.get("new_default_frac_floor"), c.get("old_vs_new_elements_differing")])
-    return header(d) + ["Fraction of the K/V-read floor (higher is better); old = the kernel before the change.", ""] + \
+    return header(d) + ["Fraction of the K/V-read floor (higher is better); old = the kernel before the change.",
+                        ""] + \
         table(["B", "context", "captured for", "old / floor", "new / floor", "elements differing old vs new"], rows)
 
 
@@ -274,7 +278,8 @@ def r_moe_layer(d):
         out += ["", "Forward + backward:", ""]
         out += table(["tokens", "vs HF grouped_mm layer", "vs torch._grouped_mm layer", "run to run identical"],
                      [[t, get(b, "ratio_stock_over_ours", "hf_grouped_mm_layer_fwd_bwd"),
-                       get(b, "ratio_stock_over_ours", "torch_grouped_mm_layer_fwd_bwd"), b.get("bwd_run_to_run_identical")]
+                       get(b, "ratio_stock_over_ours", "torch_grouped_mm_layer_fwd_bwd"),
+                       b.get("bwd_run_to_run_identical")]
                       for t, b in bwd.items()])
     return out
 
@@ -307,7 +312,8 @@ def r_nemotron_h_e2e(d):
     a, secs = d.get("args", {}), d.get("sections", {})
     kern = d.get("hf_kernels") or {}
     out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, blocks {fmt(a.get('blocks'))}, Mamba "
-                       f"{fmt(a.get('mamba_heads'))} heads x {fmt(a.get('mamba_head_dim'))}, chunk {fmt(a.get('chunk'))}"
+                       f"{fmt(a.get('mamba_heads'))} heads x {fmt(a.get('mamba_head_dim'))}, chunk "
+                       f"{fmt(a.get('chunk'))}"
                        + (f" (ours scans in chunks of {d['scan_chunk']})"
                           if d.get("scan_chunk") not in (None, a.get("chunk")) else "")
                        + ". HF's Mamba functions ran: " + "; ".join(f"{k}: {v}" for k, v in kern.items()) + ".", ""]
@@ -317,7 +323,8 @@ def r_nemotron_h_e2e(d):
                        c.get("control_stock_hf_mismatches")] for c in secs["diff"]]) + [""]
     if secs.get("rollout"):
         out += table(["rollout B", "tokens/s vs HF generate", "graphs vs eager", "graphs == eager bits"],
-                     [[b.get("B"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"), b.get("graphs_vs_eager_bits_equal")]
+                     [[b.get("B"), b.get("vs_hf_generate"), b.get("graphs_vs_eager"),
+                       b.get("graphs_vs_eager_bits_equal")]
                       for b in secs["rollout"].values() if isinstance(b, dict)])
     t = secs.get("train")
     if isinstance(t, dict):
@@ -357,7 +364,8 @@ def r_tp_layout(d):
         roll = x.get("rollout", {})
         rows.append([layout, x.get("trainer_logprob_mismatches"), x.get("of"), roll.get("token_mismatches"),
                      roll.get("logprob_mismatches_on_equal_tokens"), x.get("forward_ms"), roll.get("tokens_per_s")])
-    return header(d) + [f"TP = {fmt(n)} over {fmt(r.get('backend'))}; TP = 1 forward {fmt(r.get('tp1_forward_ms'))} ms, "
+    return header(d) + [f"TP = {fmt(n)} over {fmt(r.get('backend'))}; TP = 1 forward "
+                        f"{fmt(r.get('tp1_forward_ms'))} ms, "
                         f"rollout {fmt(get(r, 'tp1_rollout_graphs', 'tokens_per_s'))} tokens/s with CUDA graphs, "
                         f"{fmt(get(r, 'tp1_rollout_eager', 'tokens_per_s'))} eager. Gather / stock: forward time "
                         f"{fmt(r.get('forward_gather_over_allreduce_time'))}, rollout tokens/s "
@@ -370,13 +378,15 @@ def r_tp_dp_ep(d):
     """benchmarks/tp_layout.py --layout dp_ep: data-parallel attention + EP vs one process, stock EP."""
     r = get(d, "sections", "dp_ep", default={})
     rows = []
-    for key, label in (("slot_order", "slot-order combine (bitmatch)"), ("stock_allreduce", "stock: partials all-reduced")):
+    for key, label in (("slot_order", "slot-order combine (bitmatch)"),
+                       ("stock_allreduce", "stock: partials all-reduced")):
         x = r.get(key, {})
         per_rank = "; ".join("/".join(str(v) for v in m) for m in x.get("mismatches_per_rank") or [])
         rows.append([label, per_rank or None, x.get("of"), x.get("forward_ms"),
                      get(x, "rollout", "tokens_per_s")])
     return header(d) + [f"EP = {fmt(r.get('world'))} over {fmt(r.get('backend'))}, {fmt(r.get('tokens_per_rank'))} "
-                        f"tokens per rank; one process holding every expert: forward {fmt(r.get('one_process_forward_ms'))} ms, "
+                        f"tokens per rank; one process holding every expert: forward "
+                        f"{fmt(r.get('one_process_forward_ms'))} ms, "
                         f"rollout {fmt(get(r, 'one_process_rollout', 'tokens_per_s'))} tokens/s (eager). Slot order / "
                         f"stock forward time {fmt(r.get('forward_slot_order_over_stock_time'))}.", ""] + \
         table(["EP combine", "mismatches per rank: trainer / rollout tokens / rollout logprobs", "of", "forward ms",
@@ -390,7 +400,8 @@ def r_tp_shard_linear(d):
             for r in get(d, "sections", "shard_linear", default=[])]
     return header(d) + ["gather: [T, K] x [N / TP, K] on bitmatch's linear (full K); stock: [T, K / TP] x [N, K / TP] "
                         "on cuBLAS, before its all-reduce.", ""] + \
-        table(["linear", "tokens", "TP", "gather ms", "stock ms", "gather / stock time", "gather / (TP = 1 / TP)"], rows)
+        table(["linear", "tokens", "TP", "gather ms", "stock ms", "gather / stock time", "gather / (TP = 1 / TP)"],
+              rows)
 
 
 def _dsv4_rows(name, r):
@@ -408,7 +419,8 @@ def r_deepseek_v4(d):
                  [_dsv4_rows(k, r) for k, r in runs.items()])
     blocks = [(k, r) for k, r in runs.items() if get(r, "results", "attention_block")]
     for k, r in blocks:
-        rows = [[lt, b.get("decode_us_per_token"), b.get("prefill_us_per_token"), b.get("engine_vs_trainer_rows_differing")]
+        rows = [[lt, b.get("decode_us_per_token"), b.get("prefill_us_per_token"),
+                 b.get("engine_vs_trainer_rows_differing")]
                 for lt, b in get(r, "results", "attention_block").items()]
         out += ["", f"Attention block alone ({k}: one layer of each type, trainer prefill vs engine decode):", ""]
         out += table(["layer type / decode batch", "decode us per token", "prefill us per token",
@@ -431,15 +443,18 @@ def _dsv4_decode(k, dec, tiles):
         top = get(dec, "profile", "graph_step", "top")
         if top:
             out += ["", f"One graph replay's kernels (total {fmt(get(dec, 'profile', 'graph_step', 'total_kernel_ms'))}"
-                    " ms):", ""] + table(["kernel", "calls", "ms"], [[e["name"][:60], e["calls"], e["ms"]] for e in top])
+                    " ms):", ""] + table(["kernel", "calls", "ms"], [[e["name"][:60], e["calls"],
+                                                                      e["ms"]] for e in top])
     if tiles:
-        rows = [[s, v.get("calls_per_step"), fmt(v.get("table_cfg")), v.get("table_ms"), v.get("best"), v.get("best_ms")]
+        rows = [[s, v.get("calls_per_step"), fmt(v.get("table_cfg")), v.get("table_ms"), v.get("best"),
+                 v.get("best_ms")]
                 for s, v in tiles.get("shapes", {}).items()]
         out += ["", f"Decode linears ({k}): each shape graph-timed alone over the decode tiles, bits equal to the "
                 "table's for every candidate:", ""]
         out += table(["shape", "calls per step", "table tiles", "table ms", "fastest bit-equal tiles", "its ms"], rows)
         steps = [[n, v.get("median_ms"), fmt(v.get("steps_ms"))] for n, v in tiles.get("decode_steps", {}).items()]
-        out += ["", "The decode step side by side in one engine:", ""] + table(["variant", "median ms", "steps ms"], steps)
+        out += ["", "The decode step side by side in one engine:", ""] + table(["variant", "median ms", "steps ms"],
+                                                                               steps)
     return out
 
 
@@ -452,7 +467,9 @@ def r_dsv4_decode_ops(d):
                 f"{fmt(st.get('kernels'))} kernels busy {fmt(st.get('kernel_busy_ms'))} ms in one profiled replay.", ""]
         out += table(["kernel", "calls", "ms"], [[k[:60], v.get("calls"), v.get("ms")]
                                                  for k, v in list(st.get("by_kernel_ms", {}).items())[:12]])
-        out += ["", "The invariant linear's launches of that replay by shape (launch order matched to an eager step's):", ""]
+        out += ["",
+                "The invariant linear's launches of that replay by shape (launch order matched to an eager "
+                "step's):", ""]
         out += table(["shape", "calls", "us per call", "tiles"],
                      [[k, v["calls"], v["us"] / v["calls"], fmt(v.get("cfg"))]
                       for k, v in st.get("linear_by_shape", {}).items()])
@@ -467,7 +484,8 @@ def r_dsv4_decode_ops(d):
     if mix:
         out += ["", f"mHC mix at T = {fmt(mix.get('T'))} per K chunk (hc_k_chunk):", ""]
         out += table(["hc_k_chunk", "programs", "mix us", "hc_pre us"],
-                     [[k, v.get("programs"), v.get("mix_us"), v.get("hc_pre_us")] for k, v in mix.get("hc_k_chunk", {}).items()])
+                     [[k, v.get("programs"), v.get("mix_us"), v.get("hc_pre_us")] for k, v in mix.get("hc_k_chunk",
+                                                                                                      {}).items()])
     if d.get("note"):
         out += ["", f"Note: {fmt(d['note'])}"]
     return out
@@ -487,7 +505,8 @@ def r_mamba_ssd(d):
             rows.append([name, f"decode step B = {r.get('batch')} (eager / graph)",
                          f"{fmt(r.get('ours_ms'))} / {fmt(r.get('ours_graph_ms'))}",
                          f"{fmt(r.get('mamba_ssm_ms'))} / {fmt(r.get('mamba_ssm_graph_ms'))}",
-                         f"{fmt(r.get('ratio_ours_over_mamba_ssm'))} / {fmt(r.get('ratio_graph_ours_over_mamba_ssm'))}"])
+                         f"{fmt(r.get('ratio_ours_over_mamba_ssm'))} / "
+                         f"{fmt(r.get('ratio_graph_ours_over_mamba_ssm'))}"])
         for r in s.get("backward", []):
             if "ours_fwd_bwd_ms" not in r:
                 continue
@@ -518,7 +537,8 @@ def r_mamba_ssd(d):
 def r_mamba(d):
     c = d.get("checks", {})
     out = header(d) + [f"One SSM layer (shapes {fmt(d.get('shapes'))}): prefill == decode "
-                       f"{fmt(c.get('prefill_vs_decode_equal'))}, prefill == chunked {fmt(c.get('prefill_vs_chunked_equal'))}; "
+                       f"{fmt(c.get('prefill_vs_decode_equal'))}, prefill == chunked "
+                       f"{fmt(c.get('prefill_vs_chunked_equal'))}; "
                        f"control HF chunked == recurrent {fmt(c.get('control_hf_chunked_vs_recurrent_equal'))}.", ""]
     out += table(["decode batch", "context", "bitmatch / HF recurrent time (lower is better)"],
                  [[r.get("batch"), r.get("context"), r.get("ratio_ours_over_hf")] for r in d.get("decode", [])])
@@ -542,7 +562,8 @@ def r_sampler(d):
 
 def r_sync_h200(d):
     rows = [[r.get("shape"), r.get("rollout_GB"), r.get("device_copy_s"), r.get("publish_inprocess_s"),
-             r.get("publish_full_rewrite_s"), r.get("verify_s"), r.get("publish_ipc_s"), r.get("publish_tcp_loopback_s"),
+             r.get("publish_full_rewrite_s"), r.get("verify_s"), r.get("publish_ipc_s"),
+             r.get("publish_tcp_loopback_s"),
              r.get("flipped_bit_caught")] for r in d.get("results", [])]
     return header(d) + ["Seconds, best of repeats; fp32 trainer -> bf16 rollout on one GPU.", ""] + \
         table(["shape", "rollout GB", "device copy", "publish in process", "publish full rewrite", "verify",
@@ -614,7 +635,9 @@ def r_mhc(d):
 
 def r_golden_gpu(d):
     note = d.get("interpreter_note")
-    out = header(d) + ([f"**{note}**", ""] if note else []) + [f"{fmt(d.get('cases'))} cases of every op in the op table on CUDA, each run twice; not repeating: "
+    out = header(d) + ([f"**{note}**",
+                        ""] if note else []) + [f"{fmt(d.get('cases'))} cases of every op in the op table on "
+                                                f"CUDA, each run twice; not repeating: "
                        f"{fmt(d.get('not_repeating'))}; errors: {fmt(d.get('errors'))}; stamp "
                        f"{fmt(get(d, 'stamp', 'fingerprint'))}.", ""]
     return out + table(["op", "case", "xxh3 of the output bytes"],
@@ -730,7 +753,8 @@ def render(results_dir: pathlib.Path = RESULTS) -> str:
     out = ["# Results", "",
            "Generated by `python scripts/results_page.py` from `benchmarks/results/*.json`; do not edit by hand "
            "(`tests/test_results_page.py` fails when this page and the JSON differ). Every ratio was measured side "
-           "by side in one run. GPU figures come from the `*_h200*.json` files (NVIDIA H200) and the `*_h100*.json` files "
+           "by side in one run. GPU figures come from the `*_h200*.json` files (NVIDIA H200) and the "
+           "`*_h100*.json` files "
            "(NVIDIA H100, named in the section title) only; a ratio never mixes cards.", ""]
     out += ["## GPU (NVIDIA H200; sections marked H100: an H100)", ""] + [line for s in gpu for line in s]
     out += ["## CPU", ""] + [line for s in cpu for line in s]
