@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -732,6 +733,17 @@ def benchmark_of(stem: str) -> str | None:
     return max(names, key=len) if names else None
 
 
+_REPO_PATH = re.compile(r"(?:/[\w.+-]+)+?/((?:benchmarks|scripts|bitmatch|tests|examples|\.devrun)/)")
+_OUT_PATH = re.compile(r"/root/out\b|/tmp/[\w.+-]+")
+_WHEEL_PATH = re.compile(r"(?:/[\w.+-]+)+?/\.whl/")  # the wheels carried beside the checkout
+
+
+def machine_free(text: str) -> str:
+    """A page line without the paths of the machine a run came from: a file of the repository as its
+    repository path, the run's output folder as OUT (the command is the same on any node)."""
+    return _OUT_PATH.sub("OUT", _WHEEL_PATH.sub(".whl/", _REPO_PATH.sub(r"\1", text)))
+
+
 def render(results_dir: pathlib.Path = RESULTS) -> str:
     files = sorted(results_dir.glob("*.json"))
     gpu, cpu, unknown, unreadable = [], [], [], []
@@ -763,7 +775,7 @@ def render(results_dir: pathlib.Path = RESULTS) -> str:
         out += [f"- `{n}`: no renderer in `scripts/results_page.py` (add one to `RENDERERS`)" for n in unknown]
         out += [f"- {n}: its renderer could not read it" for n in unreadable]
         out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
+    return machine_free("\n".join(out).rstrip("\n") + "\n")
 
 
 def main(argv=None) -> int:

@@ -37,3 +37,13 @@ def test_new_run_of_a_known_benchmark_renders_and_unknown_files_are_listed(tmp_p
     assert results_page.benchmark_of("moe_e2e_h200_run3") == "moe_e2e_h200"
     assert results_page.benchmark_of("moe_h200") == "moe_h200"
     assert results_page.benchmark_of("gpu_train_h100_run1") == "gpu_train_h200"
+
+
+def test_page_names_no_path_of_the_machine_a_run_came_from():
+    line = ("python /work/main/benchmarks/vllm_gpu.py --out /root/out --mamba-src /work/main/.clean/../.whl/m-1 "
+            "--json /tmp/x1/check.json")
+    assert results_page.machine_free(line) == ("python benchmarks/vllm_gpu.py --out OUT --mamba-src .whl/m-1 "
+                                               "--json OUT/check.json")
+    page = results_page.render()
+    for where in ("/work/", "/root/", "/tmp/", "/home/"):
+        assert where not in page, page[page.index(where) - 200:page.index(where) + 100]
