@@ -1,4 +1,4 @@
-"""Engines give their memory back (issue 53 item 17): build ``--engines`` engines one after another
+"""Engines give their memory back: build ``--engines`` engines one after another
 over one model (Qwen3-1.7B's shape, random bf16 weights built on the device; ``--tiny``: the tiny
 Qwen3), each with CUDA graphs (decode steps replayed), close each (``Engine.close()``, its ``with``
 block, or a plain ``del`` in turn: ``--mode``), and record ``torch.cuda.memory_allocated`` while it

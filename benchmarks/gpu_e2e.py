@@ -1,4 +1,4 @@
-"""GPU end to end (issue 10): Diff = 0, rollout speed and training speed, in one run.
+"""GPU end to end: Diff = 0, rollout speed and training speed, in one run.
 
 Sections, most decision-relevant first (``--budget-s`` skips what would start too late; the JSON
 is rewritten after every measurement, so a run cut short keeps what it measured):
@@ -10,7 +10,7 @@ is rewritten after every measurement, so a run cut short keeps what it measured)
 - controls: the CUDA control rows of `bitmatch check` (bitmatch/cli.py), each must mismatch.
 - lora[:SIZE]: the engine on a PEFT LoRA model (every linear projection) vs the same engine on the
   model merged into plain weights, graphs on, at the largest --batches; the LoRA engine eager; Diff
-  of the LoRA rollout vs token_logprobs (issue 27's LoRA row).
+  of the LoRA rollout vs token_logprobs.
 - rollout: random-weight Qwen3-1.7B / 8B (bf16), prompts of --prompt-len random tokens,
   --new-tokens sampled at T = 1, B in --batches: rollout tokens/s and median decode step of the
   engine on bitmatch kernels vs the same engine on stock ops (``stock_ops()``: the op table's stock

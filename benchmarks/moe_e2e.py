@@ -1,4 +1,4 @@
-"""Qwen3-MoE end to end on one device, side by side in one run (issue 22, "MoE at speed").
+"""Qwen3-MoE end to end on one device, side by side in one run.
 
 Random-weight Qwen3-MoE, bf16 (default: 6 layers, hidden 2048, 32 heads, 4 kv heads, head_dim 128,
 128 experts top-8, expert width 768, vocab 151936: Qwen3-30B-A3B's layer shape). Sections, in run

@@ -1,4 +1,4 @@
-"""Nemotron-H end to end on one device, side by side in one run (issue 27): bitmatch vs HF with the
+"""Nemotron-H end to end on one device, side by side in one run: bitmatch vs HF with the
 real Mamba kernels.
 
 Random-weight Nemotron-H, bf16 (default: hidden 2048, 8 blocks Mamba2 / MoE / attention / MLP x 2,
