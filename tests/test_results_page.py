@@ -47,3 +47,64 @@ def test_page_names_no_path_of_the_machine_a_run_came_from():
     page = results_page.render()
     for where in ("/work/", "/root/", "/tmp/", "/home/"):
         assert where not in page, page[page.index(where) - 200:page.index(where) + 100]
+
+
+def _block(text: str) -> list[str]:
+    return text.split(results_page.BEGIN, 1)[1].split(results_page.END, 1)[0].strip("\n").splitlines()
+
+
+def test_readme_is_a_manual_with_the_generated_family_lines():
+    """README.md stays under 200 lines; its block between the markers is what the generator gives now,
+    one line per support-matrix family, the TRL adapter and the vLLM plugin, each at most 30 words
+    and naming the card its figures came from."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 200, f"README.md has {len(text.splitlines())} lines: a manual stays under 200"
+    lines, read = results_page.headline_lines()
+    assert _block(text) == lines, "README.md's family lines are out of date: run python scripts/results_page.py"
+    assert results_page.readme_with(lines, text) == text
+    for label in [*results_page.HEADLINES, "vLLM plugin"]:
+        assert sum(line.startswith(f"- **{label}**") for line in lines) == 1, label
+    for line in lines:
+        words = line.removeprefix("- ").split()
+        assert len(words) <= 30, f"{len(words)} words: {line}"
+        assert "H100" in line or "H200" in line, f"no card named: {line}"
+    assert all((ROOT / "benchmarks" / "results" / n).is_file() for n in read)
+
+
+def test_diff_words_read_right_whether_or_not_tokens_differ():
+    assert results_page.diff_words(3800, 0, 3800, "stock vLLM") == \
+        "Diff = 0 on 3,800 of 3,800 tokens (stock vLLM: 3,800 differ)"
+    assert results_page.diff_words(3800, 81, 3800, "stock vLLM", 1.9073486328125e-06) == \
+        "81 of 3,800 tokens differ (max 1.9e-6; stock vLLM: 3,800 differ)"
+    assert results_page.diff_words(512, 0) == "Diff = 0 on 512 of 512 tokens"
+
+
+def test_vllm_line_comes_from_the_newest_run_and_its_json(tmp_path):
+    """The vLLM line reads the highest run number (10 after 9, not after 1), and its figures follow
+    the JSON: a plugin row at 0 mismatches reads as Diff = 0."""
+    src = ROOT / "benchmarks" / "results"
+    for n in results_page.headline_lines()[1]:
+        shutil.copy(src / n, tmp_path / n)
+    newest = results_page.newest_vllm_gpu(src)
+    run = json.loads((src / newest).read_text())
+    shutil.copy(src / newest, tmp_path / "vllm_gpu_h100_run9.json")
+    row = run["sections"]["diff/qwen3"][results_page.VLLM_ROW]
+    row["mismatches"] = 0
+    (tmp_path / "vllm_gpu_h100_run10.json").write_text(json.dumps(run))
+    assert results_page.newest_vllm_gpu(tmp_path) == "vllm_gpu_h100_run10.json"
+    vllm = results_page.headline_lines(tmp_path)[0][-1]
+    assert f"qwen3: Diff = 0 on {row['tokens']:,} of {row['tokens']:,} tokens" in vllm, vllm
+
+
+def test_check_fails_when_the_page_or_the_readme_block_is_stale(tmp_path):
+    page, readme = tmp_path / "results.md", tmp_path / "README.md"
+    page.write_text(results_page.render())
+    readme.write_text((ROOT / "README.md").read_text())
+    args = ["--check", "--out", str(page), "--readme", str(readme)]
+    assert results_page.main(args) == 0
+    readme.write_text(results_page.readme_with(["- **dense**: typed by hand."], readme.read_text()))
+    assert results_page.main(args) == 1
+    assert results_page.main(["--out", str(page), "--readme", str(readme)]) == 0   # rewrites the block
+    assert results_page.main(args) == 0
+    page.write_text(page.read_text() + "edited\n")
+    assert results_page.main(args) == 1
