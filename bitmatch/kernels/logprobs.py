@@ -2,7 +2,11 @@
 
 The temperature divides fp32 logits (as vLLM's sampler does; multiplying by 1/T gives other
 bits). Reference: max (exact), exp64, tree_sum over the vocabulary and log64, so a row's
-bits depend on that row alone.
+bits depend on that row alone. On the GPU (Triton) the bits also depend on the logits' storage
+dtype: the row's sum of exponentials is combined in the layout of the kernel's loads, whose width
+follows the element size, so bf16 logits and an fp32 copy of them may differ in the last bit of
+the log-sum-exp. Callers hand the logits over in the compute dtype the head produced them in
+(trainer, engine and vLLM plugin alike).
 """
 from __future__ import annotations
 

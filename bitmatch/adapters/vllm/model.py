@@ -112,8 +112,8 @@ def hf_skeleton(hf_config, engine_params: dict[str, torch.Tensor]):
         view = src.narrow(0, slot.row_start, slot.rows) if src.dim() else src
         if tuple(view.shape) != tuple(p.shape):
             raise BitmatchUnsupportedError(f"bitmatch: vLLM parameter {slot.engine_name!r} rows {slot.row_start}+"
-                                           f"{slot.rows} have shape {tuple(view.shape)}, HF {name!r} has {tuple(p.shape)} "
-                                           "(tensor parallelism is not supported)")
+                                           f"{slot.rows} have shape {tuple(view.shape)}, HF {name!r} has "
+                                           f"{tuple(p.shape)} (tensor parallelism is not supported)")
         mod_name, _, attr = name.rpartition(".")
         setattr(skel.get_submodule(mod_name), attr, torch.nn.Parameter(view, requires_grad=False))
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -215,9 +215,11 @@ class BitmatchMixin:
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits: the compute-dtype logits of the family's head cast exactly, as the trainer's
-        ``token_logprobs`` casts them before dividing by T."""
-        return compute_logits(self.hf_view(), hidden_states).float()
+        """The family's head in the compute dtype, as the trainer's ``token_logprobs`` and the engine
+        hand them to the logprob kernels (vLLM's sampler draws from an fp32 copy). Not cast here: on
+        the GPU the logprob kernel's row sum is laid out by the width of its loads, so fp32 logits
+        give other last bits of the log-sum-exp than the same values in bf16."""
+        return compute_logits(self.hf_view(), hidden_states)
 
 
 def class_name(arch: str) -> str:

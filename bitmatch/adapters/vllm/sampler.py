@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import bitmatch.kernels as K
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
+
+import bitmatch.kernels as K
 
 from .checks import BitmatchUnsupportedError
 
@@ -48,9 +49,9 @@ def _refuse_processed_options(md) -> None:
 class BitmatchSampler(Sampler):
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-        # prompt logprobs (and any raw_logprobs caller): the trainer's function at T = 1
-
-        return K.full_logprobs(logits.to(torch.float32), 1.0)
+        # prompt logprobs (and any raw_logprobs caller): the trainer's function at T = 1, on the
+        # logits in the dtype the model gave them (see forward)
+        return K.full_logprobs(logits, 1.0)
 
     @staticmethod
     def _sampling_temperature(md, n: int, device) -> torch.Tensor:
@@ -89,7 +90,9 @@ class BitmatchSampler(Sampler):
                 _refuse_processed_options(md)
             elif mode != "raw_logprobs":
                 raise BitmatchUnsupportedError(f"bitmatch sampler: logprobs_mode={mode!r}")
-        logits = logits.to(torch.float32)
+        # the logits stay in the model's dtype, as the trainer hands them to the same kernels: on the
+        # GPU the logprob kernels' row sums follow their load width, so an fp32 copy of bf16 logits
+        # gives other last bits (vLLM's own sampler below draws from an fp32 copy)
         temp = self._sampling_temperature(md, logits.shape[0], logits.device)
         drawn_from = self._mask(logits, md, temp)
         # vLLM draws (and divides by T in place) on a copy; its own top-k / top-p are off
