@@ -31,7 +31,7 @@ def test_new_run_of_a_known_benchmark_renders_and_unknown_files_are_listed(tmp_p
     (tmp_path / "moe_e2e_h200.json").write_text(json.dumps([1, 2]))            # known name, other shape
     page = results_page.render(tmp_path)
     assert page.count("### Weight sync on the GPU") == 3 and "sync_h200_run2.json" in page
-    assert page.count("### Weight sync on the GPU (`benchmarks/sync.py --device cuda`) on an H100") == 1
+    assert page.count("### Weight sync on the GPU (`benchmarks/sync.py --device cuda`), H100") == 1
     assert "`brand_new_h200.json`: no renderer" in page
     assert "`moe_e2e_h200.json` (" in page and "could not read it" in page
     assert results_page.benchmark_of("moe_e2e_h200_run3") == "moe_e2e_h200"
@@ -108,3 +108,18 @@ def test_check_fails_when_the_page_or_the_readme_block_is_stale(tmp_path):
     assert results_page.main(args) == 0
     page.write_text(page.read_text() + "edited\n")
     assert results_page.main(args) == 1
+
+
+def test_page_is_grouped_by_topic_newest_first(tmp_path):
+    src = ROOT / "benchmarks" / "results"
+    for stem, when in (("vllm_gpu_h100_run1", "2026-12-01T00:00:00Z"), ("vllm_gpu_h100_run2", "2026-12-03T00:00:00Z"),
+                       ("vllm_gpu_h100_run3", "2026-12-02T00:00:00Z")):
+        d = json.loads((src / "vllm_gpu_h100_run3.json").read_text())
+        d["started_utc"] = when
+        (tmp_path / f"{stem}.json").write_text(json.dumps(d))
+    shutil.copy(src / "sync_h200.json", tmp_path / "sync_h200.json")
+    page = results_page.render(tmp_path)
+    order = [page.index(f"vllm_gpu_h100_run{n}.json`") for n in (2, 3, 1)]
+    assert order == sorted(order), "newest run first inside a topic"
+    assert page.index("## vLLM plugin on the GPU") < page.index("## Weight sync")
+    assert all(name in names for names in [sum(results_page.TOPICS.values(), ())] for name in results_page.RENDERERS)
