@@ -1,7 +1,8 @@
-"""``bitmatch demo``: rollout logprobs vs trainer logprobs, with and without bitmatch.
+"""What ``bitmatch demo`` runs (``run``; the command's options: ``bitmatch.cli.demo``): rollout
+logprobs vs trainer logprobs, with and without bitmatch.
 
 1. A tiny Qwen3-style model (random weights, fixed seed, bf16, head_dim 64) and a character
-   tokenizer built in code (or ``--model PATH_OR_NAME``).
+   tokenizer built in code (or the ``model`` given: ``bitmatch demo --model PATH_OR_NAME``).
 2. Rollouts with ``bitmatch.Engine`` under varied batch compositions (groups of different
    sizes, different ``max_num_seqs``, block sizes, chunked prefill on/off).
 3. The trainer recomputes every sampled token's logprob on one padded batch of a different
@@ -9,22 +10,18 @@
 4. The same tokens with bitmatch off: the rollout side is the stock HF forward with its KV
    cache, decoding token by token in the rollout's groups; the trainer side the stock HF
    forward on the padded training batch; both ``log_softmax(logits.float() / T)``.
-Writes ``report.json`` and ``diff.png`` (per-token |diff|) to ``--out``.
+Writes ``report.json`` and ``diff.png`` (per-token |diff|) to ``out_dir``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-from bitmatch.cli_common import load_error, one_line, seed_problem, usage_error, writable_folder_problem
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.logprobs import check_temperature, token_logprobs
-from bitmatch.models import load_model
+from bitmatch.logprobs import token_logprobs
 from bitmatch.testing_models import CharTokenizer, pad_batch, tiny_model
 from bitmatch.verify import compare
 
@@ -113,6 +110,10 @@ def _plot(path, diffs_on, diffs_off, title):
 
 def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, max_tokens=8, temperature=0.9,
         seed=0, quiet=False, plot=True) -> dict:
+    """Roll out ``num_prompts`` requests on ``bitmatch.Engine`` in three batch compositions, rescore
+    them as a trainer does, with bitmatch and with stock HF, and return the report (written to
+    ``out_dir`` unless it is empty): with bitmatch the trainer's logprobs equal the rollout's bit for
+    bit, whatever the batch, block size or chunking (``report["bitmatch_on"]["bitmatched"]``)."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t0 = time.time()
     torch.manual_seed(seed)
@@ -211,63 +212,3 @@ def run(model=None, tokenizer=None, *, out_dir="bitmatch-demo", num_prompts=12, 
                 say("(matplotlib not installed: no diff.png; pip install bitmatch[plot], or pass --no-plot)")
         say("wrote " + " and ".join(wrote))
     return report
-
-
-def _args_problem(args) -> str | None:
-    for flag, v in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
-        if v < 1:
-            return f"{flag} must be >= 1, got {v}"
-    if seed_problem(args.seed):
-        return seed_problem(args.seed)
-    try:
-        check_temperature("demo", args.temperature, name="--temperature")
-    except ValueError as e:
-        return one_line(e).removeprefix("demo: ")
-    if args.dtype != "bfloat16" and not args.model:
-        return (f"--dtype {args.dtype} applies to a --model checkpoint; the tiny model built in code is bf16: "
-                "drop --dtype or pass --model")
-    return writable_folder_problem("--out", args.out, ["report.json"] + ([] if args.no_plot else ["diff.png"]))
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bitmatch demo", description="Rollout logprobs (bitmatch.Engine) vs "
-                                 "trainer logprobs, with and without bitmatch; writes report.json and diff.png.")
-    ap.add_argument("--model", default=None, help="HF checkpoint path or hub name (default: tiny model built in code)")
-    ap.add_argument("--out", default="bitmatch-demo", help="output folder for report.json and diff.png")
-    ap.add_argument("--num-prompts", type=int, default=12,
-                    help="rollout requests, split into three batches of different sizes (default 12)")
-    ap.add_argument("--max-tokens", type=int, default=8, help="tokens sampled per request (default 8)")
-    ap.add_argument("--temperature", type=float, default=0.9,
-                    help="sampling temperature, > 0; the trainer uses the same one (default 0.9)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of sampling (default 0)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="dtype of the --model checkpoint (the tiny model is always bf16)")
-    ap.add_argument("--no-plot", action="store_true", help="do not write diff.png (no matplotlib needed)")
-    args = ap.parse_args(argv)
-    problem = _args_problem(args)
-    if problem:  # one line, exit 2 (as argparse's own errors), before anything is built
-        raise SystemExit(usage_error("bitmatch demo", problem))
-    model = tok = None
-    if args.model:
-        try:
-            model = load_model(args.model, dtype=getattr(torch, args.dtype))
-        except Exception as e:  # any load failure is the checkpoint's: one line naming it and the fix
-            raise SystemExit(usage_error("bitmatch demo", f"--model: {load_error(args.model, e)}")) from None
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(args.model)
-            # transformers 5 builds a tokenizer without a vocabulary from config.json alone
-            tok = tok if tok.encode(PROMPTS[0]) else None
-        except Exception:
-            tok = None
-        if tok is None:
-            print(f"bitmatch demo: no tokenizer with {args.model!r}: the prompts are token ids (for text prompts, "
-                  "save one beside the weights: tokenizer.save_pretrained(folder))", flush=True)
-    rep = run(model, tok, out_dir=args.out, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-              temperature=args.temperature, seed=args.seed, plot=not args.no_plot)
-    return 0 if rep["bitmatch_on"]["bitmatched"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -148,8 +148,9 @@ def test_locate_bad_options_name_the_flag(capsys, args, text):
 
 def test_check_json_to_a_missing_folder_fails_before_the_run(monkeypatch, capsys):
     from bitmatch import cli
+    from bitmatch.cli import check
 
-    monkeypatch.setattr(cli, "_cases", lambda device: pytest.fail("the check ran before --json was checked"))
+    monkeypatch.setattr(check, "_cases", lambda device: pytest.fail("the check ran before --json was checked"))
     assert cli.main(["check", "--device", "cpu", "--json", "/no/such/folder/check.json"]) == 2
     assert _one_line_err(capsys) == ("bitmatch check: --json: the folder '/no/such/folder' does not exist; create it "
                                      "first (mkdir -p) or give another path")
@@ -173,10 +174,11 @@ def test_demo_user_errors_exit_2_with_one_line(checkpoints, capsys, args, text):
 
 def test_internal_error_is_not_the_divergence_code(monkeypatch, capsys):
     from bitmatch import cli
+    from bitmatch.cli import check
 
     def boom(device):
         raise KeyError("a bug")
-    monkeypatch.setattr(cli, "_cases", boom)
+    monkeypatch.setattr(check, "_cases", boom)
     assert cli.main(["check", "--device", "cpu"]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "bitmatch check: internal error (exit 3); please report it" in err

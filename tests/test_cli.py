@@ -1,5 +1,6 @@
 """`bitmatch check`: zero mismatches on the ops, and every control finds one."""
-from bitmatch.cli import check, main
+from bitmatch.cli import main
+from bitmatch.cli.check import main as check
 
 
 def test_check_table(capsys):
@@ -42,7 +43,7 @@ def test_check_runs_the_stock_controls_of_bitmatch_controls(capsys):
     """`bitmatch check` and `check --family` run exactly ``bitmatch.controls.stock_controls(device)``
     (one definition; the family adds its own HF forward), and the CUDA list has every stock
     kernel the contract replaces on the GPU (built lazily: listing them allocates nothing)."""
-    from bitmatch.cli import _cases
+    from bitmatch.cli.check import _cases
     from bitmatch.controls import stock_controls
     from bitmatch.family_check import family_cases
     names = [c.name for c in stock_controls("cpu")]
@@ -62,7 +63,7 @@ def test_a_control_that_finds_no_mismatch_fails_the_check(monkeypatch, capsys, t
 
     import bitmatch.controls as C
     import bitmatch.kernels as K
-    from bitmatch import cli
+    from bitmatch.cli import check as cli
     from bitmatch.testing import assert_batch_invariant
 
     real = C.stock_controls
@@ -77,7 +78,7 @@ def test_a_control_that_finds_no_mismatch_fails_the_check(monkeypatch, capsys, t
     full = cli._cases
     monkeypatch.setattr(cli, "_cases", lambda d: [r for r in full(d) if r[3] or r[0] == "rms_norm"])
     path = tmp_path / "check.json"
-    assert cli.check(["--device", "cpu", "--json", str(path)]) == 1
+    assert cli.main(["--device", "cpu", "--json", str(path)]) == 1
     out = capsys.readouterr().out
     assert "control: fake" in out and "0 (want >0)" in out
     assert "1 control(s) found NO mismatch" in out and out.rstrip().endswith("control: fake (cpu)"), out
@@ -109,10 +110,10 @@ def test_engine_style_sdpa_same_values():
 
 
 def test_console_entry_answers_help_and_version_without_torch():
-    # the console script (pyproject: bitmatch.cli_common:main) answers these before torch loads
+    # the console script (pyproject: bitmatch.cli:main) answers these before torch loads
     import subprocess
     import sys
-    code = ("import sys; from bitmatch.cli_common import main; rc = main(['--help']); rc2 = main(['--version']); "
+    code = ("import sys; from bitmatch.cli import main; rc = main(['--help']); rc2 = main(['--version']); "
             "rc3 = main(['nope']); print(rc, rc2, rc3, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

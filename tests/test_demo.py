@@ -2,7 +2,7 @@
 import json
 import os
 
-from bitmatch.demo import main
+from bitmatch.cli.demo import main
 
 
 def test_demo_end_to_end(tmp_path, capsys):

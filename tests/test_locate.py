@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from bitmatch.cli import check, main
+from bitmatch.cli import main
+from bitmatch.cli.check import main as check
 from bitmatch.models.registry import families
 from bitmatch.testing_models import random_prompts, tiny_model
 from bitmatch.verify import locate_pair, parse_inject

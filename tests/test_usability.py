@@ -62,7 +62,7 @@ def test_missing_local_path_is_file_not_found_before_any_network(path, no_networ
 
 
 def test_demo_with_missing_model_exits_2_with_the_message(capsys, no_network):
-    from bitmatch.demo import main
+    from bitmatch.cli.demo import main
 
     with pytest.raises(SystemExit) as e:
         main(["--model", "./missing-model"])
@@ -159,7 +159,7 @@ def test_version_and_bare_command(capsys):
 
 
 def test_every_demo_option_has_help(monkeypatch):
-    from bitmatch import demo
+    from bitmatch.cli import demo
 
     class Got(Exception):
         pass
@@ -219,10 +219,10 @@ try:
     sys.exit("the blocker does not block")
 except ModuleNotFoundError:
     pass
-import bitmatch.cli as cli
-full = cli._cases
-cli._cases = lambda device: [r for r in full(device) if r[0] in ("rms_norm", "control: F.linear fp32")]
-sys.exit(cli.check(["--device", "cpu"]))
+import bitmatch.cli.check as check
+full = check._cases
+check._cases = lambda device: [r for r in full(device) if r[0] in ("rms_norm", "control: F.linear fp32")]
+sys.exit(check.main(["--device", "cpu"]))
 """
     p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600,
                        cwd=str(ROOT), env=dict(os.environ, TRITON_INTERPRET="0"))

@@ -110,7 +110,7 @@ def test_demo_model_without_a_tokenizer_runs_on_token_ids(tmp_path, capsys):
     demo runs on token-id prompts, as for a checkpoint whose tokenizer does not load, and says so."""
     import torch
 
-    from bitmatch.demo import main
+    from bitmatch.cli.demo import main
     from bitmatch.testing_models import tiny_model
 
     ckpt = tmp_path / "ckpt"
@@ -124,7 +124,7 @@ def test_demo_model_without_a_tokenizer_runs_on_token_ids(tmp_path, capsys):
 
 def test_demo_dtype_without_model_is_refused(tmp_path, capsys):
     """``--dtype float32`` without ``--model`` was ignored (the tiny model is bf16): exit 2, named."""
-    from bitmatch.demo import main
+    from bitmatch.cli.demo import main
 
     with pytest.raises(SystemExit) as e:
         main(["--dtype", "float32", "--out", str(tmp_path / "out"), "--num-prompts", "1", "--max-tokens", "1",

@@ -1,9 +1,7 @@
-"""What every ``bitmatch`` command shares: exit codes, one-line usage errors, path checks, versions,
-and the console script's entry (``main``): usage, ``--version`` and unknown commands are answered
-here, before anything imports torch; a command loads ``bitmatch.cli``.
+"""What every ``bitmatch`` command shares: exit codes, one-line usage errors, path checks, versions.
 
-Its own module so the commands (``bitmatch.cli``, ``bitmatch.demo``, ``bitmatch.replay``) import it
-at their top without importing each other.
+Light (no torch): the dispatcher (``bitmatch.cli``) imports it to answer ``--help`` and ``--version``,
+and each command module imports it at its top.
 """
 from __future__ import annotations
 
@@ -101,49 +99,3 @@ def version_string() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
     return f"bitmatch {bitmatch.__version__} (torch {v('torch')}, transformers {v('transformers')})"
-
-
-USAGE = """usage: bitmatch {check,locate,replay,demo} [options]   (bitmatch COMMAND --help for its options)
-
-  check      run the invariance self-test of every op and print a table
-             (--family NAME: every op that family uses, at its shapes, with controls)
-  locate     run the same tokens through two paths (--pair engine|hf|schedule|backend) and
-             name the first op whose output bits differ (docs/porting.md)
-  replay     rescore a repro bundle (TRL / verl step check) and compare bit for bit
-  demo       rollouts with the embedded engine vs trainer logprobs: Diff = 0 with
-             bitmatch, the nonzero diff without (tiny model built in code)
-  --version  print the versions of bitmatch, torch and transformers
-
-exit codes: 0 ok; 1 a divergence / mismatch found; 2 a usage or load error (one line naming
-the problem and the fix); 3 an internal error (a bug: the traceback, please report it)"""
-COMMANDS = ("check", "locate", "replay", "demo")
-
-
-def front(argv: list) -> int | None:
-    """The exit code when ``argv`` needs no command run (no arguments, help, version, an unknown
-    command), else None."""
-    if not argv:  # a bare `bitmatch` did nothing useful: say how to use it, exit as argparse does
-        print(USAGE, file=sys.stderr)
-        return EXIT_USAGE
-    if argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return EXIT_OK
-    if argv[0] in ("-V", "--version"):
-        print(version_string())
-        return EXIT_OK
-    if argv[0] not in COMMANDS:
-        print(f"bitmatch: unknown command {argv[0]!r} (use {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]})\n\n{USAGE}",
-              file=sys.stderr)
-        return EXIT_USAGE
-    return None
-
-
-def main(argv=None) -> int:
-    """The console script: help and version without importing torch (``bitmatch --help`` in a
-    fraction of a second), a command through ``bitmatch.cli.main``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    early = front(argv)
-    if early is not None:
-        return early
-    from bitmatch import cli  # the commands import torch and the models: only when one runs
-    return cli.main(argv)
