@@ -7,7 +7,7 @@ is rewritten after every measurement, so a run cut short keeps what it measured)
   trainer (HF forward on SDPA + cuBLAS, fp32 log_softmax(logits / T)) as the control (want > 0).
 - train: benchmarks/gpu_train.py's fwd+bwd of token_logprobs, patched vs stock HF (1.7B 8x1024,
   8B 4x1024); backward_ops: its backward kernels vs float64 and vs stock eager.
-- controls: the CUDA control rows of `bitmatch check` (bitmatch/cli.py), each must mismatch.
+- controls: the CUDA control rows of `bitmatch check` (bitmatch/cli/check.py), each must mismatch.
 - lora[:SIZE]: the engine on a PEFT LoRA model (every linear projection) vs the same engine on the
   model merged into plain weights, graphs on, at the largest --batches; the LoRA engine eager; Diff
   of the LoRA rollout vs token_logprobs.

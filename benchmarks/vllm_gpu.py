@@ -359,7 +359,8 @@ def engine_speed(cfg: dict, args) -> list[dict]:
 
         timed(8)
         t1, tn = timed(1), timed(args.new_tokens)
-        rows.append({"B": B, "ttft_s": t1, "t_new_s": tn, "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1)})
+        rows.append({"B": B, "ttft_s": t1, "t_new_s": tn, "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1),
+                     "engine_config": eng.config.as_dict()})
         print("engine", rows[-1], flush=True)
     eng = model = None  # not del: timed() reads eng
     torch.cuda.empty_cache()

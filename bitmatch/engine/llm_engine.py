@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from bitmatch.engine.block_manager import BlockManager
+from bitmatch.engine.config import EngineConfig, positive_int
 from bitmatch.engine.model_runner import ModelRunner, bytes_per_block, profile_kv_budget
 from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
@@ -37,23 +38,6 @@ _DEFAULT_CPU_KV_BYTES = 512 << 20
 
 # vLLM engine arguments (``vllm.LLM`` / ``EngineArgs``) the engine refuses by name, with the fix; any
 # other unknown keyword is Python's TypeError
-VLLM_REFUSED = {
-    "tensor_parallel_size": "shard the model with bitmatch.parallel.enable_tensor_parallel(model, ...) before Engine",
-    "pipeline_parallel_size": "pipeline parallelism is not supported",
-    "data_parallel_size": "run one Engine per data-parallel rank",
-    "dtype": "load or cast the model in the dtype (torch.bfloat16 / torch.float32), or "
-             "bitmatch.patch(model, compute_dtype=...)",
-    "quantization": "load a quantized checkpoint with bitmatch.models.load_model",
-    "kv_cache_dtype": "the KV cache is kept in the compute dtype (its bits are the trainer's)",
-    "max_num_partial_prefills": "chunked prefill interleaves any number of prefills",
-    "swap_space": "preemption recomputes (same bits); nothing is swapped to the host",
-    "cpu_offload_gb": "weights are the module's own tensors, where the module keeps them",
-    "num_gpu_blocks_override": "use num_gpu_blocks",
-    "speculative_config": "speculative decoding is not supported",
-    "enable_lora": "PEFT LoRA models run as they are (the engine reads their merged weights)",
-    "trust_remote_code": "pass a loaded module (Engine(model)) or a checkpoint of a registered family",
-    "tokenizer_mode": "pass the tokenizer object (Engine(model, tokenizer))",
-}
 
 
 def weight_versions(model) -> dict:
@@ -91,12 +75,6 @@ def _engine_gone(lm_ref) -> None:
         return
     _OPEN.pop(lm, None)
     drop_kept_weights(lm)
-
-
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def _kind(x) -> str:
@@ -172,7 +150,9 @@ class Engine:
     vLLM's engine arguments by name: accepted are ``block_size``, ``num_gpu_blocks``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``,
     ``enable_prefix_caching``, ``seed``, ``enforce_eager``, ``gpu_memory_utilization`` and
-    ``max_seq_len_to_capture``; refused with the fix (ValueError) are the names of ``VLLM_REFUSED``
+    ``max_seq_len_to_capture`` (the fields of ``EngineConfig``: ``Engine(model, config=EngineConfig(...))``
+    is the same engine; ``engine.config`` holds them); refused with the fix (ValueError) are the names of
+    ``VLLM_REFUSED``
     (``tensor_parallel_size``, ``dtype``, ``quantization``, ``kv_cache_dtype``, ``swap_space``,
     ``cpu_offload_gb``, ``num_gpu_blocks_override``, ``trust_remote_code``, ...); any other keyword
     is a TypeError.
@@ -183,20 +163,20 @@ class Engine:
     fp32 masters). A closed engine refuses ``generate`` / ``add_request`` / ``step``.
     """
 
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_gpu_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 max_seq_len_to_capture: int = 8192, memory_share: str = "device", max_model_len: int | None = None,
-                 **vllm_args):
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, **engine_args):
         self._closed = True   # until built: close() of a half-built engine does nothing
-        refused = [k for k in vllm_args if k in VLLM_REFUSED]
-        if refused:
-            raise ValueError("Engine: " + "; ".join(f"{k}= (vLLM's) is not supported: {VLLM_REFUSED[k]}"
-                                                     for k in refused))
-        if vllm_args:
-            raise TypeError(f"Engine() got unexpected keyword argument(s) {sorted(vllm_args)} (the vLLM engine "
-                            "arguments it takes are listed in the Engine docstring)")
+        if config is not None and engine_args:
+            raise TypeError(f"Engine: pass config= or keyword arguments, not both (got config and "
+                            f"{sorted(engine_args)}); dataclasses.replace(config, ...) changes a field")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"Engine: config must be a bitmatch.engine.EngineConfig, got {type(config).__name__}")
+        cfg = self.config = config if config is not None else EngineConfig.from_kwargs(**engine_args)
+        block_size, num_gpu_blocks, kv_cache_bytes = cfg.block_size, cfg.num_gpu_blocks, cfg.kv_cache_bytes
+        max_num_seqs, max_num_batched_tokens, seed = cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.seed
+        enable_chunked_prefill, enable_prefix_caching = cfg.enable_chunked_prefill, cfg.enable_prefix_caching
+        enforce_eager, gpu_memory_utilization = cfg.enforce_eager, cfg.gpu_memory_utilization
+        max_seq_len_to_capture, memory_share, max_model_len = (cfg.max_seq_len_to_capture, cfg.memory_share,
+                                                               cfg.max_model_len)
         if isinstance(model, (str, os.PathLike)):
             path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
@@ -210,21 +190,15 @@ class Engine:
             raise ValueError(f"Engine: model must be an HF causal LM module or a checkpoint path, got {type(model)}")
         check_supported(model)
         lm = unwrap_causal_lm(model)  # config / vocabulary of the causal LM inside any wrapper
-        self.block_size = _positive_int("block_size", block_size)
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
-            raise ValueError(f"Engine: seed must be an int in [0, 2**64), got {seed!r}")
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         _check_compute_dtype(lm)
-        if num_gpu_blocks is not None and kv_cache_bytes is not None:
-            raise ValueError("Engine: give num_gpu_blocks or kv_cache_bytes, not both")
         self.model, self.tokenizer, self.seed = model, tokenizer, seed
         self.device = next(model.parameters()).device
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_model_len = getattr(lm.config, "max_position_embeddings", None)
         self._len_limit = f"the model's max_position_embeddings={self.max_model_len}"
         if max_model_len is not None:
-            _positive_int("max_model_len", max_model_len)
             if self.max_model_len is not None and max_model_len > self.max_model_len:
                 raise ValueError(f"Engine: max_model_len={max_model_len} is longer than the model's "
                                  f"max_position_embeddings={self.max_model_len}; pass at most that")
@@ -242,11 +216,6 @@ class Engine:
                              "prefix block does not carry; use enable_prefix_caching=False")
         per_block = bytes_per_block(groups, self.block_size)
         state_bytes = self.max_num_seqs * sum(g.bytes_per_seq() for g in groups)
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if memory_share not in ("device", "engine"):
-            raise ValueError(f"Engine: memory_share must be 'device' or 'engine', got {memory_share!r}")
-        _positive_int("max_seq_len_to_capture", max_seq_len_to_capture)
         self.kv_profile = None
         if num_gpu_blocks is None:
             if kv_cache_bytes is None:
@@ -262,7 +231,7 @@ class Engine:
                         raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="
                                          f"{gpu_memory_utilization} ({self.kv_profile}); raise it{trl}, or lower "
                                          "max_num_batched_tokens / max_num_seqs")
-            _positive_int("kv_cache_bytes", kv_cache_bytes)
+            positive_int("kv_cache_bytes", kv_cache_bytes)
             if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
                 num_gpu_blocks = self.max_num_seqs * -(-(self.max_model_len or 32768) // self.block_size)
             else:
@@ -271,7 +240,7 @@ class Engine:
                 raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is less than one KV block "
                                  f"({per_block} bytes at block_size={self.block_size}) after the per-sequence "
                                  f"state of max_num_seqs={self.max_num_seqs} sequences ({state_bytes} bytes)")
-        self.num_gpu_blocks = _positive_int("num_gpu_blocks", num_gpu_blocks)
+        self.num_gpu_blocks = positive_int("num_gpu_blocks", num_gpu_blocks)
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.block_manager = BlockManager(self.num_gpu_blocks, self.block_size, bool(enable_prefix_caching),
                                           num_state_slots=self.max_num_seqs)
