@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+from bitmatch.wrappers import register_wrapper
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -25,6 +27,13 @@ _EXPORTS = {
 _SUBMODULES = ("kernels", "verify", "sync", "testing", "models", "engine", "adapters", "context")
 
 __all__ = sorted(list(_EXPORTS) + list(_SUBMODULES))
+
+# The wrappers token_logprobs runs inside, declared here, at the top, so that the core never names the
+# parallel layer above it: each handler loads with the first model once its torch module is imported
+# (a model cannot hold an FSDP unit or a DTensor before), so `import bitmatch.logprobs` stays off
+# torch.distributed.fsdp. DDP first, as token_logprobs has always tried it.
+register_wrapper("bitmatch.parallel.ddp:ddp_runner", "torch.nn.parallel")
+register_wrapper("bitmatch.parallel.fsdp:fsdp_runner", "torch.distributed.fsdp", "torch.distributed.tensor")
 
 
 def __getattr__(name):

@@ -17,9 +17,8 @@ from bitmatch.models import (
     forward_hidden,
     unwrap_causal_lm,
 )
-from bitmatch.parallel.ddp import ddp_forward, ddp_wrapper
-from bitmatch.parallel.fsdp import fsdp_forward, fsdp_units
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
+from bitmatch.wrappers import runner_for
 
 # fp32 logits elements per chunk (1 GiB): each chunk pays its own launches (the head GEMM, the
 # logprob kernel, the checkpointed recompute and backward GEMMs); at 2**25 a TRL micro-batch of
@@ -217,22 +216,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return the fp32 [B, L-1] entropy of the same distribution at the same positions (with
     gradients): ``(logprobs, entropy)``.
     An FSDP2 model (``fully_shard`` on the root and, after ``bitmatch.patch``, on whole decoder
-    layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``): the same bits on
-    every rank, gradients reduce-scattered into the shards as FSDP2's own forward has them; a
-    ``DistributedDataParallel`` model inside DDP's own forward (``bitmatch.parallel.ddp``), so the
-    backward all-reduces the gradients as DDP's forward has it.
+    layers) runs inside FSDP2's own forward hooks (``bitmatch.parallel.fsdp``, found through
+    ``bitmatch.wrappers``): the same bits on every rank, gradients reduce-scattered into the shards
+    as FSDP2's own forward has them; a ``DistributedDataParallel`` model inside DDP's own forward
+    (``bitmatch.parallel.ddp``), so the backward all-reduces the gradients as DDP's forward has it.
     Invariance: each token's value depends only on its own row's tokens, T, k and p.
     """
-    ddp = ddp_wrapper(model)
-    if ddp is not None:
-        return ddp_forward(ddp, _token_logprobs, ddp.module, input_ids, attention_mask, temperature, top_k, top_p,
-                           chunk_rows, compute_dtype, return_entropy, recompute_logits)
-    units = fsdp_units(model)
-    if units:
-        return fsdp_forward(units, _token_logprobs, model, input_ids, attention_mask, temperature, top_k, top_p,
-                            chunk_rows, compute_dtype, return_entropy, recompute_logits)
-    return _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
-                           return_entropy, recompute_logits)
+    args = (input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype, return_entropy,
+            recompute_logits)
+    run = runner_for(model)  # DDP's or FSDP2's handler (bitmatch.parallel), declared in bitmatch/__init__.py
+    return run(_token_logprobs, *args) if run is not None else _token_logprobs(model, *args)
 
 
 def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,

@@ -9,9 +9,9 @@ bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models on bitmatch's 
 backward; ``ddp``: DistributedDataParallel models run inside DDP's forward. docs/scaling.md has the
 design and its costs.
 
-Names are imported lazily (as in ``bitmatch``): ``bitmatch.logprobs`` imports ``bitmatch.parallel.fsdp``
-for sharded models, and ``tensor_parallel`` imports ``bitmatch.logprobs``, so this package's
-``__init__`` must not import its modules at its top.
+Names are imported lazily (as in ``bitmatch``): the engine imports ``tensor_parallel``, which must not
+pull ``fsdp`` (``torch.distributed.fsdp``, ~0.7 s) with it. ``fsdp`` and ``ddp`` reach the core only
+through ``bitmatch.wrappers``, where ``bitmatch``'s ``__init__`` registers their handlers.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 DDP all-reduces gradients only for a backward its own ``forward`` prepared (its reducer's
 ``prepare_for_forward`` / ``prepare_for_backward``); ``bitmatch.token_logprobs`` computes from the
 module inside the wrapper, so without this each rank would keep its own gradients and the replicas
-would drift apart (tests/test_ddp.py). ``ddp_forward`` runs the computation as the wrapped module's
-forward, inside the wrapper's call: the same bits as the plain module, DDP's gradient sync on.
+would drift apart (tests/test_ddp.py). ``ddp_forward`` (through ``ddp_runner``, the
+``bitmatch.wrappers`` handler) runs the computation as the wrapped module's forward, inside the
+wrapper's call: the same bits as the plain module, DDP's gradient sync on.
 """
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from bitmatch.models.registry import tp_shard
 def ddp_wrapper(model) -> DistributedDataParallel | None:
     """``model`` itself when it is a DDP wrapper (accelerate's and torchrun's data parallel), else None."""
     return model if isinstance(model, DistributedDataParallel) else None
+
+
+def ddp_runner(model):
+    """``bitmatch.wrappers``' handler for DDP (registered by ``bitmatch``'s ``__init__``): None for a
+    model that is not a DDP wrapper, else ``run(fn, *args)``, ``fn(model.module, *args)`` inside
+    ``ddp_forward``."""
+    ddp = ddp_wrapper(model)
+    if ddp is None:
+        return None
+    return lambda fn, *args: ddp_forward(ddp, fn, ddp.module, *args)
 
 
 def ddp_forward(ddp: DistributedDataParallel, fn, *args):

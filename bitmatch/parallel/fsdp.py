@@ -4,7 +4,8 @@ FSDP2 keeps each parameter as a DTensor shard. A unit's pre-forward hook (on its
 all-gathers its full parameters; its post-forward hook frees them again and hooks the outputs, so
 that backward all-gathers them once more and reduce-scatters the gradients into the shards' ``.grad``.
 bitmatch's forward reads ``module.weight`` and calls its kernels directly, so it enters those hooks
-itself (``fsdp_forward``, which ``bitmatch.token_logprobs`` runs on a sharded model):
+itself (``fsdp_forward``, which ``bitmatch.token_logprobs`` runs on a sharded model through
+``fsdp_runner``, the ``bitmatch.wrappers`` handler):
 
 - a ``fully_shard``-ed decoder layer runs through its own ``__call__`` once ``bitmatch.patch`` has
   rebound its forward (``registry.call_layer``): gathered and freed one layer at a time, as in
@@ -113,6 +114,16 @@ def fsdp_forward(units, fn, *args, **kwargs):
         return run() if i == len(units) else _enter(units[i])(lambda: nest(i + 1))
     return nest(0)
 
+
+
+def fsdp_runner(model):
+    """``bitmatch.wrappers``' handler for FSDP2 (registered by ``bitmatch``'s ``__init__``): None
+    for a model with no unit to enter, else ``run(fn, *args)``, ``fn(model, *args)`` inside
+    ``fsdp_forward``. Raises ``fsdp_units``' ValueErrors."""
+    units = fsdp_units(model)
+    if not units:
+        return None
+    return lambda fn, *args: fsdp_forward(units, fn, model, *args)
 
 @contextlib.contextmanager
 def fsdp_unsharded(model):
