@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import bitmatch.sync as sync
+from bitmatch.adapters.vllm import VllmColocateSender
 from bitmatch.precision import compute_cast
 from bitmatch.sync import names
 from sync_helpers import FakeVllmQwen3, tiny_qwen3
@@ -184,7 +185,7 @@ def test_stale_weight_version_detected():
 def test_vllm_colocate_round_trip_through_load_weights():
     master = tiny_qwen3(seed=0)
     fake = FakeVllmQwen3(master)
-    tx = sync.VllmColocateSender(model=fake, bucket_bytes=8192)
+    tx = VllmColocateSender(model=fake, bucket_bytes=8192)
     man = sync.publish(master, 3, to=tx)
     assert tx.require_ready(3) == 3 and fake.loads > 1  # bucketed
     sync.verify(fake, man, layout="vllm")
@@ -206,7 +207,7 @@ class CorruptingFake(FakeVllmQwen3):
 def test_vllm_colocate_corrupt_load_detected_and_rolled_back():
     m1, m2 = tiny_qwen3(seed=0), tiny_qwen3(seed=2)
     fake = CorruptingFake(m1)
-    tx = sync.VllmColocateSender(model=fake)
+    tx = VllmColocateSender(model=fake)
     fake.__class__ = FakeVllmQwen3
     man1 = sync.publish(m1, 1, to=tx)
     fake.__class__ = CorruptingFake

@@ -9,6 +9,7 @@ import torch
 
 import bitmatch.sync as sync
 from bitmatch import token_logprobs
+from bitmatch.adapters.vllm import VllmColocateSender
 from bitmatch.engine import SamplingParams
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
 from bitmatch.verify import compare
@@ -126,7 +127,7 @@ def test_check_weight_version_refuses_nothing_and_non_ints():
 def test_vllm_colocate_versions_increase_and_live_writes_are_caught():
     m1, m2 = tiny_qwen3(seed=0), tiny_qwen3(seed=2)
     fake = FakeVllmQwen3(m1)
-    tx = sync.VllmColocateSender(model=fake)
+    tx = VllmColocateSender(model=fake)
     sync.publish(m1, 5, to=tx)
     with pytest.raises(sync.WeightVersionError, match="versions must increase"):
         sync.publish(m2, 3, to=tx)

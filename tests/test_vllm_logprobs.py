@@ -95,7 +95,7 @@ def _child(spec):
     # plugin == "env": BITMATCH=1 set by the parent; vLLM loads the plugin through its entry point
     import vllm
 
-    from bitmatch.sync.transport_vllm import VllmColocateSender
+    from bitmatch.adapters.vllm import VllmColocateSender
 
     prompts, result = spec["prompts"], {"runs": [], "errors": {}}
     for i, eng in enumerate(spec["engines"]):

@@ -12,9 +12,11 @@ Protocol, in a few lines:
 3. Rollouts carry the weight version they were sampled with; the trainer checks it
    (``check_weight_version``) and catches the off-by-one-step bug.
 Transports: in-process (shared tensors: fingerprint check only; otherwise cast and checked on the
-rollout's device), vLLM colocate (load_weights), TCP (loopback, shared-token HMAC auth, bucketed
-so memory stays bounded), IPC (another process on this node: TCP control channel, bytes through
-a shared CUDA IPC / shared-memory bucket).
+rollout's device), TCP (loopback, shared-token HMAC auth, bucketed so memory stays bounded), IPC
+(another process on this node: TCP control channel, bytes through a shared CUDA IPC / shared-memory
+bucket). vLLM colocate (load_weights) is the vLLM adapter's transport,
+``bitmatch.adapters.vllm.VllmColocateSender``: this package names no adapter, and any object with
+``send(model, version, dtype)`` is a sender.
 """
 from __future__ import annotations
 
@@ -44,14 +46,12 @@ from .source import DEFAULT_BUCKET_BYTES, cast_fingerprint, named_weights
 from .transport_inprocess import InProcessSender
 from .transport_ipc import IpcSender
 from .transport_tcp import TcpReceiverServer, TcpSender
-from .transport_vllm import VllmColocateSender
 from .version import check_version
 
 __all__ = [
     "publish", "receive", "serve", "verify", "fingerprints", "fingerprint", "check_weight_version",
     "stamp_weight_version", "require_ready", "HASH_NAME", "weight_state", "Manifest", "TensorSpec", "Receiver",
     "Update", "WeightState", "InProcessSender", "TcpSender", "IpcSender", "fingerprints_of", "TcpReceiverServer",
-    "VllmColocateSender",
     "SyncError", "FingerprintMismatchError", "WeightsNotReadyError", "WeightVersionError",
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
     "RolloutCopy", "storage_dtypes",
@@ -60,17 +60,19 @@ __all__ = [
 
 def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> Manifest:
     """Publish ``model``'s weights (nn.Module, dict or (name, tensor) pairs; fp32 master or already
-    compute dtype) as ``version`` through ``to``: a Receiver in this process, or an
-    InProcessSender / TcpSender / VllmColocateSender. Returns the committed Manifest; raises
-    (SyncError, FingerprintMismatchError, ValueError, AuthenticationError) if the receiver did not
-    switch, in which case it still holds its previous version.
+    compute dtype) as ``version`` through ``to``: a Receiver in this process, or a sender
+    (InProcessSender, TcpSender, IpcSender, ``bitmatch.adapters.vllm.VllmColocateSender``). Returns
+    the committed Manifest; raises (SyncError, FingerprintMismatchError, ValueError,
+    AuthenticationError) if the receiver did not switch, in which case it still holds its previous
+    version.
     Invariance: the bytes the engine ends up with are compute_cast(w, dtype), checked by fingerprint."""
     version = check_version(version, "publish")
     if isinstance(to, Receiver):
         to = InProcessSender(to)
     if not callable(getattr(to, "send", None)):
         raise TypeError(f"publish: to= takes a Receiver (bitmatch.sync.receive(model) on the engine's model) or "
-                        f"a sender (InProcessSender, TcpSender, VllmColocateSender), got {type(to).__name__}")
+                        f"a sender (InProcessSender, TcpSender, IpcSender, bitmatch.adapters.vllm.VllmColocateSender), "
+                        f"got {type(to).__name__}")
     weights = model.named_parameters() if isinstance(model, torch.nn.Module) else \
         model.items() if isinstance(model, dict) else ()  # other iterables are read once, by the send
     half = next((n for n, w in weights if isinstance(w, torch.Tensor) and w.dtype == torch.float16), None)

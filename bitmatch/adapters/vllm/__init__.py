@@ -16,9 +16,13 @@ is built (which sets the variable, so the processes vLLM starts inherit it). Whe
 ``register()`` is idempotent: vLLM may call it several times per process. When it activates
 the plugin it logs one line (``activation_message``) through vLLM's logger: bitmatch's version,
 the backend and the canonical-order stamp's fingerprint, so a run's log shows which bits it ran.
+
+``VllmColocateSender`` (``weight_sync.py``): ``bitmatch.sync.publish`` into a vLLM engine through
+its ``load_weights``; loaded on first use, since vLLM imports this package in every process.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -30,7 +34,16 @@ _registered = False
 # a child of vLLM's "vllm" logger: printed by vLLM's handler, in its format, beside its own lines
 logger = logging.getLogger("vllm.bitmatch")
 
-__all__ = ["register", "enable", "is_enabled", "activation_message", "ENV_VAR", "model_classes"]
+__all__ = ["register", "enable", "is_enabled", "activation_message", "ENV_VAR", "model_classes",
+           "VllmColocateSender"]
+# name -> module of this package that defines it, imported on first access (bitmatch.sync, torch)
+_LAZY = {"VllmColocateSender": "weight_sync"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_classes() -> dict[str, str]:

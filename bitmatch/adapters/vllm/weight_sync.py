@@ -1,4 +1,8 @@
-"""vLLM colocate transport: weights go through the model's own ``load_weights``.
+"""vLLM colocate transport for ``bitmatch.sync.publish``: weights go through the model's own ``load_weights``.
+
+The vLLM side of the sync protocol (``bitmatch.sync`` names no adapter), reached as
+``bitmatch.adapters.vllm.VllmColocateSender``. It does not import vLLM: it calls the engine's
+interface on the object it is given.
 
 Written against vLLM's interface (``model.load_weights(iterable of (hf_name, tensor))``, reached
 directly in single-process/colocate mode or through ``llm.collective_rpc``); tested with a fake
@@ -6,26 +10,26 @@ model that mimics it and with real vLLM 0.32 (CPU) under the bitmatch plugin, bo
 (tests/test_vllm_logprobs.py). vLLM writes in place, so atomicity comes from a backup: the touched
 engine parameters are copied aside first (``backup=True``, one model copy of memory), the new
 version is loaded bucket by bucket, then every HF tensor's fingerprint is recomputed on the
-engine's own bytes through names.py (row blocks of qkv_proj / gate_up_proj). On any failure the
-backup is restored, the previous version stays live, and generation is refused until a full
-update succeeds. Versions are checked as every transport checks them (``version.check_version``)
-and must increase; the live version number with other bytes is refused before anything is
-written. In this process (``model=`` or a reachable driver model) every ``require_ready``
-compares the parameters' version counters with those read at the commit, so an in-place write
-outside ``publish`` is refused by name, as the Receiver does. Note (vLLM CPU): the stock CPU
-linear repacks weights after loading; the bitmatch vLLM plugin's non-repacking linear method is
-needed for load_weights to take effect.
+engine's own bytes through ``bitmatch.sync.names`` (row blocks of qkv_proj / gate_up_proj). On any
+failure the backup is restored, the previous version stays live, and generation is refused until a
+full update succeeds. Versions are checked as every transport checks them
+(``bitmatch.sync.version.check_version``) and must increase; the live version number with other
+bytes is refused before anything is written. In this process (``model=`` or a reachable driver
+model) every ``require_ready`` compares the parameters' version counters with those read at the
+commit, so an in-place write outside ``publish`` is refused by name, as the Receiver does. Note
+(vLLM CPU): the stock CPU linear repacks weights after loading; the bitmatch vLLM plugin's
+non-repacking linear method is needed for load_weights to take effect.
 """
 from __future__ import annotations
 
 import torch
 
-from ..precision import compute_cast
-from .fingerprint import Manifest, TensorSpec, dtype_from_name, dtype_name, fingerprint
-from .names import architecture_of, build_layout
-from .receiver import FingerprintMismatchError, WeightState, WeightVersionError, attach_state
-from .source import DEFAULT_BUCKET_BYTES, named_weights, wire_specs
-from .version import check_version
+from bitmatch.precision import compute_cast
+from bitmatch.sync.fingerprint import Manifest, TensorSpec, dtype_from_name, dtype_name, fingerprint
+from bitmatch.sync.names import architecture_of, build_layout
+from bitmatch.sync.receiver import FingerprintMismatchError, WeightState, WeightVersionError, attach_state
+from bitmatch.sync.source import DEFAULT_BUCKET_BYTES, named_weights, wire_specs
+from bitmatch.sync.version import check_version
 
 
 def _driver_model(llm):
