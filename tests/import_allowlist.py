@@ -41,3 +41,8 @@ LOCAL_IMPORTS = {
 # (using module, "defining_module._name"): why another module reads the private name
 PRIVATE_USES = {
 }
+
+# (core module, adapter module): why a module of bitmatch.sync / engine / models / kernels reaches up
+# into bitmatch.adapters (an adapter is glue on top of the core; the core names none)
+ADAPTER_IMPORTS = {
+}

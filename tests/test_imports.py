@@ -8,7 +8,10 @@ means 'this file only'"):
 - a function-local import of bitmatch's own modules is allowed only where ``LOCAL_IMPORTS`` names
   it with a reason (a cycle broken on purpose, an optional extra loaded lazily, a file owned by
   another change); hoisting one that would close a cycle is refused by the graph test;
-- a ``_name`` of one module used by another is allowed only where ``PRIVATE_USES`` names it.
+- a ``_name`` of one module used by another is allowed only where ``PRIVATE_USES`` names it;
+- layers point one way: no module of the core (``CORE``) imports ``bitmatch.adapters``, at its top
+  or inside a function, unless ``ADAPTER_IMPORTS`` names it; ``import bitmatch.logprobs`` does not
+  load ``torch.distributed.fsdp`` (the parallel layer's handlers reach it through ``bitmatch.wrappers``).
 
 Each allow-list fails on an entry that no longer occurs, so it shrinks as imports move up.
 """
@@ -24,11 +27,13 @@ import textwrap
 
 import pytest
 
-from import_allowlist import LOCAL_IMPORTS, PRIVATE_USES
+from import_allowlist import ADAPTER_IMPORTS, LOCAL_IMPORTS, PRIVATE_USES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # source folder -> installed package: one tree, bitmatch/ (kernels and adapters inside it)
 ROOTS = {"bitmatch": "bitmatch"}
+# the layers below the adapters: none of their modules may import bitmatch.adapters
+CORE = ("bitmatch.sync", "bitmatch.engine", "bitmatch.models", "bitmatch.kernels")
 # a module whose import fails on one of these missing is an optional extra's, skipped by name
 OPTIONAL = {"verl": "verl", "vllm": "vllm", "trl": "trl", "peft": "trl", "triton": "triton"}
 
@@ -225,6 +230,69 @@ def test_scanner_sees_the_cases_it_polices(tmp_path):
     """))
     found = [(fn, t) for node, fn in _walk(tree) for t, _ in _targets("bitmatch.cli", node)]
     assert found == [(None, "bitmatch.kernels"), ("f", "bitmatch.verify")]
+
+
+def _in(mod: str, packages) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
+def upward_imports(edges, local, lower, upper) -> list[tuple[str, str]]:
+    """(module of ``lower``, module of ``upper`` it imports), at its top or inside a function."""
+    pairs = {(m, t) for m, ts in edges.items() for t in ts} | set(local)
+    return sorted((m, t) for m, t in pairs if _in(m, lower) and _in(t, upper))
+
+
+def test_core_does_not_import_adapters():
+    found = upward_imports(EDGES, LOCAL, CORE, ("bitmatch.adapters",))
+    unlisted = [f"{m} imports {t}" for m, t in found if (m, t) not in ADAPTER_IMPORTS]
+    assert not unlisted, ("the core imports an adapter (layers point one way: move the piece into the core, or "
+                          "have the adapter register it; a real exception goes in tests/import_allowlist.py "
+                          "ADAPTER_IMPORTS with its reason):\n  " + "\n  ".join(unlisted))
+    stale = sorted(f"{m} -> {t}" for (m, t) in ADAPTER_IMPORTS if (m, t) not in found and m in MODULES)
+    assert not stale, "ADAPTER_IMPORTS entries that no longer occur (remove them):\n  " + "\n  ".join(stale)
+    # control: the check sees an upward import at a module's top, one inside a function, and no other
+    assert upward_imports({"bitmatch.sync.x": {"bitmatch.adapters", "bitmatch.adapters.vllm", "bitmatch.kernels"},
+                           "bitmatch.adapters.vllm": {"bitmatch.sync"}},
+                          {("bitmatch.models.y", "bitmatch.adapters.trl"): ["f"]}, CORE, ("bitmatch.adapters",)) == [
+        ("bitmatch.models.y", "bitmatch.adapters.trl"), ("bitmatch.sync.x", "bitmatch.adapters"),
+        ("bitmatch.sync.x", "bitmatch.adapters.vllm")]
+
+
+_FSDP_PROBE = r"""
+import json, sys
+loaded = lambda: {"fsdp": "torch.distributed.fsdp" in sys.modules,
+                  "parallel": sorted(m for m in sys.modules if m.startswith("bitmatch.parallel"))}
+out = {}
+import bitmatch
+out["bitmatch"] = loaded()
+import bitmatch.logprobs
+out["logprobs"] = loaded()
+import torch
+from bitmatch.wrappers import runner_for
+out["runner"] = runner_for(torch.nn.Linear(2, 2)) is None
+out["first_call"] = loaded()
+import torch.distributed.fsdp
+out["runner_fsdp"] = runner_for(torch.nn.Linear(2, 2)) is None
+out["after_fsdp"] = loaded()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_logprobs_does_not_import_fsdp():
+    """``import bitmatch`` / ``bitmatch.logprobs`` in a fresh interpreter leave ``torch.distributed.fsdp``
+    (~0.7 s) unloaded; the FSDP2 handler loads once torch.distributed.fsdp is imported (the control:
+    no FSDP model can exist before, and none is missed after)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", _FSDP_PROBE], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=REPO)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, f"the probe failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    r = json.loads(line[-1][len("RESULT "):])
+    assert r["bitmatch"] == {"fsdp": False, "parallel": []}, r
+    assert r["logprobs"] == {"fsdp": False, "parallel": []}, ("importing bitmatch.logprobs loads "
+                                                              f"torch.distributed.fsdp or bitmatch.parallel: {r}")
+    assert r["runner"] and r["first_call"]["fsdp"] is False, r  # a plain model: DDP's handler only
+    assert r["runner_fsdp"] and r["after_fsdp"]["fsdp"] and "bitmatch.parallel.fsdp" in r["after_fsdp"]["parallel"], r
 
 
 # ----------------------------------------------------------------------------- each module first
