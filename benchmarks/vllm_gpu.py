@@ -259,7 +259,8 @@ def trainer_diff(ckpts: dict[str, str], runs: list[dict]) -> dict:
         del model
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    return {"tokens": tot, "mismatches": mism, "max_abs_diff": worst, "mismatches_where": where,
+    extra = {"error": "no tokens compared"} if tot == 0 else {}  # zero compared is no Diff = 0
+    return {**extra, "tokens": tot, "mismatches": mism, "max_abs_diff": worst, "mismatches_where": where,
             "mismatches_by_batch": {k: f"{m} of {n}" for k, (m, n) in by_batch.items()}, "first_mismatches": first,
             "cached_tokens": sum(r.get("cached") or 0 for r in runs),
             "reload_s": [r["reload_s"] for r in runs if "reload_s" in r]}

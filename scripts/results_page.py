@@ -792,6 +792,8 @@ def diff_words(tokens, mismatches, control=None, stock="stock HF", max_abs=None)
     """'Diff = 0 on N of N tokens' or 'M of N tokens differ (max D)', with the stock control's count."""
     notes = [f"max {small(max_abs)}"] if mismatches and max_abs else []
     notes += [f"{stock}: {count(control)} differ"] if control is not None else []
+    if not tokens:  # nothing compared is no evidence of equality
+        return "no tokens compared"
     said = (f"Diff = 0 on {count(tokens)} of {count(tokens)} tokens" if mismatches == 0
             else f"{count(mismatches)} of {count(tokens)} tokens differ")
     return said + (f" ({'; '.join(notes)})" if notes else "")

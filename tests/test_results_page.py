@@ -123,3 +123,8 @@ def test_page_is_grouped_by_topic_newest_first(tmp_path):
     assert order == sorted(order), "newest run first inside a topic"
     assert page.index("## vLLM plugin on the GPU") < page.index("## Weight sync")
     assert all(name in names for names in [sum(results_page.TOPICS.values(), ())] for name in results_page.RENDERERS)
+
+
+def test_zero_tokens_compared_is_never_diff_zero():
+    assert results_page.diff_words(0, 0) == "no tokens compared"
+    assert results_page.diff_words(None, 0) == "no tokens compared"
