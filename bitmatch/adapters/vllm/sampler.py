@@ -97,7 +97,10 @@ class BitmatchSampler(Sampler):
         drawn_from = self._mask(logits, md, temp)
         # vLLM draws (and divides by T in place) on a copy; its own top-k / top-p are off
         quiet = dataclasses.replace(md, max_num_logprobs=None, logprob_token_ids=None, top_k=None, top_p=None)
-        out = super().forward(drawn_from.clone(), quiet, predict_bonus_token, logprobs_mode_override)
+        # vLLM's first step is logits.to(float32), a copy unless they are fp32 already: only then may its
+        # in-place temperature reach drawn_from
+        mine = drawn_from.clone() if drawn_from.dtype == torch.float32 else drawn_from
+        out = super().forward(mine, quiet, predict_bonus_token, logprobs_mode_override)
         if not wants_logprobs:
             return out
         if mode == "raw_logprobs":
