@@ -52,9 +52,13 @@ MODES = {  # name -> environment of the vLLM process
     "stock": {"BITMATCH": "0"},
     "batch_invariant": {"BITMATCH": "0", "VLLM_BATCH_INVARIANT": "1"},
     "plugin": {"BITMATCH": "1"},
+    "plugin_v2": {"BITMATCH": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"},  # vLLM's GPU default runner, hooked
     # the control of one swapped kernel: the override must hold in the process running the model,
     # so the engine core runs in this one
     "plugin_stock_linear": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    # where a decode step's GPU time goes (torch profiler; the model runs in this process)
+    "stock_profile": {"BITMATCH": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "plugin_profile": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
 }
 DEV = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" and os.path.exists("/dev/nvidia0") else "cpu"
 T = 0.9
@@ -172,6 +176,11 @@ def speed_rows(llm, vocab: int, args) -> list[dict]:
             return time.perf_counter() - t
 
         timed(8)  # warm-up at this batch size
+        if args.mode.endswith("_profile"):
+            import _common
+            rows.append({"B": B, "kernels_32_tokens": _common.top_kernels(lambda: timed(32), k=15)})
+            print(args.mode, rows[-1], flush=True)
+            continue
         t1, tn = timed(1), timed(args.new_tokens)
         rows.append({"B": B, "ttft_s": t1, "t_new_s": tn,
                      "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1)})
@@ -382,13 +391,13 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--sections", default="diff,speed")
     ap.add_argument("--families", default="qwen3,qwen3_moe")
-    ap.add_argument("--speed-modes", default="stock,batch_invariant,plugin,engine")
+    ap.add_argument("--speed-modes", default="stock,plugin,engine,batch_invariant")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--gpu-mem", type=float, default=0.6)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--hbm-tbps", type=float, default=3.35)
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="default: the card's (benchmarks/_common.py)")
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--child", action="store_true")
@@ -423,7 +432,8 @@ def main():
                     ("plugin, compile, no CUDA graphs", "plugin", False, "NONE"),
                     ("plugin, eager", "plugin", True, None),
                     ("stock vLLM (control)", "stock", False, None),
-                    ("plugin, linear swapped for the stock GEMM (control)", "plugin_stock_linear", False, None)]
+                    ("plugin, linear swapped for the stock GEMM (control)", "plugin_stock_linear", False, None),
+                    ("plugin, V2 model runner, graphs + compile", "plugin_v2", False, None)]
             for k, (label, mode, eager, cg) in enumerate(plan):
                 if args.rows and k not in args.rows:
                     continue
@@ -451,7 +461,8 @@ def main():
                 rec.err(f"probe/{fam}")
     if "speed" in args.sections:
         ckpt = save_checkpoint(QWEN3_8B, os.path.join(root, "qwen3_8b"), weights=False)
-        rows = {"roofline_tok_s": {B: roofline(QWEN3_8B, B, args.prompt_len + args.new_tokens // 2, args.hbm_tbps)
+        rows = {"roofline_tok_s": {B: roofline(QWEN3_8B, B, args.prompt_len + args.new_tokens // 2,
+                                               _common.hbm_tbps(args.hbm_tbps))
                                    for B in args.batches}}
         for mode in args.speed_modes.split(","):
             if left() < 90:
@@ -463,7 +474,7 @@ def main():
             except Exception:
                 rec.err(f"speed/{mode}")
             rec.put("speed/qwen3_8b", rows)
-        base = {r["B"]: r["decode_tok_s"] for r in rows.get("stock", {}).get("rows", [])}
+        base = {r["B"]: r["decode_tok_s"] for r in (rows.get("stock") or {}).get("rows", [])}
         for mode in ("batch_invariant", "plugin", "engine"):
             got = rows.get(mode)
             got = got if isinstance(got, list) else (got or {}).get("rows", [])

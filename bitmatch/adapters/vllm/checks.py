@@ -64,11 +64,17 @@ def _engine_problems(vllm_config) -> list[str]:
     kv_dtype = vllm_config.cache_config.cache_dtype
     if kv_dtype not in ("auto", None):
         out.append(f"kv_cache_dtype={kv_dtype!r} (the KV cache must hold the model dtype: use 'auto')")
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        out.append("the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): the plugin hooks the V1 sampler")
+    if getattr(vllm_config, "use_v2_model_runner", False) and not _v2_hooked():
+        out.append("the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): this vLLM has no V2 sampler the plugin can "
+                   "hook (bitmatch/adapters/vllm/sampler_v2.py); use VLLM_USE_V2_MODEL_RUNNER=0")
     if getattr(mc, "return_sampling_mask", False):
         out.append("return_sampling_mask")
     return out
+
+
+def _v2_hooked() -> bool:
+    from . import V2_HOOKED
+    return V2_HOOKED
 
 
 def _head_size_problems(hf_config) -> list[str]:
