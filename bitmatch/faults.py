@@ -1,7 +1,9 @@
 """Planted faults for ``bitmatch locate --inject`` (demos and tests): a perturbed weight, a stock
 (non-invariant) torch version of one kernel, the other temperature formula. Each is applied to one
 side of a pair only and undone afterwards. A kernel fault is the op table's stock counterpart of the
-op (``kernels/stock.py``) swapped in by ``kernels.override``: the stamp says so while it runs."""
+op (``kernels/stock.py``) swapped in by ``kernels.override``, the temperature fault the other formula
+in place of ``token_logprobs`` by the same override: the stamp says so while it runs; nothing else
+of the engine or the model is touched."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +11,6 @@ import copy
 
 import torch
 
-import bitmatch.engine.sampling as S
 import bitmatch.kernels as K
 from bitmatch.kernels.table import OPS
 from bitmatch.models import unwrap_causal_lm
@@ -61,16 +62,26 @@ def kernel_fault(op: str | None):
         yield
 
 
+def reciprocal_temperature_logprobs(logits, targets, temperature):
+    """The planted temperature formula, in ``token_logprobs``' signature: the logprobs of
+    logits * (1/T) at T = 1 (HF/TRL's ``logits / T`` with a float, as CUDA runs it) instead of the
+    division by T both bitmatch paths use. A per-row temperature tensor (the engine's sampler) goes
+    to the op's autograd Function directly, as the sampler's own call does: no argument checks, so
+    the fault runs inside a captured decode graph too."""
+    canonical = OPS["token_logprobs"].canonical
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(device=logits.device, dtype=torch.float32)
+        scaled = logits.float() * (1.0 / t).reshape(-1, 1)
+        return K.logprobs.TokenLogprobsFunction.apply(scaled.contiguous(), targets, torch.ones_like(t))
+    return canonical(logits.float() * (1.0 / temperature), targets, 1.0)
+
+
 @contextlib.contextmanager
 def engine_temperature_fault(on: bool):
-    """The engine's reported logprobs from logits * (1/T) instead of logits / T."""
+    """Inside the block ``bitmatch.kernels.token_logprobs`` is ``reciprocal_temperature_logprobs``
+    (``kernels.override``): the engine's reported logprobs from logits * (1/T) instead of logits / T."""
     if not on:
         yield
         return
-    orig = S.reported_logprobs
-    S.reported_logprobs = lambda logits, tokens, temps: orig(logits.float() * (1.0 / temps)[:, None], tokens,
-                                                           torch.ones_like(temps))
-    try:
+    with K.override({"token_logprobs": reciprocal_temperature_logprobs}):
         yield
-    finally:
-        S.reported_logprobs = orig

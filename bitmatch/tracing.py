@@ -106,17 +106,30 @@ class LocateResult:
 
 
 class Recorder:
-    """The ``recorder(name, value)`` of ``forward_hidden``: keeps CPU copies of every op's output
-    over one or more steps, with the (sequence, position) of each row set by the caller."""
+    """Keeps CPU copies of every op output over one or more steps, each row keyed by its
+    (sequence, position). Two ways in: as ``forward_hidden``'s ``recorder(name, value)``, rows
+    keyed by ``keys`` (set by the caller), and as an engine recorder (``Engine.record``: ``step``
+    and ``record``, the rows the engine names; a graph's padded rows are dropped). ``paths``
+    counts the engine steps by the path they took."""
 
     def __init__(self):
         self.parts: dict = {}
         self.keys = None
+        self.paths: dict[str, int] = {}
 
     def __call__(self, name, v):
+        self.record(name, v, self.keys)
+
+    def step(self, view) -> None:
+        self.paths[view.path] = self.paths.get(view.path, 0) + 1
+
+    def record(self, name, v, rows) -> None:
         vals = tuple(x.detach().to("cpu", copy=True) for x in (v if isinstance(v, (tuple, list)) else (v,)))
-        per_token = self.keys is not None and all(x.dim() and x.shape[0] == len(self.keys) for x in vals)
-        self.parts.setdefault(name, []).append((list(self.keys) if per_token else None, vals))
+        per_token = rows is not None and all(x.dim() and x.shape[0] == len(rows) for x in vals)
+        if per_token and None in rows:   # padding of a graph's bucket: no sequence owns these rows
+            keep = torch.tensor([r for r, k in enumerate(rows) if k is not None], dtype=torch.long)
+            vals, rows = tuple(x[keep] for x in vals), [k for k in rows if k is not None]
+        self.parts.setdefault(name, []).append((list(rows) if per_token else None, vals))
 
     def trace(self) -> list:
         return merge_pieces([[(n, k, v) for k, v in parts] for n, parts in self.parts.items()])
@@ -164,12 +177,6 @@ def trace_dtype(model, dtype):
 
 def _lp_bitmatch(logits, targets, temperature):
     return K.token_logprobs(logits, targets, temperature)
-
-
-def lp_reciprocal(logits, targets, temperature):
-    """The injected temperature formula: logits * (1/T) (HF/TRL's ``logits / T`` with a float as
-    CUDA runs it) instead of the division by T both bitmatch paths use."""
-    return K.token_logprobs(logits.float() * (1.0 / temperature), targets, 1.0)
 
 
 def _record_logprobs(rec, logits, seqs: dict, temperature, lp_fn):

@@ -2,7 +2,6 @@
 (``locate`` for two models, ``locate_pair`` for the porting pairs: engine, hf, schedule, backend)."""
 from __future__ import annotations
 
-import contextlib
 import struct
 from dataclasses import asdict, dataclass, field
 
@@ -10,16 +9,21 @@ import torch
 
 import bitmatch
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.faults import engine_temperature_fault, kernel_fault, parse_inject, perturb_weight
+from bitmatch.faults import (
+    engine_temperature_fault,
+    kernel_fault,
+    parse_inject,
+    perturb_weight,
+    reciprocal_temperature_logprobs,
+)
 from bitmatch.kernels import use_backend
-from bitmatch.models import registry, unwrap_causal_lm
+from bitmatch.models import unwrap_causal_lm
 from bitmatch.testing_models import pad_batch
 from bitmatch.tracing import (
     PAIRS,
     LocateResult,
     Recorder,
     diff_traces,
-    lp_reciprocal,
     merge_pieces,
     merge_traces,
     model_device,
@@ -175,44 +179,6 @@ def compare(rollout_logprobs, trainer_logprobs, mask=None) -> CompareResult:
 
 # ----------------------------------------------------------------------------- the paths of each pair
 
-@contextlib.contextmanager
-def _recording(engine, rec):
-    """The real engine's per-op outputs: its runner's scheduled rows give each token's (request,
-    position); the family's forward gets ``rec``. Instance attributes, removed on exit (a
-    recorder hook on ModelRunner is requested in /work/team/requests.md)."""
-    runner = engine.model_runner
-    fam, _ = registry.spec_of(unwrap_causal_lm(engine.model))
-    prepare, fwd, head = runner.prepare, fam.forward_hidden, fam.compute_logits
-    sampled: list = []
-
-    def prep(scheduled):
-        rec.keys = [(seq.seq_id, p) for seq, n in scheduled
-                    for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
-        sampled[:] = [(seq.seq_id, seq.num_computed_tokens + n - 1) for seq, n in scheduled
-                      if seq.num_computed_tokens + n == len(seq)]
-        return prepare(scheduled)
-
-    def compute_logits(lm, spec, hidden, dt):
-        out = head(lm, spec, hidden, dt)
-        keys, rec.keys = rec.keys, list(sampled)
-        rec("lm_head", out)
-        rec.keys = keys
-        return out
-    def forward_hidden(lm, spec, ids, ctx, dt, recorder=None):
-        if rec.keys is None or len(rec.keys) != ids.numel():   # a step the hooked prepare did not see
-            raise RuntimeError("locate --pair engine: the engine ran a step without its runner's prepare(); "
-                               "the recorder cannot attribute its rows (engine internals changed?)")
-        out = fwd(lm, spec, ids, ctx, dt, recorder or rec)
-        return out
-    runner.prepare = prep
-    fam.forward_hidden = forward_hidden
-    fam.compute_logits = compute_logits
-    try:
-        yield
-    finally:
-        del runner.prepare, fam.forward_hidden, fam.compute_logits
-
-
 def _hf_candidates(hf, seqs, names, temperature) -> dict:
     """HF's own forward, one sequence at a time, hooked at the modules named like bitmatch's ops:
     each op's candidates are that module's output and the input of the next op's module (the
@@ -300,16 +266,19 @@ def locate(model_a, model_b, input_ids, attention_mask=None, *, compute_dtype_a=
 
 
 def _engine_pair(model, prompts, temperature, max_tokens, fault, meta, engine_kw):
-    b = perturb_weight(model, fault[1]) if fault and fault[0] == "weight" else model
+    kind, arg = fault or (None, None)
+    b = perturb_weight(model, arg) if kind == "weight" else model
     kw = dict(max_num_seqs=len(prompts), max_num_batched_tokens=7, block_size=16)
+    if kind == "kernel":   # a stock kernel need not be capturable (host syncs): no CUDA graphs, said below
+        kw["enforce_eager"] = True
     kw.update(engine_kw or {})
-    eng = Engine(b, **kw)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     rec = Recorder()
-    with _recording(eng, rec), kernel_fault(fault[1] if fault and fault[0] == "kernel" else None), \
-            engine_temperature_fault(bool(fault and fault[0] == "temperature")):
+    with Engine(b, **kw) as eng, eng.record(rec), kernel_fault(arg if kind == "kernel" else None), \
+            engine_temperature_fault(kind == "temperature"):
         outs = eng.generate(prompts, params, use_tqdm=False)
+        graphs_off = kind == "kernel" and eng.config.enforce_eager and eng.device.type == "cuda"
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     keys = [(s, len(o.prompt_token_ids) - 1 + j)
             for s, o in enumerate(outs) for j in range(len(o.outputs[0].token_ids))]
@@ -323,8 +292,10 @@ def _engine_pair(model, prompts, temperature, max_tokens, fault, meta, engine_kw
     ta = [e for e in packed_trace(model, seqs, temperature=temperature) if e[0] != "logprobs"]
     ta.append(("logprobs", keys, (trainer,)))
     tb = [e for e in tb if e[0] in {n for n, _, _ in ta}] if len(tb) != len(ta) else tb
+    steps = ", ".join(f"{n} {p}" for p, n in sorted(rec.paths.items()))
     res = diff_traces(ta, tb, comparison=f"trainer token_logprobs (packed prefill) vs engine (paged block "
-                f"{kw['block_size']}, {kw['max_num_batched_tokens']}-token steps: chunked prefill + decode)",
+                f"{kw['block_size']}, {kw['max_num_batched_tokens']}-token steps: chunked prefill + decode; "
+                f"steps run: {steps}{'; no CUDA graphs while the planted stock kernel runs' if graphs_off else ''})",
                 side_a="trainer", side_b="engine", **meta)
     res.logprobs = compare(reported.split([len(o.outputs[0].token_ids) for o in outs]),
                            trainer.split([len(o.outputs[0].token_ids) for o in outs])).to_dict()
@@ -336,7 +307,7 @@ def _side_b(model, fault, run):
     kind, arg = fault or (None, None)
     mb = perturb_weight(model, arg) if kind == "weight" else model
     with kernel_fault(arg if kind == "kernel" else None):
-        return run(mb, lp_reciprocal if kind == "temperature" else None)
+        return run(mb, reciprocal_temperature_logprobs if kind == "temperature" else None)
 
 
 def fp32_reference(model):

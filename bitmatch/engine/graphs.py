@@ -1,5 +1,5 @@
 """CUDA graphs for pure-decode steps (vLLM's model): one graph per (padded batch bucket, context
-bucket, sampler flags), each holding the whole step: forward, LM head and the sampler.
+bucket, sampler flags, recorded), each holding the whole step: forward, LM head and the sampler.
 
 Each graph runs ``forward_hidden``, ``compute_logits`` and ``Sampler.device_step`` on persistent
 input buffers (token ids, positions, slot mapping, state slots and the sampler's int64 rows: one
@@ -18,7 +18,9 @@ sampler are batch-invariant, so a real row's bits do not depend on the bucket
 tests/test_engine_graphs_moe.py). Which families are captured: ``graph_safe``. A capture runs its
 step once outside the graph (the warm-up) and the replay runs it again: the warm-up writes its KV
 and per-sequence state (Mamba conv and SSM state) into the scratch block and slot only
-(``warm_up_on_scratch``).
+(``warm_up_on_scratch``). While a recorder is attached (``Engine.record``), a step replays the
+recording graph of its key: the same step plus a device copy of each op output (``recording.GraphTap``),
+handed to the recorder after the replay.
 
 Graphs hold the parameters' device addresses: the key of the captured set is every parameter's
 ``data_ptr``; a replaced parameter (a new tensor) drops every graph (recaptured on next use), an
@@ -38,6 +40,7 @@ import torch
 
 from bitmatch.context import ForwardContext
 from bitmatch.engine.host import upload
+from bitmatch.engine.recording import GraphTap
 from bitmatch.models import compute_logits, family_of, forward_hidden, unwrap_causal_lm
 
 
@@ -67,6 +70,16 @@ def context_buckets(cap_len: int, block_size: int) -> list[int]:
         out.append(-(-c // block_size) * block_size)
         c *= 2
     return sorted(set(out) | {cap_len})
+
+
+def decode_step(runner, ids, ctx, f32, i64, flags, tap: GraphTap | None = None) -> torch.Tensor:
+    """The work a decode graph holds: forward, LM head (every row samples), sampler; float64
+    [3, rows] (tokens, logprobs, sampled logprobs). ``tap``: copies of every op output and of the
+    logits (``lm_head``), beside the same ops."""
+    logits = compute_logits(runner.model, forward_hidden(runner.model, ids, ctx, recorder=tap), kept=True)
+    if tap is not None:
+        tap("lm_head", logits)
+    return runner.sampler.device_step(logits, f32, i64, *flags)
 
 
 def warm_up_on_scratch(runner, slot_mapping: torch.Tensor, state_slots: torch.Tensor, step):
@@ -114,7 +127,7 @@ class DecodeGraphs:
         self.ctx_buckets = context_buckets(self.cap_len, bs)
         self.lm = unwrap_causal_lm(runner.model)
         self.family = family_of(runner.model)
-        # (batch bucket, context bucket, sampler flags) -> (graph, output)
+        # (batch bucket, context bucket, sampler flags, recorded) -> (graph, output, GraphTap or None)
         self.graphs: dict[tuple, tuple] = {}
         self.key = None
         self.pool = None
@@ -149,36 +162,36 @@ class DecodeGraphs:
                               query_start_loc=qsl[:b + 1], seq_lens=sl[:b], block_table=bt[:b],
                               caches=self.runner.caches, max_query_len=1, max_seq_len=cap)
 
-    def _step(self, b, cap, flags):
-        """The captured work: forward, LM head, sampler; float64 [3, b] (tokens, logprobs,
-        sampled logprobs)."""
+    def _step(self, b, cap, flags, tap=None):
         i64, _, _, _, f32 = self._buffers
-        hidden = forward_hidden(self.runner.model, i64[0, :b], self._ctx(b, cap))
-        logits = compute_logits(self.runner.model, hidden, kept=True)
-        return self.runner.sampler.device_step(logits, f32[:, :b], i64[4:, :b], *flags)
+        return decode_step(self.runner, i64[0, :b], self._ctx(b, cap), f32[:, :b], i64[4:, :b], flags, tap)
 
-    def _capture(self, b, cap, flags):
+    def _capture(self, b, cap, flags, recorded: bool):
         # warm-up (Triton compiles, rope table, fused weights) on a side stream, as torch asks;
         # it runs this very step, which the replay then runs again: on the scratch block and slot
         s = capture_stream(self.runner.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             i64 = self._buffers[0]
-            warm_up_on_scratch(self.runner, i64[2, :b], i64[3, :b], lambda: self._step(b, cap, flags))
+            warm_up_on_scratch(self.runner, i64[2, :b], i64[3, :b],
+                               lambda: self._step(b, cap, flags, GraphTap() if recorded else None))
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
+        tap = GraphTap() if recorded else None
         with torch.cuda.graph(g, pool=self.pool):
-            out = self._step(b, cap, flags)
+            out = self._step(b, cap, flags, tap)
         self.num_captures += 1
-        return g, out
+        return g, out, tap
 
-    def run(self, inp, bucket: int, params, seeds, indices):
+    def run(self, inp, bucket: int, params, seeds, indices, on_replay=None):
         """Replay the graph of (bucket, context bucket, sampler flags) on the padded step inputs
         ``inp`` and the real rows' sampling parameters; the sampler's float64 [3, bucket] output
         (graph-owned: read before the next replay; padded rows' columns are garbage), or None
-        when the step exceeds what the graphs were captured for (the caller runs it eagerly)."""
+        when the step exceeds what the graphs were captured for (the caller runs it eagerly).
+        ``on_replay(ctx, outputs)``: replay the recording graph of the key instead and hand it the
+        graph's ForwardContext and its op outputs [(name, tensors)] (graph-owned) after the replay."""
         if inp.max_seq_len > self.cap_len or inp.block_table.shape[1] > self.width:
             return None
         if self._buffers is None:
@@ -203,11 +216,14 @@ class DecodeGraphs:
         bt[:b, :w].copy_(c[b:b + b * w].view(b, w))
         f32[:, :b].copy_(c[b + b * w:].view(torch.float32).view(2, b))
         cap = next(c for c in self.ctx_buckets if c >= inp.max_seq_len)
-        gkey = (b, cap, flags)
+        recorded = on_replay is not None
+        gkey = (b, cap, flags, recorded)
         entry = self.graphs.get(gkey)
         if entry is None:
-            entry = self.graphs[gkey] = self._capture(b, cap, flags)
+            entry = self.graphs[gkey] = self._capture(b, cap, flags, recorded)
         entry[0].replay()
         self.num_replays += 1
         self.last_key = gkey
+        if recorded:
+            on_replay(self._ctx(b, cap), entry[2].outputs)
         return entry[1]

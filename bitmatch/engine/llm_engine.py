@@ -285,6 +285,24 @@ class Engine:
         if self._closed:
             raise _closed_error(where)
 
+    @contextlib.contextmanager
+    def record(self, recorder):
+        """Inside the block, hand ``recorder`` every op output of every step (its ``step(view)``
+        and ``record(name, value, rows)``: ``bitmatch.engine.recording``). Observation only: each
+        step takes the path it takes unrecorded (a pure-decode step still replays a CUDA graph)
+        and computes the same bits. Nests; undone on exit, exception or not."""
+        self._check_open("Engine.record")
+        missing = [m for m in ("step", "record") if not callable(getattr(recorder, m, None))]
+        if missing:
+            raise TypeError(f"Engine.record: the recorder needs the methods step(view) and record(name, value, "
+                            f"rows) (bitmatch.tracing.Recorder has both); {type(recorder).__name__} lacks {missing}")
+        recorders = self.model_runner.recorders
+        recorders.append(recorder)
+        try:
+            yield recorder
+        finally:
+            del recorders[len(recorders) - 1 - recorders[::-1].index(recorder)]
+
     # -- requests -------------------------------------------------------------------------
     def _request_seed(self, seed: int | None, index: int) -> int:
         """The seed keying the request's sampling noise (kernels.uniform_noise)."""

@@ -16,6 +16,10 @@ Pure-decode steps on CUDA replay a CUDA graph (``graphs.DecodeGraphs``): one per
 bucket, persistent input buffers, padded rows pointed at a scratch KV block. The kernels are
 batch-invariant, so a real row's bits do not depend on its bucket or on the padding
 (tests/test_engine_graphs.py; ``simulate_buckets`` runs the same padded inputs eagerly on CPU).
+
+``recorders`` (``Engine.record``; ``bitmatch.engine.recording``) observe every step on the path it
+takes unrecorded: eager steps through the forward's ``recorder``, graph steps through the
+recording graph of their key.
 """
 from __future__ import annotations
 
@@ -23,8 +27,16 @@ import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
-from bitmatch.engine.graphs import DecodeGraphs, context_buckets, graph_safe, padded_sampling, warm_up_on_scratch
+from bitmatch.engine.graphs import (
+    DecodeGraphs,
+    context_buckets,
+    decode_step,
+    graph_safe,
+    padded_sampling,
+    warm_up_on_scratch,
+)
 from bitmatch.engine.host import upload
+from bitmatch.engine.recording import GraphTap, StepView, begin, emit, step_rows
 from bitmatch.engine.sampling import Sampler, SamplingParams
 from bitmatch.engine.sequence import Sequence
 from bitmatch.models import allocate_caches, cache_groups, compute_logits, forward_hidden
@@ -192,6 +204,7 @@ class ModelRunner:
         self.num_simulated_steps = 0
         self._simulated_keys = set()  # the graph keys a simulated run has "captured"
         self.num_steps = 0  # forwards run (bitmatch.parallel.step_data_parallel: did this step run one)
+        self.recorders: list = []  # Engine.record's, outermost first
         if self.device.type == "cuda" and not enforce_eager and self.graph_safe:
             self.graphs = DecodeGraphs(self, max_seq_len_to_capture)
 
@@ -262,35 +275,55 @@ class ModelRunner:
         seqs = [seq for (seq, _), m in zip(scheduled, inp.sample_mask.tolist()) if m]
         params, seeds = [s.params for s in seqs], [s.seed for s in seqs]
         indices = [s.num_completion_tokens for s in seqs]
+        recorders = tuple(self.recorders)
         out = None
-        # a hooked prepare (bitmatch.verify's recorder, tests) observes every step: eager then
-        hooked = "prepare" in self.__dict__
-        bucket = self.bucket_for(inp.B) if inp.pure_decode and not hooked else None
+        bucket = self.bucket_for(inp.B) if inp.pure_decode else None
         if bucket is not None and self.graphs is not None:
             self._reset_fresh(scheduled)
-            out = self.graphs.run(self.pad(inp, bucket), bucket, params, seeds, indices)  # None: not graphable
+            on_replay = self._on_replay(recorders, scheduled, inp, bucket, "graph")
+            out = self.graphs.run(self.pad(inp, bucket), bucket, params, seeds, indices, on_replay)  # None: eager
         elif bucket is not None and self.simulate_buckets and self.graph_safe:
             self._reset_fresh(scheduled)
-            out = self._simulated_graph_step(inp, bucket, params, seeds, indices)
+            on_replay = self._on_replay(recorders, scheduled, inp, bucket, "simulated graph")
+            out = self._simulated_graph_step(inp, bucket, params, seeds, indices, on_replay)
             self.num_simulated_steps += out is not None
         if out is not None:
             tokens, lps, sampled = self.sampler.finish(out[:, :inp.B])
             return seqs, tokens, lps, sampled
         self._pending = (scheduled, inp)
         ids, ctx, rows = self.prepare(scheduled)
-        hidden = forward_hidden(self.model, ids, ctx)
+        view = StepView(self.num_steps, "eager", self._rows(scheduled, inp), ctx) if recorders else None
+        rec = begin(recorders, view) if recorders else None
+        hidden = forward_hidden(self.model, ids, ctx, recorder=rec)
         if not seqs:
             return [], [], [], []
         if rows.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, rows)
         logits = compute_logits(self.model, hidden, kept=True)
+        if recorders:
+            head = tuple(view.rows[i] for i in inp.sample_rows.tolist())
+            for r in recorders:
+                r.record("lm_head", logits, head)
         tokens, lps, sampled = self.sampler(logits, params, seeds, indices)
         return seqs, tokens, lps, sampled
 
-    def _simulated_graph_step(self, inp, bucket, params, seeds, indices):
+    @staticmethod
+    def _rows(scheduled, inp: StepInputs, padded: int = 0) -> tuple:
+        return step_rows([seq.seq_id for seq, n in scheduled for _ in range(n)], inp.positions.tolist(), padded)
+
+    def _on_replay(self, recorders, scheduled, inp, bucket: int, path: str):
+        """None without recorders; else the ``on_replay(ctx, outputs)`` of a graph step, which hands
+        the recorders the step's view and the graph's op outputs (padded rows keyed None)."""
+        if not recorders:
+            return None
+        rows = self._rows(scheduled, inp, bucket - inp.B)
+        return lambda ctx, outputs: emit(recorders, StepView(self.num_steps, path, rows, ctx), outputs)
+
+    def _simulated_graph_step(self, inp, bucket, params, seeds, indices, on_replay=None):
         """What a graph replay computes, run eagerly (CPU tests): the padded inputs at the context
         bucket's host bound with the graph's full-width block table, the LM head and the sampler on
-        every padded row; None (an eager step) past the captured length, as ``DecodeGraphs.run``."""
+        every padded row; None (an eager step) past the captured length, as ``DecodeGraphs.run``
+        (``on_replay`` too: the recording step of the key, its outputs handed over after it ran)."""
         width = max(1, -(-self.max_seq_len_to_capture // self.block_size))
         cap_len = width * self.block_size
         if inp.max_seq_len > cap_len or inp.block_table.shape[1] > width:
@@ -303,12 +336,14 @@ class ModelRunner:
         ids, ctx, _ = p.context(self.device, self.caches)
         flags, f32, i64 = padded_sampling(self.sampler, params, seeds, indices, bucket)
         f32, i64 = torch.from_numpy(f32).to(self.device), torch.from_numpy(i64).to(self.device)
-
-        def step():
-            logits = compute_logits(self.model, forward_hidden(self.model, ids, ctx), kept=True)
-            return self.sampler.device_step(logits, f32, i64, *flags)
-        key = (bucket, p.max_seq_len, flags)
+        recorded = on_replay is not None
+        key = (bucket, p.max_seq_len, flags, recorded)
         if key not in self._simulated_keys:  # a capture: its warm-up runs the step once before the replay
             self._simulated_keys.add(key)
-            warm_up_on_scratch(self, ctx.slot_mapping, ctx.state_slots, step)
-        return step()
+            warm_up_on_scratch(self, ctx.slot_mapping, ctx.state_slots,
+                               lambda: decode_step(self, ids, ctx, f32, i64, flags, GraphTap() if recorded else None))
+        tap = GraphTap() if recorded else None
+        out = decode_step(self, ids, ctx, f32, i64, flags, tap)
+        if recorded:
+            on_replay(ctx, tap.outputs)
+        return out

@@ -116,7 +116,8 @@ _TOKEN_LOGPROBS = K.OPS["token_logprobs"]
 
 def reported_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     """The logprobs the engine reports for sampled ``tokens``: ``kernels.token_logprobs``, so the
-    trainer's ``token_logprobs`` of the same rows gives the same bits (faults.py swaps it)."""
+    trainer's ``token_logprobs`` of the same rows gives the same bits; an op override of
+    ``token_logprobs`` (``kernels.override``: a fault, the stock baseline) reaches it here."""
     # the sampler's rows are validated: skip token_logprobs' argument checks (no check kernels per
     # step), unless an op override (a fault, the stock baseline) swapped the op: then it runs
     if K.token_logprobs is not _TOKEN_LOGPROBS.canonical:

@@ -273,18 +273,19 @@ def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None
     """``fuse``: gate/up as one GEMM on the fused copy (the engine's paged steps only: the engine
     rebuilds the copies whenever it starts work, so a weight written behind autograd's back, e.g.
     through ``param.data`` or by an optimizer, cannot leave a stale copy in a trainer forward)."""
-    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) \
-        if rec is None and fuse else None
+    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if fuse else None
     if f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
         w, b, segs = f
-        a = _kernels().silu_and_mul(_kernels().linear(x, w, b, segments=segs))
-        return linear(mlp_mod.down_proj, a, dtype)
-    g = linear(mlp_mod.gate_proj, x, dtype)
-    u = linear(mlp_mod.up_proj, x, dtype)
+        gu = _kernels().linear(x, w, b, segments=segs)
+        g, u = gu[:, :segs[0]], gu[:, segs[0]:]   # views for a recorder: the step runs what it runs unrecorded
+    else:
+        g = linear(mlp_mod.gate_proj, x, dtype)
+        u = linear(mlp_mod.up_proj, x, dtype)
+        gu = None
     if rec is not None:
         rec(f"{prefix}.gate_proj", g)
         rec(f"{prefix}.up_proj", u)
-    a = _kernels().silu_and_mul(torch.cat([g, u], dim=-1))
+    a = _kernels().silu_and_mul(torch.cat([g, u], dim=-1) if gu is None else gu)
     if rec is not None:
         rec(f"{prefix}.act_fn", a)
     y = linear(mlp_mod.down_proj, a, dtype)
