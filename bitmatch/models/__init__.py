@@ -92,7 +92,8 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     (``slot_mapping``, ``caches``, ... : each attention layer writes its k/v, then attention_paged).
     ``compute_dtype``: dtype the weights are cast to at use (default: the one set by
     ``bitmatch.patch(model, compute_dtype=...)``, else the parameters' dtype).
-    ``recorder(name, value)``: called after each op (see ``bitmatch.verify.locate``).
+    ``recorder(name, value)``: called after each op (``bitmatch.verify.locate``, ``Engine.record``);
+    an observer: every family runs the same ops with or without one.
     Invariance: each token's hidden state depends only on its own tokens and causal prefix.
     """
     lm = unwrap_causal_lm(model)

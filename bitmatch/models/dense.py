@@ -22,7 +22,8 @@ dtype differs from the compute dtype (fp32 master, bf16 compute).
 
 The optional ``recorder(name, tensor_or_tuple)`` is called after every op with names such as
 ``embed_tokens``, ``layers.1.self_attn.q_proj``, ``layers.1.mlp.down_proj``, ``norm``
-(``bitmatch.verify.locate`` hashes them).
+(``bitmatch.verify.locate`` hashes them). It only observes: the forward runs the same ops with or
+without it (the fused gate/up GEMM is recorded as its two halves).
 
 Families that share this attention and differ in the MLP (``qwen3_moe``) subclass
 ``DenseFamily`` and override ``mlp`` / ``problems``.
