@@ -26,6 +26,7 @@ import xxhash  # noqa: E402
 
 import bitmatch.kernels as K  # noqa: E402
 from bitmatch.kernels import order  # noqa: E402
+from bitmatch.kernels.fp8 import quantize_fp8_blocks  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("golden_bits.json")
 BACKENDS = ("reference", "triton")
@@ -175,12 +176,27 @@ def _mamba_inputs(T=40, H=4, P=16, G=2, N=16, seed=60):
     return x, dt, A, B, C, torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5
 
 
+def _fp8_bytes(qs):
+    return qs[0].view(torch.uint8), qs[1]
+
+
 # op -> {shape name: inputs and call}; names say the shape and the input dtype
 CASES = {
     "linear": {
         "5x64->48 bf16 bias": lambda: K.linear(_rn(5, 64, seed=1), _rn(48, 64, seed=2), _rn(48, seed=3)),
         "3x300->40 f32": lambda: K.linear(_rn(3, 300, seed=4, dtype=F32), _rn(40, 300, seed=5, dtype=F32)),
     },
+    # K = 300: two whole 128-groups and a partial one; N = 40: a partial 128-row weight block. The
+    # quantizer's e4m3 bytes as uint8 (torch has no isfinite / allclose for float8): compared exactly
+    "quantize_fp8_groups": {
+        "3x300 bf16": lambda: _fp8_bytes(K.quantize_fp8_groups(_rn(3, 300, seed=80, scale=3.0))),
+        "2x260 f32 ue8m0": lambda: _fp8_bytes(K.quantize_fp8_groups(_rn(2, 260, seed=81, dtype=F32),
+                                                                    scale_fmt="ue8m0"))},
+    "fp8_linear": {"5x300->40 bf16 bias": lambda: K.fp8_linear(
+        _rn(5, 300, seed=82, scale=0.1), *quantize_fp8_blocks(_rn(40, 300, seed=83, scale=0.05)),
+        _rn(40, seed=84, scale=0.1))},
+    "fp8_linear_master": {"5x300->40 bf16 ue8m0": lambda: K.fp8_linear_master(
+        _rn(5, 300, seed=85, scale=0.1), _rn(40, 300, seed=86, scale=0.05), scale_fmt="ue8m0")},
     "rms_norm": {"4x96 bf16": lambda: K.rms_norm(_rn(4, 96, seed=6), _rn(96, seed=7), 1e-6)},
     "fused_add_rms_norm": {
         "4x96 bf16": lambda: K.fused_add_rms_norm(_rn(4, 96, seed=6), _rn(4, 96, seed=8), _rn(96, seed=7), 1e-6)},

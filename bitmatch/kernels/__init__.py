@@ -7,6 +7,7 @@ from .activation import silu_and_mul
 from .attention import attention_decode, attention_paged, attention_prefill, write_kv_cache
 from .compressed_attention import KeyRows, sink_attention, sink_attention_rows
 from .compressor import compress_rows, compress_windows
+from .fp8 import fp8_linear, fp8_linear_master, quantize_fp8_groups
 from .indexer import indexer_select, indexer_topk
 from .linear import linear
 from .logprobs import full_logprobs, token_logprobs
@@ -23,6 +24,7 @@ from .table import OPS, override
 
 __all__ = [
     "linear", "rms_norm", "fused_add_rms_norm", "rotary_cos_sin", "apply_rotary", "silu_and_mul",
+    "fp8_linear", "fp8_linear_master", "quantize_fp8_groups",
     "attention_prefill", "attention_paged", "attention_decode", "write_kv_cache",
     "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
     "uniform_noise", "use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",

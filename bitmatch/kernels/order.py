@@ -21,7 +21,9 @@ active order's stamp.
   core when ``rowsum_mma``; RMSNorm's row sum is one tl.sum whose tree is fixed by the block and
   the warps (``norm_warps``); logprobs keep a per-lane max and sum over ``logprobs_block_v`` lanes
   on ``logprobs_warps`` warps; mHC folds a token's N*D values over ``hc_k_chunk`` chunks with its
-  squares in ``hc_block_k`` lanes.
+  squares in ``hc_block_k`` lanes; block-FP8 linear sums 128-wide K groups in order, each group's
+  fp8 tensor-core partial from zero in ``fp8_promote_k`` long pieces promoted to fp32 with its scales.
+- both: the FP8 quantizers' scale is max(amax, ``fp8_amax_floor``) / 448 (``kernels/fp8.py``).
 - both: every op family carries a version (``op_versions``, keyed by the ``kernels/`` module that
   defines the op) for what its code alone fixes (the Mamba2 scan on absolute chunks, the
   DeepSeek-V4 sink-attention and indexer kernels' block walks and tiles, rounding points): bump it
@@ -39,7 +41,7 @@ import xxhash
 # fields that only the Triton backend reads: the reference stamp leaves them out (a reference
 # receiver accepts a sender whose kv_partition differs: neither side walks KV partitions)
 _TRITON_ONLY = ("kv_block", "kv_partition", "rowsum_mma", "linear_split_table", "linear_chunk_align",
-                "norm_warps", "logprobs_block_v", "logprobs_warps", "hc_k_chunk", "hc_block_k")
+                "norm_warps", "logprobs_block_v", "logprobs_warps", "hc_k_chunk", "hc_block_k", "fp8_promote_k")
 _REFERENCE_ONLY = ("reference", "exact_grid_bits", "exact_k_chunk")
 
 
@@ -76,11 +78,18 @@ class CanonicalOrder:
     # (the V4 mid step per chunk size: benchmarks/deepseek_v4_decode_ops.py and its results)
     hc_k_chunk: int = 256
     hc_block_k: int = 64
+    # block-FP8 W8A8 (kernels/fp8.py): a block's scale is max(amax, floor) / 448, so an all-zero block
+    # has a finite scale and zero codes (vLLM's per_token_group_quant_fp8 eps); both backends
+    fp8_amax_floor: float = 1e-10
+    # Triton: each 128-wide K group's fp8 dot runs in pieces of this many K from a zero accumulator,
+    # each promoted to fp32 as fma(piece, sx * sw, acc): Hopper's fp8 MMA accumulates with reduced
+    # precision, so the promotion interval is part of the bits (128: once per scale group, DeepSeek-V3)
+    fp8_promote_k: int = 128
     # one version per op family (the kernels/ module defining the op), bumped by hand when that
     # family's code changes its bits on either backend
     op_versions: tuple = field(default=(
         ("activation", 1), ("attention", 1), ("compressed_attention", 2), ("compressor", 2),
-        ("indexer", 2), ("linear", 1), ("logprobs", 1), ("mamba", 2), ("mhc", 2), ("moe", 1),
+        ("fp8", 1), ("indexer", 2), ("linear", 1), ("logprobs", 1), ("mamba", 2), ("mhc", 2), ("moe", 1),
         ("norm", 1), ("rotary", 1), ("rotary_interleaved", 1), ("sampling", 1)))
     # the ops ``kernels.override`` swapped (a fault, a stock baseline, a call recorder): empty for
     # the canonical ops, stamped when not, so a stamp cannot claim the canonical order meanwhile
@@ -96,6 +105,11 @@ class CanonicalOrder:
         if self.hc_block_k < 16 or self.hc_block_k & (self.hc_block_k - 1) or self.hc_k_chunk % self.hc_block_k:
             raise ValueError(f"canonical order: hc_block_k={self.hc_block_k} must be a power of 2 >= 16 "
                              f"dividing hc_k_chunk={self.hc_k_chunk}")
+        if self.fp8_promote_k not in (32, 64, 128):
+            raise ValueError(f"canonical order: fp8_promote_k={self.fp8_promote_k} must be 32, 64 or 128 (a "
+                             "piece of the 128-wide scale group, at least one fp8 MMA deep)")
+        if not 0 < self.fp8_amax_floor < 1e30:
+            raise ValueError(f"canonical order: fp8_amax_floor={self.fp8_amax_floor} must be positive and finite")
 
     @property
     def min_block_m_cuda(self) -> int:

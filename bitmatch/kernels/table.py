@@ -75,6 +75,10 @@ _SEQ = ("batch", "schedule")
 _STATE = ("batch", "schedule", "state")
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("linear", "linear", _ROWS, _RT, stock.linear),
+    # block FP8 W8A8: per-token 128-group activation scales, so rows stay independent
+    OpSpec("quantize_fp8_groups", "fp8", _ROWS, _RT, stock.quantize_fp8_groups),
+    OpSpec("fp8_linear", "fp8", _ROWS, _RT, stock.fp8_linear),
+    OpSpec("fp8_linear_master", "fp8", _ROWS, _RT, stock.fp8_linear_master),
     OpSpec("rms_norm", "norm", _ROWS, _RT, stock.rms_norm),
     OpSpec("fused_add_rms_norm", "norm", _ROWS, _RT, stock.fused_add_rms_norm),
     OpSpec("silu_and_mul", "activation", _ROWS, _RT, stock.silu_and_mul),
