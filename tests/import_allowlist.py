@@ -11,9 +11,6 @@ LOCAL_IMPORTS = {
     # cycles broken on purpose
     ("bitmatch.models", "bitmatch.hub"):
         "cycle: bitmatch.hub imports bitmatch.models.quant at its top, which runs this package's __init__",
-    ("bitmatch.sync.rollout_copy", "bitmatch.sync"):
-        "cycle: the package's __init__ imports this module; publish is also looked up per call so "
-        "benchmarks/trl_step.py can time it by wrapping bitmatch.sync.publish",
     # lazily loaded optional / heavy pieces
     ("bitmatch.sync.hash", "bitmatch.kernels.triton.fingerprint"):
         "optional extra: the Triton fingerprint kernel, imported on the first GPU tensor "

@@ -92,3 +92,22 @@ def test_fp32_compute_stores_everything_in_fp32():
     lm = _trainer(FAMILIES["qwen3_moe"])
     copy = bsync.RolloutCopy(lm, F32)
     assert {p.dtype for p in copy.model.parameters()} == {F32}
+
+
+def test_publish_goes_through_the_copys_sender():
+    """``RolloutCopy.sender`` is the injection point for a sender that times or logs the publish
+    (benchmarks/trl_step.py): the copy publishes through it, with the same bits as without."""
+    lm = _trainer(FAMILIES["dense"])
+    copy = bsync.RolloutCopy(lm, BF16)
+    sends = []
+
+    class Logged:
+        def __init__(self, receiver):
+            self.inner = bsync.InProcessSender(receiver)
+
+        def send(self, model, version, dtype):
+            sends.append(version)
+            return self.inner.send(model, version, dtype)
+    copy.sender = Logged(copy.receiver)
+    copy.publish(3)
+    assert sends == [3] and copy.require_ready(3) == 3 and copy.differing() == []

@@ -28,6 +28,7 @@ import torch
 
 from .fingerprint import HASH_NAME, Manifest, TensorSpec, fingerprint, fingerprints_of
 from .names import Layout, architecture_of, build_layout, layout_rules
+from .publishing import publish
 from .receiver import (
     AuthenticationError,
     CanonicalOrderError,
@@ -56,31 +57,6 @@ __all__ = [
     "AuthenticationError", "CanonicalOrderError", "build_layout", "Layout", "layout_rules", "DEFAULT_BUCKET_BYTES",
     "RolloutCopy", "storage_dtypes",
 ]
-
-
-def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16) -> Manifest:
-    """Publish ``model``'s weights (nn.Module, dict or (name, tensor) pairs; fp32 master or already
-    compute dtype) as ``version`` through ``to``: a Receiver in this process, or a sender
-    (InProcessSender, TcpSender, IpcSender, ``bitmatch.adapters.vllm.VllmColocateSender``). Returns
-    the committed Manifest; raises (SyncError, FingerprintMismatchError, ValueError,
-    AuthenticationError) if the receiver did not switch, in which case it still holds its previous
-    version.
-    Invariance: the bytes the engine ends up with are compute_cast(w, dtype), checked by fingerprint."""
-    version = check_version(version, "publish")
-    if isinstance(to, Receiver):
-        to = InProcessSender(to)
-    if not callable(getattr(to, "send", None)):
-        raise TypeError(f"publish: to= takes a Receiver (bitmatch.sync.receive(model) on the engine's model) or "
-                        f"a sender (InProcessSender, TcpSender, IpcSender, bitmatch.adapters.vllm.VllmColocateSender), "
-                        f"got {type(to).__name__}")
-    weights = model.named_parameters() if isinstance(model, torch.nn.Module) else \
-        model.items() if isinstance(model, dict) else ()  # other iterables are read once, by the send
-    half = next((n for n, w in weights if isinstance(w, torch.Tensor) and w.dtype == torch.float16), None)
-    if half is not None:  # an fp16 trainer's own forward is refused: so is its publish
-        raise ValueError(f"publish: the weights are torch.float16 ({half!r}), but bitmatch computes in bf16 or "
-                         "fp32: train with fp32 master weights or bf16 ones (model.to(torch.bfloat16)) and "
-                         "publish those")
-    return to.send(model, version, dtype)
 
 
 def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",

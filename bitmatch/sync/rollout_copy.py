@@ -33,6 +33,7 @@ from ..patching import patch as bitmatch_patch
 from ..precision import compute_cast
 from .fingerprint import Manifest, fingerprint
 from .names import architecture_of
+from .publishing import publish
 from .receiver import Receiver, attach_state, require_ready
 
 
@@ -117,6 +118,9 @@ class RolloutCopy:
     persistent buffers. ``RolloutCopy.from_config(config, compute_dtype, device)``: for a worker
     that only receives weights (``publish(version, weights)``, with ``weights`` the trainer's
     state dict: parameters and persistent buffers).
+    ``sender``: what ``publish`` sends through; None (the default) is this copy's receiver, in
+    process. Any sender of the copy's receiver (``send(model, version, dtype)``: an
+    ``InProcessSender(copy.receiver)`` wrapped to time or log each send) may take its place.
     Invariance: after ``publish(v)`` every parameter holds ``compute_cast(w, storage dtype)`` and
     every persistent buffer the trainer's values (fingerprint-verified), so the engine's logprobs
     equal ``token_logprobs`` on the trainer."""
@@ -172,6 +176,7 @@ class RolloutCopy:
         # one receiver over the parameters and the persistent buffers: one version, one check
         self.receiver = Receiver(CopyTensors(view, self.buffers), arch=architecture_of(view))
         attach_state(view, self.receiver.state)
+        self.sender = None
 
     # -- weights ---------------------------------------------------------------------------------
     def copy_buffers(self) -> None:
@@ -239,13 +244,11 @@ class RolloutCopy:
         """Publish ``weights`` (default: the trainer model's merged weights and persistent buffers)
         as ``version``, each tensor cast into the dtype the copy stores it in; raises and keeps the
         previous version if any tensor's fingerprint, shape or dtype does not match."""
-        # bitmatch.sync.publish, looked up per call: the package's __init__ (which defines it) imports
-        # this module, and benchmarks/trl_step.py times the publish by wrapping it there
-        from . import publish
         if weights is None:
             weights = self.weights()
             self.copy_buffers()
-        return publish(self.wire(weights), version, to=self.receiver, dtype=self.dtypes)
+        to = self.receiver if self.sender is None else self.sender
+        return publish(self.wire(weights), version, to=to, dtype=self.dtypes)
 
     def require_ready(self, version: int | None = None) -> int | None:
         return require_ready(self.model, version)
