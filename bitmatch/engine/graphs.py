@@ -143,6 +143,11 @@ class DecodeGraphs:
         self._buffers = None
         self.key = self.last_key = None
 
+    def drop_recording(self) -> None:
+        """Drop the recording graphs (and the op outputs they hold) once no recorder is attached."""
+        for key in [k for k in self.graphs if k[3]]:
+            del self.graphs[key]
+
     def _alloc(self):
         dev, n = self.runner.device, self.runner.buckets[-1]
         # ids, positions, slots, state slots; then the sampler's int64 rows (seed, index, top_k, greedy)

@@ -296,12 +296,15 @@ class Engine:
         if missing:
             raise TypeError(f"Engine.record: the recorder needs the methods step(view) and record(name, value, "
                             f"rows) (bitmatch.tracing.Recorder has both); {type(recorder).__name__} lacks {missing}")
-        recorders = self.model_runner.recorders
-        recorders.append(recorder)
+        runner = self.model_runner
+        runner.recorders.append(recorder)
         try:
             yield recorder
         finally:
+            recorders = runner.recorders
             del recorders[len(recorders) - 1 - recorders[::-1].index(recorder)]
+            if not recorders and runner.graphs is not None:
+                runner.graphs.drop_recording()
 
     # -- requests -------------------------------------------------------------------------
     def _request_seed(self, seed: int | None, index: int) -> int:
