@@ -165,6 +165,8 @@ def test_non_finite_inputs_and_bad_options_are_refused():
         K.fp8_linear(bad, wq, ws, torch.ones(7))
     with pytest.raises(ValueError, match="fp8_linear_master: weight must be 2-D"):
         K.fp8_linear_master(bad, torch.ones(2, 8, 256))
+    with pytest.raises(ValueError, match="fp8_linear_master: x's last dim 256 != weight's K 200"):
+        K.fp8_linear_master(bad, torch.ones(8, 200))
 
 
 @pytest.mark.interpreter

@@ -52,7 +52,7 @@ def e4m3_code(v):
 def fp8_scale(amax, floor, UE8M0: tl.constexpr):
     """Dequantization scale of a block from its fp32 amax: max(amax, floor) / 448 correctly
     rounded; UE8M0: the next power of two at or above it (mantissa bits cleared, exponent + 1)."""
-    s = tl.div_rn(tl.maximum(amax, floor), 448.0)
+    s = tl.math.div_rn(tl.maximum(amax, floor), 448.0)
     if UE8M0:
         b = s.to(tl.int32, bitcast=True)
         b = tl.where((b & 0x7FFFFF) != 0, (b & 0x7F800000) + 0x800000, b)
@@ -76,7 +76,7 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, floor,
     r64 = rows[:, None].to(tl.int64)
     x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(_abs_or_inf(x), axis=1), floor, UE8M0)
-    q = e4m3_code(tl.div_rn(x, tl.broadcast_to(s[:, None], (BM, 128))))
+    q = e4m3_code(tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BM, 128))))
     tl.store(q_ptr + r64 * K + cols[None, :], q.to(tl.uint8), mask=mask)
     tl.store(s_ptr + rows * G + g, s, mask=rows < M)
 
@@ -91,7 +91,7 @@ def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, NB, KB, floor, UE8M0: tl.con
     x = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(_abs_or_inf(x), axis=1), axis=0)
     s = fp8_scale(amax, floor, UE8M0)
-    tl.store(q_ptr + off, e4m3_code(tl.div_rn(x, tl.full((128, 128), s, tl.float32))).to(tl.uint8), mask=mask)
+    tl.store(q_ptr + off, e4m3_code(tl.math.div_rn(x, tl.zeros((128, 128), tl.float32) + s)).to(tl.uint8), mask=mask)
     tl.store(s_ptr + (e.to(tl.int64) * NB + pn) * KB + pk, s)
 
 
@@ -100,13 +100,9 @@ def _fp8_linear_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, 
                        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PK: tl.constexpr,
                        GROUP_M: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    # grouped tile order (GROUP_M rows of tiles share weight tiles in L2); the order never changes bits
+    pid_m, pid_n = tl.swizzle2d(pid // num_pid_n, pid % num_pid_n, tl.cdiv(M, BM), num_pid_n, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, PK)
@@ -141,11 +137,13 @@ def _fp8_linear_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, 
 # (each element is its own fixed sequence of group dots), but BM stays >= 64 so every M runs wgmma:
 # BM < 64 would run mma.sync, whose fp8 accumulator rounding is not measured to be wgmma's
 # (benchmarks/fp8_linear.py checks the rows of every M against the full batch).
+# Two fp32 tiles live at once (the accumulator and the group's partial), so 128 x 128 on 8 warps is the
+# largest tile without spills (scripts/sm90_resources.py: 128 x 256 spills 1.2 KB a thread).
 CONFIG_TABLE = [
     (64, 64, 64, 8, 4, 4),
     (128, 64, 128, 8, 4, 4),
     (256, 128, 128, 8, 8, 3),
-    (1 << 62, 128, 256, 8, 8, 3),
+    (1 << 62, 128, 128, 8, 8, 4),
 ]
 QUANT_BM = 16    # activation rows per quantizer program (any: each row's groups are its own)
 
@@ -168,7 +166,7 @@ def quantize_groups(x2d, ue8m0: bool):
         interp = interpreting(x2d)
         _quant_groups_kernel[(triton.cdiv(M, QUANT_BM), G)](
             x2d, q.view(torch.uint8), s, M, K, G, x2d.stride(0), _floor(), UE8M0=ue8m0, BM=QUANT_BM,
-            **({} if interp else dict(num_warps=4)))
+            **({} if interp else dict(num_warps=4, enable_fp_fusion=False)))
     return q, s
 
 
@@ -181,13 +179,14 @@ def quantize_blocks(w3d, ue8m0: bool):
     if w3d.numel():
         interp = interpreting(w3d)
         _quant_blocks_kernel[(NB, KB, E)](w3d, q.view(torch.uint8), s, N, K, NB, KB, _floor(), UE8M0=ue8m0,
-                                          **({} if interp else dict(num_warps=8)))
+                                          **({} if interp else dict(num_warps=8, enable_fp_fusion=False)))
     return q, s
 
 
-def linear(xq, sx, wq, sw, bias, out_dtype, out=None):
+def linear(xq, sx, wq, sw, bias, out_dtype, out=None, cfg=None):
     """xq [M, K] e4m3 with sx [M, ceil(K/128)], wq [N, K] e4m3 with sw [ceil(N/128), ceil(K/128)]
-    (all contiguous), bias [N] or None -> [M, N] in ``out_dtype``, in the canonical order above."""
+    (all contiguous), bias [N] or None -> [M, N] in ``out_dtype``, in the canonical order above.
+    ``cfg``: a CONFIG_TABLE row's (BM, BN, GROUP_M, warps, stages) instead of M's (a tile sweep)."""
     M, K = xq.shape
     N = wq.shape[0]
     pk = order.current().fp8_promote_k
@@ -195,13 +194,13 @@ def linear(xq, sx, wq, sw, bias, out_dtype, out=None):
         out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0:
         return out
-    BM, BN, GROUP_M, warps, stages = config_for(M)
+    BM, BN, GROUP_M, warps, stages = config_for(M) if cfg is None else cfg
     interp = interpreting(xq)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _fp8_linear_kernel[grid](xq, sx, wq, sw, bias if bias is not None else out, out, M, N, K, triton.cdiv(K, GROUP),
                              out.stride(0), HAS_BIAS=bias is not None, BM=BM, BN=BN, PK=pk, GROUP_M=GROUP_M,
                              BF16=out_dtype == torch.bfloat16, INTERP=interp,
-                             **({} if interp else dict(num_warps=warps, num_stages=stages)))
+                             **({} if interp else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)))
     return out
 
 
