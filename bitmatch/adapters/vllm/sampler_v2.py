@@ -10,14 +10,14 @@ the logprobs are ``kernels.full_logprobs`` with the sampled column from ``kernel
 handed to vLLM's own top-n / rank code as scores (its ``logits_mode``, a gather).
 
 Penalties, logit bias, bad words, min-p, min_tokens and grammars are refused when the request is
-admitted (``checks.py``); min-p and speculative decoding are checked again here.
+admitted (``checks.py``; vLLM's warm-up runs this sampler on dummy states, so they are not re-read
+here); speculative decoding is checked again here.
 
 Invariance: each row's mask, draw distribution and logprobs depend only on that row's logits,
 temperature, top-k and top-p.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
@@ -44,8 +44,6 @@ class BitmatchSamplerV2(Sampler):
         if logits.shape[0] != idx_np.shape[0]:
             raise BitmatchUnsupportedError("bitmatch sampler (V2 runner): several logits per request "
                                            "(speculative decoding)")
-        if np.any(states.min_p.np[idx_np] != 0.0):
-            raise BitmatchUnsupportedError("bitmatch sampler (V2 runner): min_p would change the processed logprobs")
         if wants_logprobs and self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise BitmatchUnsupportedError(f"bitmatch sampler (V2 runner): logprobs_mode={self.logprobs_mode!r}")
 
