@@ -33,7 +33,7 @@ from bitmatch.verify import locate_pair
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "bitmatch"
 DIAGNOSTICS = [ROOT / f"{m}.py" for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls",
-                                          "faults")] + sorted((ROOT / "cli").glob("*.py"))
+                                          "faults", "demo")] + sorted((ROOT / "cli").glob("*.py"))
 MODELS = {"dense": lambda: tiny_model(), "qwen3_moe": lambda: tiny_model("qwen3moe-e8-k2", seed=0)}
 
 
