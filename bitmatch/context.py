@@ -32,6 +32,9 @@ class ForwardContext:
     # every sequence of the step starts at position 0 (no cached prefix): attention may run on the
     # step's own contiguous K/V (attention_prefill over query_start_loc), same bits as the paged path
     fresh_prefill: bool = False
+    # None, or "fp8": the family's projection linears on block-FP8 weights (bitmatch.models.fp8_mode);
+    # the trainer and the engine set it from their own quantization= argument
+    quantization: str | None = None
 
     @property
     def paged(self) -> bool:

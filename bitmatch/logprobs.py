@@ -15,8 +15,11 @@ from bitmatch.models import (
     compute_dtype_of as default_compute_dtype,
     compute_logits,
     forward_hidden,
+    patch_state,
+    spec_of,
     unwrap_causal_lm,
 )
+from bitmatch.models.fp8_mode import check_model, check_quantization
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 from bitmatch.wrappers import runner_for
 
@@ -196,7 +199,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                    chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None,
-                   return_entropy: bool = False, recompute_logits: bool | None = None):
+                   return_entropy: bool = False, recompute_logits: bool | None = None,
+                   quantization: str | None = None):
     """fp32 [B, L-1]: logprob of ``input_ids[:, 1:]`` given its prefix (0 where the token is padding
     or the first real token of its row), ``log_softmax(logits.float() / T)`` over the full
     vocabulary, or, with ``top_k`` / ``top_p``, over the tokens ``kernels.top_k_top_p_mask`` keeps
@@ -220,16 +224,21 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``bitmatch.wrappers``): the same bits on every rank, gradients reduce-scattered into the shards
     as FSDP2's own forward has them; a ``DistributedDataParallel`` model inside DDP's own forward
     (``bitmatch.parallel.ddp``), so the backward all-reduces the gradients as DDP's forward has it.
+    ``quantization="fp8"``: every projection linear (q/k/v/o, gate/up/down) runs block-FP8 W8A8 on the
+    master weights cast to the compute dtype and quantized by ``quantize_fp8_blocks`` (the bytes the
+    engine runs), gradients straight through to the master weights; the embeddings, the LM head and
+    MoE experts stay in the compute dtype (docs/fp8.md, "FP8 mode"). Default: the one set by
+    ``bitmatch.patch(model, quantization=...)``, else None.
     Invariance: each token's value depends only on its own row's tokens, T, k and p.
     """
     args = (input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype, return_entropy,
-            recompute_logits)
+            recompute_logits, quantization)
     run = runner_for(model)  # DDP's or FSDP2's handler (bitmatch.parallel), declared in bitmatch/__init__.py
     return run(_token_logprobs, *args) if run is not None else _token_logprobs(model, *args)
 
 
 def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p, chunk_rows, compute_dtype,
-                    return_entropy, recompute_logits=None):
+                    return_entropy, recompute_logits=None, quantization=None):
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"token_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
     if recompute_logits not in (None, True, False):
@@ -241,6 +250,10 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
         # a CPU mask none (every check and pack below then reads the host copy)
         attention_mask = attention_mask.detach().to("cpu")
     temperature = _check_inputs(lm, input_ids, attention_mask, temperature, top_k, top_p)
+    if quantization is None:
+        st = patch_state(lm)
+        quantization = None if st is None else st.quantization
+    check_model(lm, spec_of(lm)[0], check_quantization(quantization, "token_logprobs"), "token_logprobs")
     # -1 / 0: no top-k (vLLM's values); k >= V keeps every token (the kernel's rule), and a k beyond
     # int64 (2**63) must not reach its int64 tensor
     top_k = top_k if top_k is not None and 0 < top_k < lm.lm_head.weight.shape[0] else None
@@ -264,7 +277,7 @@ def _token_logprobs(model, input_ids, attention_mask, temperature, top_k, top_p,
         check_on_device(((p.input_ids >= 0) & (p.input_ids < V)).all(), _bad_ids(lm, "got one outside"))
     # the host's longest sequence sizes attention's grid and bounds rope's table: nothing read back
     ctx = ForwardContext(positions=p.positions, cu_seqlens=p.cu_seqlens, max_query_len=longest,
-                         max_seq_len=longest, cu_seqlens_host=p.cu_host)
+                         max_seq_len=longest, cu_seqlens_host=p.cu_host, quantization=quantization)
     hidden = forward_hidden(lm, p.input_ids, ctx, compute_dtype=dtype)
     # the tokens that predict a next one: all but each sequence's last, counted from the shapes
     n_src = p.input_ids.shape[0] - (p.cu_seqlens.shape[0] - 1)

@@ -15,6 +15,7 @@ import types
 import torch
 
 from bitmatch.models import compute_logits, forward_hidden, pack, spec_of, unwrap_causal_lm
+from bitmatch.models.fp8_mode import check_model, check_quantization
 from bitmatch.models.registry import BoundForward, PatchState, bound_forward, patch_state
 from bitmatch.models.state import create_state, drop_state, get_state
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
@@ -46,7 +47,10 @@ def _patched_run(lm, input_ids, attention_mask, position_ids, past_key_values, i
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     p = pack(input_ids, attention_mask, position_ids)
-    return p, forward_hidden(lm, p.input_ids, p.context())
+    ctx = p.context()
+    st = patch_state(lm)
+    ctx.quantization = None if st is None else st.quantization
+    return p, forward_hidden(lm, p.input_ids, ctx)
 
 
 def _causal_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -102,12 +106,14 @@ def unsupported_param_dtypes(lm) -> list[str]:
                    if p.is_floating_point() and p.dtype not in SUPPORTED_COMPUTE_DTYPES})
 
 
-def patch(model, compute_dtype: torch.dtype | None = None):
+def patch(model, compute_dtype: torch.dtype | None = None, quantization: str | None = None):
     """Rebind ``model``'s forwards onto bitmatch kernels (in place); returns ``model``.
 
     ``model`` may be wrapped (DDP, FSDP, PEFT, torch.compile): the causal LM inside is found.
     ``compute_dtype``: cast each weight to this dtype at use (e.g. fp32 master weights with
     bf16 compute, through ``bitmatch.precision.compute_cast``); default: the parameters' dtype.
+    ``quantization``: None, or "fp8" (the projections on block-FP8 weights, docs/fp8.md): the default
+    of ``token_logprobs`` and of an ``Engine`` over this model, and the patched forward's mode.
     Raises ValueError for an unsupported architecture or option (all of them named at once).
     Invariance: the patched forward computes each token exactly as the engine does.
     """
@@ -121,11 +127,13 @@ def patch(model, compute_dtype: torch.dtype | None = None):
         if bad:
             raise ValueError(unsupported_dtype_message("patch", ", ".join(bad),
                                                        "pass patch(model, compute_dtype=torch.bfloat16)"))
+    check_model(lm, fam, check_quantization(quantization, "patch"), "patch")
     state = patch_state(lm)
     if state is None:
         state = PatchState(fam, compute_dtype)
         create_state(lm).patch = state
     state.compute_dtype = compute_dtype
+    state.quantization = quantization
     _bind(lm, _causal_forward, state)
     create_state(lm.model).lm = lm  # the base model's forward runs the whole LM (a deepcopy maps it too)
     _bind(lm.model, _base_forward, state)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from bitmatch.models.fp8_mode import check_quantization
+
 # vLLM engine arguments the engine refuses, each with the fix (what a vLLM user would try first)
 VLLM_REFUSED = {
     "tensor_parallel_size": "shard the model with bitmatch.parallel.enable_tensor_parallel(model, ...) before Engine",
@@ -16,7 +18,6 @@ VLLM_REFUSED = {
     "data_parallel_size": "run one Engine per data-parallel rank",
     "dtype": "load or cast the model in the dtype (torch.bfloat16 / torch.float32), or "
              "bitmatch.patch(model, compute_dtype=...)",
-    "quantization": "load a quantized checkpoint with bitmatch.models.load_model",
     "kv_cache_dtype": "the KV cache is kept in the compute dtype (its bits are the trainer's)",
     "max_num_partial_prefills": "chunked prefill interleaves any number of prefills",
     "swap_space": "preemption recomputes (same bits); nothing is swapped to the host",
@@ -41,7 +42,10 @@ class EngineConfig:
 
     KV budget: ``num_gpu_blocks`` blocks or ``kv_cache_bytes`` bytes (not both); by default, on
     CUDA, ``gpu_memory_utilization`` of the device after a profiled step; ``memory_share`` "device"
-    (vLLM's rule) or "engine" (the fraction is the engine's own beside a trainer: TRL colocate)."""
+    (vLLM's rule) or "engine" (the fraction is the engine's own beside a trainer: TRL colocate).
+    ``quantization``: None (default: the one ``bitmatch.patch(model, quantization=...)`` set) or
+    "fp8": the projections run ``kernels.fp8_linear`` on FP8 bytes + scales the engine quantizes from
+    the model's weights (docs/fp8.md, "FP8 mode"); any other value is refused by name."""
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -55,8 +59,10 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192
     memory_share: str = "device"
     max_model_len: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self):
+        check_quantization(self.quantization, "Engine")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len_to_capture"):
             positive_int(name, getattr(self, name))
         for name in ("num_gpu_blocks", "kv_cache_bytes", "max_model_len"):

@@ -165,7 +165,8 @@ class DecodeGraphs:
         i64, sl, bt, qsl, _ = self._buffers
         return ForwardContext(positions=i64[1, :b], slot_mapping=i64[2, :b], state_slots=i64[3, :b],
                               query_start_loc=qsl[:b + 1], seq_lens=sl[:b], block_table=bt[:b],
-                              caches=self.runner.caches, max_query_len=1, max_seq_len=cap)
+                              caches=self.runner.caches, max_query_len=1, max_seq_len=cap,
+                              quantization=self.runner.quantization)
 
     def _step(self, b, cap, flags, tap=None):
         i64, _, _, _, f32 = self._buffers

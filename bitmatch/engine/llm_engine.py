@@ -28,6 +28,7 @@ from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
 from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
+from bitmatch.models.fp8_mode import check_model
 from bitmatch.models.lora import drop_kept_weights
 from bitmatch.models.registry import patch_state
 from bitmatch.parallel.tensor_parallel import data_parallel_group, step_data_parallel
@@ -151,9 +152,9 @@ class Engine:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``,
     ``enable_prefix_caching``, ``seed``, ``enforce_eager``, ``gpu_memory_utilization`` and
     ``max_seq_len_to_capture`` (the fields of ``EngineConfig``: ``Engine(model, config=EngineConfig(...))``
-    is the same engine; ``engine.config`` holds them); refused with the fix (ValueError) are the names of
-    ``VLLM_REFUSED``
-    (``tensor_parallel_size``, ``dtype``, ``quantization``, ``kv_cache_dtype``, ``swap_space``,
+    is the same engine; ``engine.config`` holds them), and ``quantization`` (None or "fp8": docs/fp8.md);
+    refused with the fix (ValueError) are the names of ``VLLM_REFUSED``
+    (``tensor_parallel_size``, ``dtype``, ``kv_cache_dtype``, ``swap_space``,
     ``cpu_offload_gb``, ``num_gpu_blocks_override``, ``trust_remote_code``, ...); any other keyword
     is a TypeError.
 
@@ -206,6 +207,11 @@ class Engine:
             self._len_limit = f"max_model_len={max_model_len}"
         self._lm = lm
         self._family = spec_of(lm)[0]
+        st = patch_state(lm)
+        # the trainer's default is the patch's too (token_logprobs): both sides agree unless told otherwise
+        self.quantization = cfg.quantization if cfg.quantization is not None else (
+            None if st is None else st.quantization)
+        check_model(lm, self._family, self.quantization, "Engine")
         self._idle = True  # no request running: the next step rebuilds derived weights (fused copies)
         self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
         groups = cache_groups(model)
@@ -223,7 +229,7 @@ class Engine:
                 if self.device.type == "cuda":
                     self.kv_profile = profile_kv_budget(model, groups, self.block_size, self.max_num_batched_tokens,
                                                         self.max_num_seqs, float(gpu_memory_utilization),
-                                                        memory_share)
+                                                        memory_share, self.quantization)
                     kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
                     if kv_cache_bytes < per_block + state_bytes:
                         trl = (" (under TRL's attach: GRPOConfig(vllm_gpu_memory_utilization=...))"
@@ -248,7 +254,8 @@ class Engine:
                                    self.enable_chunked_prefill)
         self.model_runner = ModelRunner(model, self.block_size, self.num_gpu_blocks, self.max_num_seqs,
                                         max_num_seqs=self.max_num_seqs, enforce_eager=bool(enforce_eager),
-                                        max_seq_len_to_capture=max_seq_len_to_capture)
+                                        max_seq_len_to_capture=max_seq_len_to_capture,
+                                        quantization=self.quantization)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else \
             getattr(lm.config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))

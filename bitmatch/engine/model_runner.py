@@ -71,7 +71,7 @@ def kv_budget(total: int, utilization: float, other: int, base: int, in_use: int
 
 
 def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs: int, utilization: float,
-                      share: str = "device") -> dict:
+                      share: str = "device", quantization: str | None = None) -> dict:
     """Bytes left for the KV cache on the model's CUDA device (vLLM's profile run, ``kv_budget``):
     the activation peak is that of one step of ``max_tokens`` fresh-prefill tokens whose
     ``max_seqs`` rows are sampled (logits, the sampler's [rows, V] int64 weights). Derived weights
@@ -98,7 +98,7 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     inp.sample_rows = np.zeros(0, np.int64)
     inp.max_query_len = inp.max_seq_len = T
     inp.fresh_prefill = True
-    ids, ctx, _ = inp.context(dev, caches)
+    ids, ctx, _ = inp.context(dev, caches, quantization)
     hidden = forward_hidden(model, ids, ctx)
     # kept=True: the head's kept cast (fp32 masters) is made here and counted as in use
     logits = compute_logits(model, hidden[torch.arange(S, device=dev) % T], kept=True)
@@ -147,7 +147,8 @@ class StepInputs:
         self.fresh_prefill = bool((starts == 0).all())
         self.pure_decode = bool((ns == 1).all() and self.sample_mask.all())
 
-    def context(self, device, caches) -> tuple[torch.Tensor, ForwardContext, torch.Tensor]:
+    def context(self, device, caches, quantization: str | None = None) -> tuple[torch.Tensor, ForwardContext,
+                                                                                torch.Tensor]:
         """(input_ids, ForwardContext, sample_rows) on ``device``: two uploads (int64, int32)."""
         B, T = self.B, self.T
         i64 = np.concatenate([self.ids, self.positions, self.slots, self.state_slots, self.sample_rows])
@@ -158,7 +159,7 @@ class StepInputs:
                              query_start_loc=b[:B + 1], seq_lens=b[B + 1:2 * B + 1],
                              block_table=b[2 * B + 1:].view(B, -1), caches=caches,
                              max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-                             fresh_prefill=self.fresh_prefill)
+                             fresh_prefill=self.fresh_prefill, quantization=quantization)
         return a[:T], ctx, a[3 * T + B:3 * T + B + S]
 
 
@@ -175,8 +176,9 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, num_state_slots: int = 0, *,
                  max_num_seqs: int | None = None, enforce_eager: bool = False, max_seq_len_to_capture: int = 8192,
-                 simulate_buckets: bool = False):
+                 simulate_buckets: bool = False, quantization: str | None = None):
         self.model = model
+        self.quantization = quantization  # every step's ForwardContext carries it (fp8_mode)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = next(model.parameters()).device
@@ -261,7 +263,7 @@ class ModelRunner:
         self._pending = None
         inp = pending[1] if pending is not None and pending[0] is scheduled else StepInputs(scheduled, self.block_size)
         self._reset_fresh(scheduled)
-        return inp.context(self.device, self.caches)
+        return inp.context(self.device, self.caches, self.quantization)
 
     def _reset_fresh(self, scheduled):
         self.reset_state_slots([seq.state_slot for seq, _ in scheduled
@@ -333,7 +335,7 @@ class ModelRunner:
         extra = width - p.block_table.shape[1]
         if extra > 0:  # the graph's block table is full width (scratch entries past each row's blocks)
             p.block_table = np.concatenate([p.block_table, np.full((bucket, extra), self.scratch_block, np.int64)], 1)
-        ids, ctx, _ = p.context(self.device, self.caches)
+        ids, ctx, _ = p.context(self.device, self.caches, self.quantization)
         flags, f32, i64 = padded_sampling(self.sampler, params, seeds, indices, bucket)
         f32, i64 = torch.from_numpy(f32).to(self.device), torch.from_numpy(i64).to(self.device)
         recorded = on_replay is not None

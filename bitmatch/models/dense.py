@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
-from bitmatch.models import lora
+from bitmatch.models import dense_tp, fp8_mode, lora
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param
@@ -120,6 +120,8 @@ def _plain_linear_params(mod, what: str = "a layer bitmatch reads directly"):
 
 
 def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if fp8_mode.active():  # quantization="fp8": every projection on block-FP8 weights
+        return fp8_mode.linear(mod, x, dtype)
     if lora.is_lora_layer(mod):
         return lora.linear(mod, x, dtype)  # PEFT LoRA: the merged weight the rollout receives
     w, b = _plain_linear_params(mod)
@@ -213,6 +215,8 @@ def _fused_weight(parent, name: str, mods, dtype):
     # (inference mode, e.g. inside vLLM: its tensors carry no _version to key the copy on)
     if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return None
+    if fp8_mode.active():  # FP8 mode quantizes each projection on its own: no fused copy
+        return None
     for m in mods:  # LoRA layers only where the engine reads kept weights; other PEFT layers never
         if lora.is_lora_layer(m):
             if not lora.fusable(m):
@@ -270,12 +274,17 @@ def lm_head_logits(lm, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp",
-              fuse: bool = False):
+              fuse: bool = False, share=None):
     """``fuse``: gate/up as one GEMM on the fused copy (the engine's paged steps only: the engine
     rebuilds the copies whenever it starts work, so a weight written behind autograd's back, e.g.
-    through ``param.data`` or by an optimizer, cannot leave a stale copy in a trainer forward)."""
-    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if fuse else None
-    if f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
+    through ``param.data`` or by an optimizer, cannot leave a stale copy in a trainer forward).
+    ``share``: a tensor-parallel rank's ``dense_tp.MlpShare`` (its intermediate columns, down_proj
+    row-parallel): the same ops in the same order on the rank's columns."""
+    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if fuse and not share else None
+    if share is not None:
+        x = share.enter(x)
+        g, u, gu = share.gate(x), share.up(x), None
+    elif f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
         w, b, segs = f
         gu = _kernels().linear(x, w, b, segments=segs)
         g, u = gu[:, :segs[0]], gu[:, segs[0]:]   # views for a recorder: the step runs what it runs unrecorded
@@ -289,19 +298,23 @@ def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None
     a = _kernels().silu_and_mul(torch.cat([g, u], dim=-1) if gu is None else gu)
     if rec is not None:
         rec(f"{prefix}.act_fn", a)
-    y = linear(mlp_mod.down_proj, a, dtype)
+    y = linear(mlp_mod.down_proj, a, dtype) if share is None else share.down(a)
     if rec is not None:
         rec(f"{prefix}.down_proj", y)
     return y
 
 
 def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx: int, dtype,
-              rec: Recorder | None = None, prefix: str = "self_attn"):
+              rec: Recorder | None = None, prefix: str = "self_attn", share=None):
+    """``share``: a tensor-parallel rank's ``dense_tp.AttentionShare`` (its heads; o_proj row-parallel)."""
     K = _kernels()
     T = x.shape[0]
     D = spec.head_dim
-    # fused only in the engine's paged steps (see gated_mlp)
-    q, k, v = fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
+    if share is None:  # fused only in the engine's paged steps (see gated_mlp)
+        q, k, v = fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
+    else:
+        x = share.enter(x)
+        q, k, v = share.q(x), share.k(x), share.v(x)
     q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
     if rec is not None:
         rec(f"{prefix}.q_proj", q)
@@ -329,7 +342,7 @@ def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx
                                 max_seqlen=ctx.max_query_len)
     if rec is not None:
         rec(f"{prefix}.attn", o)
-    o = linear(attn.o_proj, o.reshape(T, -1), dtype)
+    o = linear(attn.o_proj, o.reshape(T, -1), dtype) if share is None else share.o(o.reshape(T, -1))
     if rec is not None:
         rec(f"{prefix}.o_proj", o)
     return o
@@ -374,10 +387,17 @@ class LayerCall:
     layer_idx: int
     dtype: torch.dtype
     recorder: Recorder | None = None
+    share: dense_tp.LayerShare | None = None  # a tensor-parallel rank's share of the layer; None: all of it
 
 
 def decoder_layer(layer, h, residual, cos, sin, *, bm: LayerCall):
     """One decoder layer: returns (mlp_out, residual); the next norm adds them (fused)."""
+    # the mode rides in the context, so a checkpointed layer recomputed in backward runs in it too
+    with fp8_mode.projections(bm.ctx.quantization):
+        return _decoder_layer(layer, h, residual, cos, sin, bm)
+
+
+def _decoder_layer(layer, h, residual, cos, sin, bm: LayerCall):
     i, dt, rec = bm.layer_idx, bm.dtype, bm.recorder
     p = f"layers.{i}"
     if residual is None:
@@ -387,11 +407,13 @@ def decoder_layer(layer, h, residual, cos, sin, *, bm: LayerCall):
         x, residual = fused_add_rms_norm(layer.input_layernorm, h, residual, dt)
     if rec is not None:
         rec(f"{p}.input_layernorm", (x, residual))
-    a = attention(layer.self_attn, x, cos, sin, bm.ctx, bm.spec, i, dt, rec, f"{p}.self_attn")
+    share = bm.share
+    a = attention(layer.self_attn, x, cos, sin, bm.ctx, bm.spec, i, dt, rec, f"{p}.self_attn",
+                  share=None if share is None else share.attn)
     x, residual = fused_add_rms_norm(layer.post_attention_layernorm, a, residual, dt)
     if rec is not None:
         rec(f"{p}.post_attention_layernorm", (x, residual))
-    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp", fuse=bm.ctx.paged)
+    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp", fuse=bm.ctx.paged, share=None if share is None else share.mlp)
     return m, residual
 
 
@@ -418,6 +440,7 @@ class DenseFamily(Family):
     name = "dense"
     model_types = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+    quantizations = ("fp8",)  # projections on block-FP8 weights (fp8_mode); Qwen3-MoE inherits it
     packed_modules = (
         ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
@@ -517,8 +540,16 @@ class DenseFamily(Family):
     def cache_groups(self, spec: DenseSpec, dtype) -> list[CacheGroup]:
         return [CacheGroup("kv", "paged_kv", tuple(range(spec.num_layers)), spec.num_kv_heads, spec.head_dim, dtype)]
 
-    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False):
-        return gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse)
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False, share=None):
+        return gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse, share=share)
+
+    def shard(self, lm, sharder):
+        """This rank's tensor-parallel layout (``dense_tp``: heads, MLP columns, vocab rows)."""
+        return dense_tp.shard(self, lm, self.build_spec(lm), sharder)
+
+    def shard_mlp(self, mlp_mod, sharder, hidden: int, prefix: str):
+        """A layer's MLP share (``dense_tp``): gate/up by intermediate columns, down_proj row-parallel."""
+        return dense_tp.gated_mlp_share(mlp_mod, sharder, hidden, prefix)
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: true for the dense
@@ -533,16 +564,21 @@ class DenseFamily(Family):
         in place (before a graph replay; ``force``: rebuilt whatever the version counters say)."""
         refresh_fused(lm, force)
         lora.refresh_rollout_weights(lm, force)
+        fp8_mode.refresh(lm, force)
 
     def forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
         tp = tp_shard(lm)
         if tp is not None:
             return tp.forward_hidden(input_ids, ctx, recorder)
+        return self.run(lm, spec, input_ids, ctx, dtype, recorder)
+
+    def run(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
+        """The forward; ``shares``: a tensor-parallel rank's ``dense_tp.LayerShare`` per layer."""
         # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
         with lora.kept_weights(ctx.paged):
-            return self._forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
+            return self._forward_hidden(lm, spec, input_ids, ctx, dtype, recorder, shares)
 
-    def _forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None):
+    def _forward_hidden(self, lm, spec: DenseSpec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
         h = embed(lm, input_ids, dtype)
         if recorder is not None:
             recorder("embed_tokens", h)
@@ -550,7 +586,7 @@ class DenseFamily(Family):
                                 spec.max_position_embeddings)
         residual = None
         for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-            bm = LayerCall(self, ctx, spec, i, dtype, recorder)
+            bm = LayerCall(self, ctx, spec, i, dtype, recorder, None if shares is None else shares[i])
             h, residual = call_layer(layer, decoder_layer, (h, residual, cos, sin), bm)
         if residual is None:  # no layers
             out = rms_norm(lm.model.norm, h, dtype)

@@ -129,6 +129,8 @@ class Family:
     vllm_supported: bool = False
     # why not, when vllm_supported is False (the plugin's refusal quotes it)
     vllm_refusal: str = "its vLLM path is not built yet"
+    # the ``quantization=`` modes its forward runs (bitmatch.models.fp8_mode); others are refused by name
+    quantizations: tuple[str, ...] = ()
 
     def problems(self, config) -> list[str]:
         raise NotImplementedError
@@ -144,6 +146,16 @@ class Family:
 
     def cache_groups(self, spec, dtype) -> list[CacheGroup]:
         raise NotImplementedError
+
+    def shard(self, lm, sharder):
+        """One tensor-parallel rank's share of ``lm``, or None when the family declares no layout: the
+        family says which module splits how (heads, columns, vocab rows, experts) and builds the
+        pieces with ``sharder`` (``bitmatch.parallel.tensor_parallel.Sharder``: the mechanisms, so a
+        family never imports ``bitmatch.parallel``). The share runs the family's own forward and has
+        ``forward_hidden(input_ids, ctx, recorder)``, ``compute_logits(hidden)``, ``cache_groups()``,
+        ``partial_parameters()``, ``moe_shards()``, ``tp`` and ``spec``; ``enable_tensor_parallel``
+        sets it on the model. Default: None."""
+        return None
 
     def cuda_graph_safe(self, lm) -> bool:
         """Whether the engine may capture this family's decode step in a CUDA graph: only a forward
@@ -318,10 +330,11 @@ def tp_shard(lm):
 
 @dataclass(eq=False)
 class PatchState:
-    """What ``bitmatch.patch`` set on one causal LM: its family and compute dtype (read live by
-    every bound forward, so patching again with another dtype updates them all)."""
+    """What ``bitmatch.patch`` set on one causal LM: its family, compute dtype and quantization (read
+    live by every bound forward, so patching again with another dtype updates them all)."""
     family: Family
     compute_dtype: torch.dtype | None
+    quantization: str | None = None
 
 
 class BoundForward:
