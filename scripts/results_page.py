@@ -595,15 +595,35 @@ def r_vllm_gpu(d):
     for key, sp in sorted((k, v) for k, v in d.get("sections", {}).items() if k.startswith("speed/")):
         roof = sp.get("roofline_tok_s") or {}
         srows = []
-        for mode in ("stock", "batch_invariant", "plugin", "engine"):
+        for mode in ("stock", "batch_invariant", "plugin", "plugin_v2", "engine", "engine_first_run"):
             got = sp.get(mode)
             got = got if isinstance(got, list) else (got or {}).get("rows") or []
             for r in got:
                 srows.append([mode, r.get("B"), r.get("decode_tok_s"), r.get("ttft_s"), r.get("vs_stock"),
-                              roof.get(str(r.get("B")), roof.get(r.get("B")))])
+                              r.get("vs_batch_invariant"), roof.get(str(r.get("B")), roof.get(r.get("B")))])
         out += ["", f"Decode speed, {key.split('/', 1)[1]} (tokens/s; roofline: weights + KV read once per step)", ""]
-        out += table(["mode", "B", "decode tok/s", "TTFT s", "vs stock", "roofline tok/s"], srows)
+        out += table(["mode", "B", "decode tok/s", "TTFT s", "vs stock", "vs batch-invariant", "roofline tok/s"],
+                     srows)
     return out
+
+
+def r_fp8_linear(d):
+    """benchmarks/fp8_linear.py: M-invariance of the FP8 linear (and of torch's block-wise _scaled_mm), ms."""
+    sec = d.get("sections", d)
+    inv = [[shape, r.get("rows_mismatching_total"), (r.get("control_scaled_mm_blockwise") or {}).get(
+        "rows_mismatching_total")] for shape, r in (sec.get("invariance") or {}).items()]
+    tiles = {shape: sum(v for by_m in t.values() for v in by_m.values())
+             for shape, t in (sec.get("tiles") or {}).items()}
+    out = header(d) + ["Rows that differ between a batch and its row slices, M = 1..512 (want 0; the control "
+                       "is torch's block-wise `_scaled_mm`); tiles differing from the default tile, every M: "
+                       f"{fmt(tiles)}.", ""]
+    out += table(["weight [N, K]", "bitmatch fp8_linear rows differing", "_scaled_mm block-wise rows differing"], inv)
+    cols = ("bitmatch_fp8_linear", "bitmatch_fp8_gemm_only", "bitmatch_fp8_quant_only", "torch_scaled_mm_blockwise",
+            "torch_scaled_mm_per_tensor", "bitmatch_bf16_linear", "cublas_bf16_linear",
+            "gemm_speed_vs_scaled_mm_blockwise")
+    rows = [[k] + [t.get(c) for c in cols] for k, t in (sec.get("time_ms") or {}).items()]
+    return out + ["", "ms per call (the last column: block-wise _scaled_mm ms / bitmatch GEMM ms)", ""] + \
+        table(["shape, T", *cols], rows)
 
 
 def r_sync_cpu(d):
@@ -708,6 +728,8 @@ RENDERERS = {
     "sync_h200": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "sync_h100": ("Weight sync on the GPU (`benchmarks/sync.py --device cuda`)", r_sync_h200),
     "engine_memory": ("Engines give their memory back (`benchmarks/engine_memory.py`)", r_engine_memory),
+    "fp8_linear_h200": ("Block-FP8 linear vs torch's block-wise _scaled_mm (`benchmarks/fp8_linear.py`)",
+                        r_fp8_linear),
     "vllm_gpu": ("The vLLM plugin on GPU vLLM: Diff vs token_logprobs (`benchmarks/vllm_gpu.py`)", r_vllm_gpu),
     "trl_step_h200": ("TRL GRPO step, stock vs attach (`benchmarks/trl_step.py`)", r_trl_step),
     "mhc_h200": ("DeepSeek-V4 mHC ops (`benchmarks/mhc.py`)", r_mhc),
@@ -730,6 +752,7 @@ TOPICS = {
                                                       "deepseek_v4_tiny_cpu"),
     "Training": ("gpu_train_h200", "trl_step_h200"),
     "Engine": ("engine_step_h200", "engine_memory", "engine_cpu", "launch_census_cpu", "sampler_h200"),
+    "FP8": ("fp8_linear_h200",),
     "Ops": ("h200", "attention_decode_h200", "moe_h200", "moe_layer_bwd_h200", "deepseek_v4_decode_ops_h200",
             "mamba_h200", "mamba_ssd_h200", "mhc_h200", "cpu"),
     "Checks and golden bits": ("check_cuda_h200", "golden_gpu_h200", "probe_h200"),
@@ -887,21 +910,31 @@ def newest_vllm_gpu(results_dir: pathlib.Path) -> str | None:
     return max(runs)[1] if runs else None
 
 
-VLLM_ROW = "plugin, graphs + compile"
+VLLM_ROWS = {"plugin, graphs + compile": "V1", "plugin, V2 model runner, graphs + compile": "V2"}
 
 
 def h_vllm(load, name):
-    """Each family's VLLM_ROW row of the Diff, with the stock vLLM control beside it."""
+    """The plugin rows (V1 and V2 model runners) of every family's Diff summed, with the stock vLLM
+    control beside them; then the plugin's decode speed over stock vLLM's, by batch size."""
     run = load(name)
-    card, said = card_in(run, name), []
+    card, fams, runners, tokens, mism, stock = card_in(run, name), [], set(), 0, 0, None
     for key, rows in run["sections"].items():
         if not key.startswith("diff/"):
             continue
-        fam, r = key.split("/", 1)[1], rows.get(VLLM_ROW) or {}
-        stock = next((v for k, v in rows.items() if k.startswith("stock") and "tokens" in v), {})
-        said.append((f"{fam}: " + (diff_words(r["tokens"], r["mismatches"], stock.get("mismatches"), "stock vLLM",
-                                              r.get("max_abs_diff")) if "tokens" in r else "no result"), card))
-    return f"vLLM {get(run, 'machine', 'vllm', default='-')}, {VLLM_ROW.split(', ', 1)[1]}", said
+        got = [(runner, rows[label]) for label, runner in VLLM_ROWS.items() if "tokens" in rows.get(label, {})]
+        fams += [key.split("/", 1)[1]] if got else []
+        runners |= {r for r, _ in got}
+        tokens, mism = tokens + sum(r["tokens"] for _, r in got), mism + sum(r["mismatches"] for _, r in got)
+        ctl = next((v for k, v in rows.items() if k.startswith("stock") and "tokens" in v), None)
+        stock = stock if ctl is None else (stock or 0) + ctl["mismatches"]
+    said = [(f"{'/'.join(fams)}, {'/'.join(sorted(runners))} runners: " + diff_words(tokens, mism, stock, "stock vLLM"),
+             card)]
+    for key, sp in run["sections"].items():
+        plugin = sp.get("plugin") if key.startswith("speed/") else None
+        if plugin and plugin.get("rows") and all("vs_stock" in r for r in plugin["rows"]):
+            ratios = "/".join(f"{r['vs_stock']:.2f}" for r in plugin["rows"])
+            said.append((f"decode {ratios} of stock (B {'/'.join(str(r['B']) for r in plugin['rows'])})", card))
+    return f"vLLM {get(run, 'machine', 'vllm', default='-')}", said
 
 
 # the support matrix's families and the TRL adapter, each with the function reading its headline files

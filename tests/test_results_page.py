@@ -88,12 +88,19 @@ def test_vllm_line_comes_from_the_newest_run_and_its_json(tmp_path):
     newest = results_page.newest_vllm_gpu(src)
     run = json.loads((src / newest).read_text())
     shutil.copy(src / newest, tmp_path / "vllm_gpu_h100_run9.json")
-    row = run["sections"]["diff/qwen3"][results_page.VLLM_ROW]
-    row["mismatches"] = 0
+    rows = [r for k, sec in run["sections"].items() if k.startswith("diff/")
+            for label, r in sec.items() if label in results_page.VLLM_ROWS and "tokens" in r]
+    assert rows
+    for r in rows:
+        r["mismatches"] = 0
     (tmp_path / "vllm_gpu_h100_run10.json").write_text(json.dumps(run))
     assert results_page.newest_vllm_gpu(tmp_path) == "vllm_gpu_h100_run10.json"
     vllm = results_page.headline_lines(tmp_path)[0][-1]
-    assert f"qwen3: Diff = 0 on {row['tokens']:,} of {row['tokens']:,} tokens" in vllm, vllm
+    n = sum(r["tokens"] for r in rows)
+    assert f"Diff = 0 on {n:,} of {n:,} tokens" in vllm, vllm
+    rows[0]["mismatches"] = 7   # one plugin row off: the line says so
+    (tmp_path / "vllm_gpu_h100_run11.json").write_text(json.dumps(run))
+    assert f"7 of {n:,} tokens differ" in results_page.headline_lines(tmp_path)[0][-1]
 
 
 def test_check_fails_when_the_page_or_the_readme_block_is_stale(tmp_path):
