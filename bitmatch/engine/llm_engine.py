@@ -392,6 +392,11 @@ class Engine:
         if st is None:
             yield None, None
             return
+        if st.quantization != self.quantization:
+            raise ValueError(f"Engine: runs quantization={self.quantization!r} but the bitmatch.sync receiver managing "
+                             f"its model was made for quantization={st.quantization!r}: the trainer's and the "
+                             "engine's bits would differ. Give both the same (receive(model, quantization=...), "
+                             "EngineConfig(quantization=...); docs/fp8.md)")
         with st.lock:
             try:
                 version = st.require_ready()

@@ -60,13 +60,15 @@ __all__ = [
 
 
 def receive(target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
-            initial_version: int | None = None, verify_every: int = 0, allow_older_versions: bool = False) -> Receiver:
+            initial_version: int | None = None, verify_every: int = 0, allow_older_versions: bool = False,
+            quantization: str | None = None) -> Receiver:
     """A Receiver managing ``target``'s weights (see Receiver); attaches its WeightState to the
     module so ``require_ready(model)`` finds it. Generation is refused until a version is verified,
     and after any write to the live weights outside ``publish`` (version counters every step, a
-    full fingerprint pass every ``verify_every`` steps). Versions must increase."""
+    full fingerprint pass every ``verify_every`` steps). Versions must increase. ``quantization``
+    ("fp8"): the engine over ``target`` runs FP8 mode; updates must announce it (docs/fp8.md)."""
     return Receiver(target, layout=layout, arch=arch, staging=staging, initial_version=initial_version,
-                    verify_every=verify_every, allow_older_versions=allow_older_versions)
+                    verify_every=verify_every, allow_older_versions=allow_older_versions, quantization=quantization)
 
 
 def serve(receiver: Receiver, token, host: str = "127.0.0.1", port: int = 0,

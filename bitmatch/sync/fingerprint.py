@@ -71,22 +71,27 @@ class Manifest:
     # kept as metadata (not part of the digest, which covers the tensors)
     order: dict | None = None
     hash: str = HASH_NAME
+    # None, or "fp8": the engine runs the projections on FP8 bytes it quantizes from these weights
+    # (bitmatch.models.fp8_mode); part of the digest when set, so a version names its mode too
+    quantization: str | None = None
 
     def digest(self) -> str:
-        """Fingerprint of the whole version (names, shapes, dtypes, per-tensor fingerprints)."""
+        """Fingerprint of the whole version (names, shapes, dtypes, per-tensor fingerprints, and the
+        quantization when there is one)."""
         body = json.dumps({k: self.tensors[k].to_json() for k in sorted(self.tensors)}, sort_keys=True)
-        return xxhash.xxh3_128(f"{self.hash}\n{self.version}\n{body}".encode()).hexdigest()
+        mode = "" if self.quantization is None else f"quantization={self.quantization}\n"
+        return xxhash.xxh3_128(f"{self.hash}\n{self.version}\n{mode}{body}".encode()).hexdigest()
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.tensors.values())
 
     def to_json(self) -> dict:
-        return {"version": self.version, "hash": self.hash,
+        return {"version": self.version, "hash": self.hash, "quantization": self.quantization,
                 "tensors": {k: v.to_json() for k, v in self.tensors.items()}, "order": self.order}
 
     @staticmethod
     def from_json(d: dict) -> "Manifest":
         check_hash_name(d.get("hash"), f"manifest of version {d.get('version')}")
         return Manifest(int(d["version"]), {k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
-                        d.get("order"))
+                        d.get("order"), quantization=d.get("quantization"))

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from bitmatch.kernels.order import stamp_for_device
+from bitmatch.models.fp8_mode import check_quantization
 from bitmatch.models.state import create_state, get_state
 
 from .errors import (  # noqa: F401
@@ -41,6 +42,7 @@ class WeightState:
         self.updating: int | None = None   # version being staged
         self.failure: str | None = None    # why the last update failed
         self.live_check = None             # the receiver's check that the live bytes are the verified ones
+        self.quantization = None           # the receiver's mode: an engine over its target must run the same
 
     @property
     def ready(self) -> bool:
@@ -182,11 +184,15 @@ class Receiver:
     Versions must increase: an older one is refused (``allow_older_versions=True`` to roll back on
     purpose) and the live version number with other bytes is refused at commit. Every update
     carries the sender's canonical-order stamp, which must equal the receiver's field by field.
+    ``quantization`` (None or "fp8"): the mode the engine over ``target`` runs in; every update must
+    announce the same one (a bf16 sender and an FP8 receiver, or the reverse, are refused by name) and
+    the manifest records it. FP8 weights travel in the compute dtype: the engine re-quantizes them
+    with ``quantize_fp8_blocks``, the function the trainer's FP8 forward calls (docs/fp8.md).
     """
 
     def __init__(self, target, *, layout: str = "hf", arch: str | None = None, staging: str = "shadow",
                  initial_version: int | None = None, verify_after_commit: bool = True, verify_every: int = 0,
-                 allow_older_versions: bool = False):
+                 allow_older_versions: bool = False, quantization: str | None = None):
         if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
             raise ValueError(f"verify_every must be an int >= 0 (steps between full fingerprint checks), "
                              f"got {verify_every!r}")
@@ -201,6 +207,7 @@ class Receiver:
         self._steps = 0
         self.state = WeightState()
         self.state.live_check = self._check_live
+        self.state.quantization = self.quantization = check_quantization(quantization, "Receiver")
         self.last_error: str | None = None
         self._update: Update | None = None
         self._busy = threading.Lock()
@@ -215,7 +222,7 @@ class Receiver:
             counters = {k: t._version for k, t in live.items()}  # before the check: a write during it shows
             self.state.manifest = Manifest(int(initial_version), {
                 k: TensorSpec(tuple(v.shape), v.dtype, fp)
-                for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))})
+                for (k, v), fp in zip(live.items(), fingerprints_of(live.values()))}, quantization=self.quantization)
             self.seal(counters)
 
     def seal(self, counters: dict[str, int]) -> None:
@@ -327,10 +334,11 @@ class Receiver:
             f"receiver {[mine.get(k) for k in diff]}); the same weights would give other bits. Run trainer and "
             "rollout on the same backend and bitmatch version")
 
-    def begin(self, version: int, specs: dict[str, TensorSpec], order: dict | None = None) -> "Update":
+    def begin(self, version: int, specs: dict[str, TensorSpec], order: dict | None = None,
+              quantization: str | None = None) -> "Update":
         """Start staging ``version``; checks the sender's canonical-order stamp (``order``, from
-        ``bitmatch.kernels.order.stamp_for_device``: required) and names, shapes and dtypes against
-        the target first."""
+        ``bitmatch.kernels.order.stamp_for_device``: required), its ``quantization`` against the
+        receiver's, and names, shapes and dtypes against the target first."""
         version = check_version(version, "weight update")
         if not self._busy.acquire(blocking=False):
             raise SyncError("another weight update is in progress")
@@ -342,6 +350,11 @@ class Receiver:
                     "increase (a stale or replayed publish?); create the receiver with allow_older_versions=True "
                     "to roll back on purpose")
             self.check_order(version, order)
+            if quantization != self.quantization:
+                raise SyncError(f"weight update to version {version}: the sender publishes for quantization="
+                                f"{quantization!r}, this receiver's engine runs quantization={self.quantization!r}; "
+                                "the same weights would give other bits. Publish with publish(..., quantization="
+                                f"{self.quantization!r}) or receive(..., quantization={quantization!r}) (docs/fp8.md)")
             replaced = self._rebind()
             if replaced is not None and self.state.failure is None:
                 self.state.failure = replaced  # not the verified bytes: nothing may be kept, all is rewritten
@@ -484,7 +497,7 @@ class Update:
 
     def manifest(self) -> Manifest:
         return Manifest(self.version, {k: TensorSpec(s.shape, s.dtype, self.done.get(k, s.fingerprint))
-                                       for k, s in self.specs.items()})
+                                       for k, s in self.specs.items()}, quantization=self.rx.quantization)
 
     def commit(self, digest: str | None = None) -> Manifest:
         """All tensors staged and verified: switch the live weights to this version atomically."""

@@ -29,14 +29,15 @@ class InProcessSender:
     def _write(self, name: str, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
         dst.copy_(src_bytes)
 
-    def send(self, model, version: int, dtype=torch.bfloat16) -> Manifest:
+    def send(self, model, version: int, dtype=torch.bfloat16, quantization: str | None = None) -> Manifest:
         """``dtype``: the rollout dtype of every tensor, or a {name: dtype} map (a rollout copy that
         stores each parameter in its own dtype); each tensor goes through ``compute_cast`` into its
-        own dtype, and the receiver checks every spec's dtype against its target's."""
+        own dtype, and the receiver checks every spec's dtype against its target's. ``quantization``:
+        the trainer's mode, which must be the receiver's (the engine re-quantizes the cast weights)."""
         weights = named_weights(model)
         rx = self.receiver
         specs = wire_specs(weights, dtype)
-        with rx.begin(version, specs, order=sender_order(weights)) as upd:
+        with rx.begin(version, specs, order=sender_order(weights), quantization=quantization) as upd:
             for name, t in weights:
                 live = rx.slots.view(rx.slots.live, name)
                 d = dtype_for(dtype, name)
@@ -53,4 +54,4 @@ class InProcessSender:
                     self._write(name, upd.buffer(name), byte_view(cast.contiguous()))
                     upd.finish(name, fp)
                 del cast
-            return upd.commit(Manifest(version, specs).digest())
+            return upd.commit(Manifest(version, specs, quantization=quantization).digest())
