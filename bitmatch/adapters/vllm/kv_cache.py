@@ -52,7 +52,8 @@ def paged_kv_views(attn) -> tuple[torch.Tensor, torch.Tensor]:
         raise BitmatchUnsupportedError(
             f"bitmatch: KV cache of {attn.layer_name} has shape {tuple(kv.shape)} strides {kv.stride()}; expected "
             f"a logical [blocks, {heads}, block_size, {2 * d}] view with each block contiguous (a layer-major "
-            "vLLM KV layout)")
+            "vLLM KV layout). The layouts measured bitwise are those of vLLM's FLASH_ATTN backend (GPU) and its CPU "
+            "backend: choose it with LLM(..., attention_backend='FLASH_ATTN')")
     nb, bs = kv.shape[0], kv.shape[2]
     v = torch.as_strided(kv, (nb, bs, 2, heads, d), (kv.stride(0), 2 * heads * d, heads * d, d, 1),
                          kv.storage_offset())
