@@ -34,7 +34,8 @@ def test_config_and_keywords_build_the_same_engine():
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization must be in (0, 1]"),
     (dict(memory_share="all"), ValueError, "memory_share must be 'device' or 'engine'"),
     (dict(max_model_len=0), ValueError, "max_model_len must be an int >= 1"),
-    (dict(quantization="fp8"), ValueError, "quantization= (vLLM's) is not supported"),
+    (dict(quantization="int8"), ValueError, "quantization='int8' is not supported"),
+    (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype= (vLLM's) is not supported"),
     (dict(max_num_seq=4), TypeError, "unexpected keyword argument(s) ['max_num_seq']"),
 ])
 def test_each_bad_setting_is_named_before_any_model_work(kw, err, words):

@@ -47,7 +47,8 @@ def _engine_problems(vllm_config) -> list[str]:
         out += family_for_architecture(archs[0]).problems(mc.hf_config)
     out += _head_size_problems(mc.hf_config)
     if mc.quantization is not None or getattr(vllm_config, "quant_config", None) is not None:
-        out.append(f"quantization={mc.quantization!r} (bitmatch runs unquantized bf16/fp32 weights)")
+        out.append(f"quantization={mc.quantization!r} (the plugin runs unquantized bf16/fp32 weights; FP8 runs in "
+                   "bitmatch's own Engine(model, quantization='fp8'): docs/fp8.md, FP8 mode)")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding (speculative_config is set)")
     if mc.logprobs_mode not in SUPPORTED_LOGPROBS_MODES:
