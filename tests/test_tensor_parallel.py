@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import bitmatch
 import bitmatch.kernels as K
-from bitmatch import Engine, SamplingParams
+from bitmatch import Engine, SamplingParams, verify
 from bitmatch.context import ForwardContext
 from bitmatch.kernels import order
 from bitmatch.models import (
@@ -131,7 +131,20 @@ def _worker(tp):
                 enable_tensor_parallel(lm, tp)
                 res[f"engine/{name}/kv_heads"] = model_cache_groups(lm)[0].num_kv_heads
                 res[f"engine/{name}/out"] = _engine_run(lm)
+            res.update(_locate(tp))
     return res
+
+
+def _locate(tp):
+    """``bitmatch locate``'s engine pair on a TP rank (the family's own forward, so its recorder runs on
+    the rank's share): the trainer vs the engine, then with a planted weight fault (the control)."""
+    lm = _model("qwen3moe")
+    enable_tensor_parallel(lm, tp)
+    kw = dict(max_tokens=3, block_size=4, engine_kw=dict(max_num_batched_tokens=5))
+    clean = verify.locate_pair("engine", lm, ENGINE_PROMPTS[:2], **kw)
+    planted = verify.locate_pair("engine", lm, ENGINE_PROMPTS[:2], inject="weight:1.mlp.down_proj", **kw)
+    return {"locate/clean": [(r.bitmatched, len(r.ops)) for r in clean],
+            "locate/planted": [(r.bitmatched, r.first_divergent) for r in planted]}
 
 
 def _moe_inputs(E=8, k=2, H=64, I=32, T=11, dtype=BF):
@@ -433,6 +446,15 @@ def test_engine_tp2_equals_engine_tp1_and_trainer(ranks):
             seq = torch.tensor(ENGINE_PROMPTS[i] + tok.tolist())[None]
             trainer = bitmatch.token_logprobs(lm, seq)[0, len(ENGINE_PROMPTS[i]) - 1:]
             _assert_bits(f"{name} prompt {i}: engine TP = 2 vs trainer TP = 1", lp, trainer)
+
+
+def test_locate_runs_at_tp2(ranks):
+    world, res = ranks
+    if world != 2:
+        pytest.skip("locate runs at TP = 2")
+    for r in res:
+        assert [b for b, _ in r["locate/clean"]] == [True] and r["locate/clean"][0][1] > 0, r["locate/clean"]
+        assert r["locate/planted"] == [(False, "layers.1.mlp.down_proj")], r["locate/planted"]
 
 
 # ----------------------------------------------------------------------------- single process

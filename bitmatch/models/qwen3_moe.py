@@ -44,7 +44,9 @@ class MoeSpec(dense.DenseSpec):
     sparse_layers: tuple = ()
 
 
-def _moe_block(mod, x, dtype, rec=None, prefix="mlp"):
+def _moe_block(mod, x, dtype, rec=None, prefix="mlp", experts=None):
+    """The sparse layer; ``experts(x, ids, w)``: a tensor-parallel rank's expert dispatch (its experts,
+    the one-rank slot-order combine), else every expert here."""
     router = dense.plain_module(mod.gate, "the MoE router (mlp.gate)")
     logits = K.linear(x.float(), cast_param(router.weight, torch.float32))
     if rec is not None:
@@ -52,9 +54,12 @@ def _moe_block(mod, x, dtype, rec=None, prefix="mlp"):
     w, ids = K.moe_route(logits, int(router.top_k), scoring="softmax", renormalize=bool(router.norm_topk_prob))
     if rec is not None:
         rec(f"{prefix}.router", (ids, w))
-    ex = dense.plain_module(mod.experts, "the routed experts (mlp.experts)")
-    y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
-                      activation="swiglu")
+    if experts is None:
+        ex = dense.plain_module(mod.experts, "the routed experts (mlp.experts)")
+        y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
+                          activation="swiglu")
+    else:
+        y = experts(x, ids, w)
     if rec is not None:
         rec(f"{prefix}.experts", y)
     return y
@@ -122,10 +127,16 @@ class Qwen3MoeFamily(dense.DenseFamily):
         """The router: ``_moe_block`` computes its logits from ``cast_param(gate.weight, float32)``."""
         return {f"{n}.weight" for n, m in lm.named_modules() if n.endswith(".mlp.gate") and hasattr(m, "weight")}
 
-    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False):
+    def mlp(self, mlp_mod, x, dtype, rec=None, prefix="mlp", fuse: bool = False, share=None):
         if hasattr(mlp_mod, "experts"):
-            return _moe_block(mlp_mod, x, dtype, rec, prefix)
-        return dense.gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse)
+            return _moe_block(mlp_mod, x, dtype, rec, prefix, experts=share)
+        return dense.gated_mlp(mlp_mod, x, dtype, rec, prefix, fuse=fuse, share=share)
+
+    def shard_mlp(self, mlp_mod, sharder, hidden: int, prefix: str):
+        """A sparse layer's routed experts spread over the ranks (the router stays replicated)."""
+        if hasattr(mlp_mod, "experts"):
+            return sharder.experts(mlp_mod, mlp_mod.experts.gate_up_proj.shape[0])
+        return super().shard_mlp(mlp_mod, sharder, hidden, prefix)
 
     def patch_mlp(self, mlp_mod):
         if hasattr(mlp_mod, "experts"):

@@ -1,8 +1,8 @@
 """bitmatch.parallel: parallel layouts whose bits equal one process's.
 
-``tensor_parallel``: gather-only tensor parallelism for the dense family and Qwen3-MoE (no
-cross-rank sums, so TP = N gives TP = 1's bits with every kernel's canonical order unchanged), the
-per-family dispatch (``enable_tensor_parallel``) and the TP trainer's ``reduce_tp_gradients``;
+``tensor_parallel``: gather-only tensor parallelism (no cross-rank sums, so TP = N gives TP = 1's
+bits with every kernel's canonical order unchanged): the ``Sharder`` a family's ``Family.shard``
+declares its layout on, ``enable_tensor_parallel`` and the TP trainer's ``reduce_tp_gradients``;
 ``deepseek_v4`` / ``nemotron_h``: those families' layouts on the same pieces; ``expert_parallel``:
 experts spread over ranks, combined in the one-rank slot order; ``collectives``: the fixed-order,
 bytes-only all-gather they run on; ``fsdp``: FSDP2-sharded models on bitmatch's forward and
@@ -26,10 +26,11 @@ _EXPORTS = {
     "shard_nemotron_h": "nemotron_h",
     "shard_deepseek_v4": "deepseek_v4",
     **{name: "tensor_parallel" for name in (
-        "DenseShard", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "data_parallel_group",
+        "Sharder", "allreduce_row_parallel_linear", "cache_groups", "compute_logits", "data_parallel_group",
         "disable_tensor_parallel", "enable_expert_parallel", "enable_tensor_parallel", "forward_hidden",
         "gathered_row_parallel_linear", "idle_step", "keep_local_experts", "reduce_data_parallel_gradients",
-        "reduce_tp_gradients", "shard_dense_model", "shard_linear", "step_data_parallel", "token_logprobs")},
+        "reduce_tp_gradients", "shard_dense_model", "shard_linear", "shard_model", "step_data_parallel",
+        "token_logprobs", "vocab_parallel_logits")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,7 +21,7 @@ Per decoder layer (``bitmatch.models.deepseek_v4``), rank r of N runs:
   intermediate columns (the clamps and silu_and_mul are elementwise).
 - expert-parallel, EP = TP: rank r holds routed experts [r E/N, (r + 1) E/N), through
   ``expert_parallel_experts`` (the one-rank slot-order combine over every slot's row).
-- vocab-parallel LM head, the full logits all-gathered (``tensor_parallel.compute_logits``).
+- vocab-parallel LM head, the full logits all-gathered (``tensor_parallel.vocab_parallel_logits``).
 
 Refused by name (``ValueError`` at sharding): num_attention_heads, o_groups, n_routed_experts,
 hidden_size, vocab_size or the shared expert's intermediate size not divisible by N; PEFT/LoRA
@@ -41,7 +41,7 @@ from bitmatch.precision import cast_param
 
 from .collectives import TPGroup, copy_to_ranks
 from .expert_parallel import ExpertRows, data_parallel_experts, expert_parallel_experts
-from .tensor_parallel import ColumnShard, GatherRowShard, compute_logits
+from .tensor_parallel import ColumnShard, GatherRowShard, vocab_parallel_logits
 
 F32 = torch.float32
 
@@ -129,7 +129,7 @@ class DeepseekV4Shard:
 
     def compute_logits(self, hidden):
         """Full logits on every rank (vocab slices all-gathered). Invariance: TP = 1's bits."""
-        return compute_logits(self, hidden)
+        return vocab_parallel_logits(self, hidden)
 
     def moe_shards(self) -> list:
         return [m for _, m in self.layers]

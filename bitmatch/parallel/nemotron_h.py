@@ -37,7 +37,7 @@ from bitmatch.models.registry import tp_shard
 
 from .collectives import TPGroup, copy_to_ranks
 from .expert_parallel import ExpertRows, data_parallel_experts, expert_parallel_experts
-from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard, compute_logits as vocab_parallel_logits
+from .tensor_parallel import AllreduceRowShard, ColumnShard, GatherRowShard, vocab_parallel_logits
 
 
 @dataclass

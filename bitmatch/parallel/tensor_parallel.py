@@ -1,21 +1,22 @@
-"""Gather-only tensor parallelism for the dense family and Qwen3-MoE: TP = N gives TP = 1's bits.
+"""Gather-only tensor parallelism: TP = N gives TP = 1's bits. The mechanisms; each family declares
+its own layout (``Family.shard``: which module splits how) next to its forward, on a ``Sharder``.
 
 Stock TP (Megatron, vLLM) is not TP-invariant: a row-parallel layer (o_proj, down_proj) splits
 K over the ranks and an all-reduce adds their partials in the collective's order. Here no rank
 ever adds another rank's numbers, so no kernel's canonical order changes:
 
-- column-parallel (q/k/v by heads, KV heads sharded or replicated; gate/up by intermediate
-  columns; the LM head by vocab rows): each output element is computed on one rank by the same
-  kernel with the full K reduction (``shard_linear``; ``kernels.linear``'s contract: a column's
-  bits depend only on its row of x, its weight row and bias). Attention, q/k norms, RoPE and
-  silu_and_mul work per head / per element, so they run on the rank's heads / columns.
-- row-parallel by gather (``gathered_row_parallel_linear``): all-gather the layer's input (each
-  rank's heads' outputs or MLP intermediate columns) in rank order, i.e. in K order; each rank
-  computes its hidden/N output columns with the full K; all-gather the columns.
-- Qwen3-MoE's sparse layers: the experts spread over the same ranks (``expert_parallel``), the
-  router replicated.
-- vocab-parallel head: each rank's vocab slice of the logits, all-gathered to full rows, then the
-  same ``kernels.token_logprobs`` / sampler as TP = 1.
+- column-parallel (``Sharder.column``: q/k/v by heads, gate/up by intermediate columns): each output
+  element is computed on one rank by the same kernel with the full K reduction (``shard_linear``;
+  ``kernels.linear``'s contract: a column's bits depend only on its row of x, its weight row and
+  bias). Attention, q/k norms, RoPE and silu_and_mul work per head / per element, so they run on
+  the rank's heads / columns.
+- row-parallel by gather (``Sharder.row``, ``gathered_row_parallel_linear``): all-gather the layer's
+  input (each rank's heads' outputs or MLP intermediate columns) in rank order, i.e. in K order;
+  each rank computes its hidden/N output columns with the full K; all-gather the columns.
+- MoE layers (``Sharder.experts``): the experts spread over the same ranks (``expert_parallel``),
+  after the family's own router, replicated.
+- vocab-parallel head (``Sharder.vocab``): each rank's vocab slice of the logits, all-gathered to
+  full rows, then the same ``kernels.token_logprobs`` / sampler as TP = 1.
 
 The all-gathers move raw bytes (``bitmatch.parallel.collectives``); norms and the residual stream
 run replicated on full rows. ``allreduce_row_parallel_linear`` is the stock layer, kept as the
@@ -34,7 +35,7 @@ import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.kernels.linear import LinearFunction
 from bitmatch.logprobs import check_temperature, pack_rows
-from bitmatch.models import CacheGroup, compute_dtype_of, dense, family_of, lora, qwen3_moe, unwrap_causal_lm
+from bitmatch.models import CacheGroup, compute_dtype_of, family_of, lora, unwrap_causal_lm
 from bitmatch.models.registry import forget_spec, tp_shard
 from bitmatch.models.state import create_state, drop_state
 from bitmatch.precision import cast_param
@@ -151,66 +152,33 @@ class AllreduceRowShard:
 
 
 @dataclass
-class Norm:
-    """An RMSNorm run replicated (full rows on every rank): the model's own module, cast at use."""
-    module: torch.nn.Module
-    dtype: torch.dtype
+class VocabShard(ColumnShard):
+    """A vocab-parallel head: this rank's vocab rows of ``module``'s linear, the logits all-gathered to
+    full rows in rank order. Invariance: bit for bit the unsharded head's logits."""
+    tp: TPGroup = None
 
-    def __call__(self, x, residual=None):
-        if residual is None:
-            return dense.rms_norm(self.module, x, self.dtype)
-        return dense.fused_add_rms_norm(self.module, x, residual, self.dtype)
-
-
-# ----------------------------------------------------------------------------- the sharded model
-
-@dataclass
-class LayerShard:
-    input_norm: Norm
-    post_norm: Norm
-    q: ColumnShard
-    k: ColumnShard
-    v: ColumnShard
-    q_norm: Norm | None
-    k_norm: Norm | None
-    o: "GatherRowShard | AllreduceRowShard"
-    mlp: "GatedMlpShard | MoeShard"
+    def __call__(self, hidden):
+        return all_gather_cat(shard_linear(copy_to_ranks(hidden, self.tp), *self.params(), self.full_n), self.tp,
+                              dim=-1)
 
 
 @dataclass
-class GatedMlpShard:
-    """gate/up column-parallel, down_proj by gather, in dense.gated_mlp's unfused order
-    (silu_and_mul is elementwise, so the rank's intermediate columns suffice)."""
-    gate: ColumnShard
-    up: ColumnShard
-    down: "GatherRowShard | AllreduceRowShard"
-
-    def __call__(self, x):
-        x = copy_to_ranks(x, self.down.tp)
-        return self.down(K.silu_and_mul(torch.cat([self.gate(x), self.up(x)], dim=-1)))
-
-
-@dataclass
-class MoeShard(ExpertRows):
-    """A Qwen3-MoE block with the experts spread over the ranks of ``tp``: the router runs on the
-    rank's rows (the same bits wherever a row is, so a row's experts do not depend on the layout),
-    the experts through ``expert_parallel_experts`` (every rank holds every token: EP = TP) or, with
-    ``data_parallel``, ``data_parallel_experts`` (each rank its own tokens); both end in the
-    one-rank slot-order combine."""
-    module: torch.nn.Module
+class ExpertShard(ExpertRows):
+    """A MoE layer's routed experts [lo, hi) on this rank of ``tp``, called after the family's own
+    router as ``experts(x, ids, w)`` -> [T, hidden]: through ``expert_parallel_experts`` (every rank
+    holds every token: EP = TP) or, with ``data_parallel``, ``data_parallel_experts`` (each rank its
+    own tokens); both end in the one-rank slot-order combine. ``stock`` (with ``data_parallel``): the
+    all-reduce combine, the control."""
+    module: torch.nn.Module  # the layer's MoE block (``module.experts`` holds the stacked expert tensors)
     lo: int
     hi: int
     dtype: torch.dtype
     tp: TPGroup
     data_parallel: bool = False
-    stock: bool = False  # with data_parallel: allreduce_data_parallel_experts (the control)
+    stock: bool = False
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
 
-    def __call__(self, x):
-        m = self.module
-        # qwen3_moe._moe_block's routing: fp32 router logits, softmax top-k
-        logits = K.linear(x.float(), cast_param(m.gate.weight, torch.float32))
-        w, ids = K.moe_route(logits, int(m.gate.top_k), scoring="softmax", renormalize=bool(m.gate.norm_topk_prob))
+    def __call__(self, x, ids, w):
         w_in, w_out = self.expert_weights()
         if self.data_parallel:
             combine = allreduce_data_parallel_experts if self.stock else data_parallel_experts
@@ -219,215 +187,126 @@ class MoeShard(ExpertRows):
 
 
 @dataclass
-class DenseShard:
-    """One rank's share of a dense-family model (``shard_dense_model``): replicated embedding and
-    norms, and its row slices of every linear, all read from the model's own modules at use (the
-    simulation keeps the whole model on every rank; a real deployment would load only the slices)."""
+class Sharder:
+    """The mechanisms a family's ``Family.shard`` hook builds one rank's layout from: the family
+    declares which module splits how (by heads, columns, vocab rows, experts), this object makes
+    the pieces (column slices, row-parallel layers by gather, the vocab-parallel head, the expert
+    dispatch, the entry of a replicated tensor into the column shards), so a family module never
+    imports ``bitmatch.parallel``. ``row_parallel="allreduce"``: the stock row-parallel layers (and,
+    under ``data_parallel_experts``, the stock expert combine), the control and the speed baseline."""
     tp: TPGroup
-    spec: dense.DenseSpec
     dtype: torch.dtype
-    model: torch.nn.Module  # the unwrapped causal LM
-    layers: list
-    norm: Norm
-    lm_head: ColumnShard
-    kv_heads: int  # this rank's KV heads (sharded, or one replicated head when N > num_kv_heads)
+    row_parallel: str = "gather"
+    data_parallel_experts: TPGroup | None = None  # each rank its own tokens, experts over this group
+    who: str = "enable_tensor_parallel"
 
-    # the duck-typed interface a family calls through bitmatch.models.registry.tp_shard
-    def forward_hidden(self, input_ids, ctx, recorder=None):
-        if recorder is not None:
-            raise ValueError("tensor parallel forward: no per-op recorder (bitmatch.verify.locate runs at TP = 1); "
-                             "disable_tensor_parallel(model) first")
-        return forward_hidden(self, input_ids, ctx)
+    def __post_init__(self):
+        if self.data_parallel_experts is not None and self.tp.world != 1:
+            raise ValueError(f"{self.who}: data_parallel_experts needs tp of one rank (data-parallel attention); "
+                             "tensor parallel attention with experts over another group is not built")
+        if self.row_parallel not in ("gather", "allreduce"):
+            raise ValueError(f"{self.who}: row_parallel must be 'gather' or 'allreduce', got {self.row_parallel!r}")
 
-    def compute_logits(self, hidden):
-        return compute_logits(self, hidden)
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
 
-    def moe_shards(self) -> list:
-        return [L.mlp for L in self.layers if isinstance(L.mlp, MoeShard)]
+    @property
+    def world(self) -> int:
+        return self.tp.world
 
-    def partial_parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters whose gradient on this rank is a part of the whole (``reduce_tp_gradients``
-        sums them): every sliced linear (its rows; KV heads replicated over ranks: each rank's
-        queries' share), the q/k norms (replicated weights applied to this rank's heads only), this
-        rank's experts and the LM head's vocab rows. The rest (embedding, the other norms, the
-        router) run replicated on full rows and get the whole gradient on every rank."""
-        out, seen = [], set()
+    def even(self, n: int, field: str) -> int:
+        """``n`` / TP degree, or a ValueError naming ``field`` when the degree does not divide it."""
+        if n % self.world:
+            raise ValueError(f"{self.who}: {field} = {n} is not divisible by the TP degree {self.world}; "
+                             "use a degree that divides it")
+        return n // self.world
 
-        def add(*mods):
-            for mod in mods:
-                for p in (mod.weight, getattr(mod, "bias", None)):
-                    if p is not None and id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(p)
+    def _plain(self, mod, what: str):
+        if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
+            raise ValueError(f"{self.who}: {what} is a PEFT adapter layer; merge the adapters "
+                             "(peft merge_and_unload) before sharding")
+        return mod
 
-        for L in self.layers:
-            add(L.q.module, L.k.module, L.v.module, L.o.module)
-            if L.q_norm is not None:
-                add(L.q_norm.module, L.k_norm.module)
-            if isinstance(L.mlp, MoeShard):
-                for p in L.mlp.partial_expert_tensors():
-                    seen.add(id(p))
-                    out.append(p)
-            else:
-                add(L.mlp.gate.module, L.mlp.up.module, L.mlp.down.module)
-        add(self.lm_head.module)
-        return out
+    def column(self, mod, lo: int, hi: int, what: str) -> ColumnShard:
+        """Rows [lo, hi) of ``mod``'s linear, each output column with the full K."""
+        return ColumnShard(self._plain(mod, what), lo, hi, self.dtype)
 
+    def row(self, mod, rows: int, kcols: int, what: str):
+        """A row-parallel layer: by gather (this rank's ``rows`` output rows, full K) or the stock
+        all-reduce layer (this rank's ``kcols`` input columns)."""
+        r = self.rank
+        if self.row_parallel == "gather":
+            return GatherRowShard(self._plain(mod, what), r * rows, (r + 1) * rows, self.dtype, tp=self.tp)
+        return AllreduceRowShard(self._plain(mod, what), r * kcols, (r + 1) * kcols, self.dtype, tp=self.tp)
 
-def _rows(mod, lo: int, hi: int, dtype, what: str, cls=ColumnShard, **kw):
-    if lora.is_lora_layer(mod) or hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
-        raise ValueError(f"shard_dense_model: {what} is a PEFT adapter layer; merge the adapters "
-                         "(peft merge_and_unload) before sharding")
-    return cls(mod, lo, hi, dtype, **kw)
+    def vocab(self, head, what: str = "lm_head") -> VocabShard:
+        """The LM head by vocab rows, its logits gathered to full rows."""
+        n = self.even(head.weight.shape[0], "vocab_size")
+        return VocabShard(self._plain(head, what), self.rank * n, (self.rank + 1) * n, self.dtype, tp=self.tp)
 
+    def enter(self, x):
+        """A replicated tensor entering the rank's column shards (identity forward; its gradient
+        summed over the ranks in backward)."""
+        return copy_to_ranks(x, self.tp)
 
-def _even(n: int, world: int, what: str) -> int:
-    if n % world:
-        raise ValueError(f"shard_dense_model: {what} = {n} is not divisible by the TP degree {world}; "
-                         f"use a degree that divides it")
-    return n // world
-
-
-def _row_shard(mod, tp: TPGroup, rows: int, kcols: int, dt, what: str, row_parallel: str):
-    """o_proj / down_proj on this rank: by gather (its ``rows`` output rows, full K) or, for the
-    control, the stock all-reduce layer (its ``kcols`` input columns)."""
-    r = tp.rank
-    if row_parallel == "gather":
-        return _rows(mod, r * rows, (r + 1) * rows, dt, what, GatherRowShard, tp=tp)
-    return _rows(mod, r * kcols, (r + 1) * kcols, dt, what, AllreduceRowShard, tp=tp)
+    def experts(self, module, num_experts: int, field: str = "num_experts") -> ExpertShard:
+        """``module``'s routed experts spread over the ranks: EP = TP, or over ``data_parallel_experts``."""
+        ep = self.data_parallel_experts
+        if ep is None:
+            e = self.even(num_experts, field)
+            return ExpertShard(module, self.rank * e, (self.rank + 1) * e, self.dtype, self.tp, num_experts=num_experts)
+        if num_experts % ep.world:
+            raise ValueError(f"enable_expert_parallel: {field} = {num_experts} is not divisible by the EP "
+                             f"degree {ep.world}; use a degree that divides it")
+        e = num_experts // ep.world
+        return ExpertShard(module, ep.rank * e, (ep.rank + 1) * e, self.dtype, ep, data_parallel=True,
+                           stock=self.row_parallel == "allreduce", num_experts=num_experts)
 
 
-def _mlp_shard(m, tp: TPGroup, hidden: int, dt, p: str, row_parallel: str = "gather", dp_ep: TPGroup | None = None):
-    n, r = tp.world, tp.rank
-    if hasattr(m, "experts"):
-        total = m.experts.gate_up_proj.shape[0]
-        if dp_ep is not None:  # data-parallel tokens, experts over dp_ep's ranks
-            if total % dp_ep.world:
-                raise ValueError(f"enable_expert_parallel: num_experts = {total} is not divisible by the EP "
-                                 f"degree {dp_ep.world}; use a degree that divides it")
-            e = total // dp_ep.world
-            return MoeShard(m, dp_ep.rank * e, (dp_ep.rank + 1) * e, dt, dp_ep, data_parallel=True,
-                            stock=row_parallel == "allreduce", num_experts=total)
-        e = _even(total, n, "num_experts")
-        return MoeShard(m, r * e, (r + 1) * e, dt, tp, num_experts=total)
-    inter = _even(m.gate_proj.weight.shape[0], n, "intermediate_size")
-    return GatedMlpShard(gate=_rows(m.gate_proj, r * inter, (r + 1) * inter, dt, f"{p}.gate_proj"),
-                         up=_rows(m.up_proj, r * inter, (r + 1) * inter, dt, f"{p}.up_proj"),
-                         down=_row_shard(m.down_proj, tp, hidden, inter, dt, f"{p}.down_proj", row_parallel))
+# ----------------------------------------------------------------------------- the sharded model
 
-
-def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None,
-                      row_parallel: str = "gather", data_parallel_experts: TPGroup | None = None) -> DenseShard:
-    """This rank's ``DenseShard`` of a dense-family HF causal LM (qwen2, qwen3, llama, mistral) or a
-    Qwen3-MoE one (num_experts % N == 0: rank r holds experts [r E/N, (r + 1) E/N)).
-
-    Heads are split evenly (num_heads % N == 0); KV heads are sharded when num_kv_heads % N == 0,
-    else replicated (N % num_kv_heads == 0, as vLLM does), so a rank's queries find their KV head
-    locally. Invariance: ``forward_hidden`` / ``compute_logits`` / ``token_logprobs`` on the shard
-    give every rank TP = 1's bits. ``row_parallel="allreduce"`` builds the stock layout instead
-    (o_proj / down_proj split over K, partials all-reduced): not invariant, the control and the
-    speed baseline of benchmarks/tp_layout.py. ``data_parallel_experts`` (with ``tp`` of one
-    rank): each rank runs its own tokens and the Qwen3-MoE experts spread over that group's ranks
-    (``enable_expert_parallel``); with ``row_parallel="allreduce"`` their stock combine (each rank's
-    partial all-reduced: the control).
-    """
-    if data_parallel_experts is not None and tp.world != 1:
-        raise ValueError("shard_dense_model: data_parallel_experts needs tp of one rank (data-parallel "
-                         "attention); tensor parallel attention with experts over another group is not built")
-    if row_parallel not in ("gather", "allreduce"):
-        raise ValueError(f"shard_dense_model: row_parallel must be 'gather' or 'allreduce', got {row_parallel!r}")
+def shard_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None, row_parallel: str = "gather",
+                data_parallel_experts: TPGroup | None = None, who: str = "shard_model"):
+    """This rank's shard of ``model`` in its family's layout (``Family.shard``, built on a ``Sharder``),
+    not yet set on the model (``enable_tensor_parallel`` sets it). Invariance: its ``forward_hidden`` /
+    ``compute_logits`` / ``token_logprobs`` give every rank TP = 1's bits (``row_parallel="allreduce"``:
+    the stock layout, which does not). ``data_parallel_experts`` (with ``tp`` of one rank): each rank
+    runs its own tokens, the routed experts spread over that group's ranks (``enable_expert_parallel``)."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
-        raise ValueError("shard_dense_model: the model runs tensor parallel already; "
+        raise ValueError(f"{who}: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
     fam = family_of(lm)
-    if type(fam) not in (dense.DenseFamily, qwen3_moe.Qwen3MoeFamily):
-        raise ValueError(f"shard_dense_model: family {fam.name!r} has no tensor-parallel layout; supported: the "
-                         "dense family (qwen2, qwen3, llama, mistral) and qwen3_moe (experts spread over the ranks)")
-    spec = fam.build_spec(lm)
     dt = compute_dtype if compute_dtype is not None else compute_dtype_of(lm)
-    n, r = tp.world, tp.rank
-    hq = _even(spec.num_heads, n, "num_attention_heads")
-    if spec.num_kv_heads % n == 0:
-        hkv, kv_lo = spec.num_kv_heads // n, r * (spec.num_kv_heads // n)
-    elif n % spec.num_kv_heads == 0:  # a query group spans several ranks: each keeps its group's KV head
-        hkv, kv_lo = 1, (r * hq) // (spec.num_heads // spec.num_kv_heads)
-    else:
-        raise ValueError(f"shard_dense_model: num_key_value_heads = {spec.num_kv_heads} and the TP degree {n} "
-                         "must divide one another")
-    hidden = _even(spec.hidden_size, n, "hidden_size")
-    vocab = _even(spec.vocab_size, n, "vocab_size")
-    d = spec.head_dim
-    layers = []
-    for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-        a, m = layer.self_attn, layer.mlp
-        p = f"layers.{i}"
-        layers.append(LayerShard(
-            input_norm=Norm(layer.input_layernorm, dt), post_norm=Norm(layer.post_attention_layernorm, dt),
-            q=_rows(a.q_proj, r * hq * d, (r + 1) * hq * d, dt, f"{p}.q_proj"),
-            k=_rows(a.k_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.k_proj"),
-            v=_rows(a.v_proj, kv_lo * d, (kv_lo + hkv) * d, dt, f"{p}.v_proj"),
-            q_norm=Norm(a.q_norm, dt) if spec.qk_norm else None,
-            k_norm=Norm(a.k_norm, dt) if spec.qk_norm else None,
-            o=_row_shard(a.o_proj, tp, hidden, hq * d, dt, f"{p}.o_proj", row_parallel),
-            mlp=_mlp_shard(m, tp, hidden, dt, p, row_parallel, data_parallel_experts),
-        ))
-    return DenseShard(tp=tp, spec=spec, dtype=dt, model=lm,
-                      layers=layers, norm=Norm(lm.model.norm, dt),
-                      lm_head=_rows(lm.lm_head, r * vocab, (r + 1) * vocab, dt, "lm_head"), kv_heads=hkv)
+    shard = fam.shard(lm, Sharder(tp, dt, row_parallel, data_parallel_experts, who))
+    if shard is None:
+        raise ValueError(f"{who}: family {fam.name!r} declares no tensor-parallel layout (Family.shard)")
+    return shard
 
 
-# ----------------------------------------------------------------------------- forward
-
-def _attention(shard: DenseShard, L: LayerShard, i: int, x, cos, sin, ctx: ForwardContext):
-    spec, t, d = shard.spec, x.shape[0], shard.spec.head_dim
-    q, k, v = L.q(x).reshape(t, -1, d), L.k(x).reshape(t, -1, d), L.v(x).reshape(t, -1, d)
-    if L.q_norm is not None:
-        q, k = L.q_norm(q), L.k_norm(k)
-    q, k = K.apply_rotary(q, k, cos, sin)
-    sw = spec.sliding_windows[i]
-    if ctx.paged:
-        k_cache, v_cache = ctx.cache("kv", i)
-        K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        host = {} if ctx.max_seq_len is None or ctx.max_query_len is None else dict(
-            max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
-        o = K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
-                              spec.scale, sliding_window=sw, **host)
-    else:
-        if ctx.cu_seqlens is None:
-            raise ValueError("tensor_parallel.forward_hidden: ForwardContext needs cu_seqlens (packed prefill) "
-                             "or slot_mapping (paged)")
-        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, sliding_window=sw,
-                                max_seqlen=ctx.max_query_len)
-    return L.o(o.reshape(t, -1))
+def shard_dense_model(model, tp: TPGroup, compute_dtype: torch.dtype | None = None, row_parallel: str = "gather",
+                      data_parallel_experts: TPGroup | None = None):
+    """``shard_model`` under its former name (the dense family and Qwen3-MoE were its first layouts)."""
+    return shard_model(model, tp, compute_dtype, row_parallel, data_parallel_experts, who="shard_dense_model")
 
 
-def forward_hidden(shard: DenseShard, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-    """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank, in the dense
-    family's op order (``bitmatch.models.dense``). Invariance: bit for bit
-    ``bitmatch.models.forward_hidden`` of the unsharded model, at any TP degree."""
-    spec, dt, tp = shard.spec, shard.dtype, shard.tp
-    h = dense.embed(shard.model, input_ids, dt)
-    cos, sin = dense.rope_cos_sin(ctx, spec.head_dim, spec.rope_base, spec.rope_scaling,
-                                  spec.max_position_embeddings)
-    residual = None
-    for i, L in enumerate(shard.layers):
-        if residual is None:
-            x, residual = L.input_norm(h), h
-        else:
-            x, residual = L.input_norm(h, residual)
-        a = _attention(shard, L, i, copy_to_ranks(x, tp), cos, sin, ctx)
-        x, residual = L.post_norm(a, residual)
-        h = L.mlp(x)
-    out = shard.norm(h) if residual is None else shard.norm(h, residual)[0]
-    return out
+def forward_hidden(shard, input_ids: torch.Tensor, ctx: ForwardContext, recorder=None) -> torch.Tensor:
+    """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank, through the
+    family's own forward on the rank's share. Invariance: bit for bit ``bitmatch.models.forward_hidden``
+    of the unsharded model, at any TP degree."""
+    return shard.forward_hidden(input_ids, ctx, recorder)
 
 
-def compute_logits(shard: DenseShard, hidden: torch.Tensor) -> torch.Tensor:
-    """Full logits [N, vocab] on every rank: each rank's vocab slice, all-gathered in rank order.
+def compute_logits(shard, hidden: torch.Tensor) -> torch.Tensor:
+    """Full logits [N, vocab] on every rank (each rank's vocab slice, all-gathered in rank order).
     Invariance: bit for bit the unsharded model's ``bitmatch.models.compute_logits``."""
-    return all_gather_cat(shard.lm_head(copy_to_ranks(hidden, shard.tp)), shard.tp, dim=-1)
+    return shard.compute_logits(hidden)
 
+
+def vocab_parallel_logits(shard, hidden: torch.Tensor) -> torch.Tensor:
+    """``shard.lm_head`` (a ``ColumnShard`` of the vocab rows) on every rank, all-gathered to full rows."""
+    return all_gather_cat(shard.lm_head(copy_to_ranks(hidden, shard.tp)), shard.tp, dim=-1)
 
 def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
@@ -453,13 +332,9 @@ def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
 
 
-# family name -> "module:function" of this package building one rank's shard of that family's causal
-# LM: (lm, tp, compute_dtype) -> a shard with forward_hidden(input_ids, ctx, recorder),
-# compute_logits(hidden) and whatever the family's spec / cache_groups read from it. Named, not
-# imported: a family's layout module imports this one.
-SHARD_BUILDERS: dict[str, str] = {
-    "dense": "tensor_parallel:shard_dense_model",
-    "qwen3_moe": "tensor_parallel:shard_dense_model",
+# The two layouts still built in this package instead of declared by their family (``Family.shard``):
+# "module:function" by family name. Moving them next to their families' forwards removes this table.
+UNMOVED_LAYOUTS: dict[str, str] = {
     "nemotron_h": "nemotron_h:shard_nemotron_h",
     "deepseek_v4": "deepseek_v4:shard_deepseek_v4",
 }
@@ -469,20 +344,18 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
     (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
     ``bitmatch.Engine``, one process per rank, each sampling the same token from the same gathered
-    logits). No CUDA graphs. ``layout``: the family builder's options (the dense family's
-    ``row_parallel="allreduce"``: the stock layout, a control). Invariance: every rank gets TP = 1's
-    bits."""
+    logits). No CUDA graphs. ``layout``: the layout's options (``row_parallel="allreduce"``: the stock
+    layout, a control; ``data_parallel_experts``). Invariance: every rank gets TP = 1's bits."""
     lm = unwrap_causal_lm(model)
     if tp_shard(lm) is not None:
         raise ValueError("enable_tensor_parallel: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
-    fam = family_of(lm)
-    build = SHARD_BUILDERS.get(fam.name)
+    build = UNMOVED_LAYOUTS.get(family_of(lm).name)
     if build is None:
-        raise ValueError(f"enable_tensor_parallel: family {fam.name!r} has no tensor-parallel layout; "
-                         f"supported: {', '.join(sorted(SHARD_BUILDERS))}")
-    mod, fn = build.split(":")
-    shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype, **layout)
+        shard = shard_model(lm, tp, compute_dtype, who="enable_tensor_parallel", **layout)
+    else:
+        mod, fn = build.split(":")
+        shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype, **layout)
     create_state(lm).tp = shard
     forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard
@@ -655,7 +528,6 @@ def disable_tensor_parallel(model) -> None:
     forget_spec(lm)
 
 
-def cache_groups(shard: DenseShard) -> list[CacheGroup]:
-    """The paged KV caches of this rank's KV heads (``bitmatch.models.allocate_caches`` builds them)."""
-    s = shard.spec
-    return [CacheGroup("kv", "paged_kv", tuple(range(s.num_layers)), shard.kv_heads, s.head_dim, shard.dtype)]
+def cache_groups(shard) -> list[CacheGroup]:
+    """The engine caches of this rank's share (its KV heads; ``bitmatch.models.allocate_caches`` builds them)."""
+    return shard.cache_groups()
