@@ -322,10 +322,18 @@ DIFF_CONFIGS = (("64 seqs, chunked 512", dict(max_num_seqs=64, max_num_batched_t
                 ("3 seqs, block 32, 97-token steps", dict(max_num_seqs=3, max_num_batched_tokens=97, block_size=32)))
 
 
-def engine_diff(model, hf, prompts, device, temperature, n_new):
+def engine_diff(model, hf, prompts, device, temperature, n_new, control=None,
+                control_key="control_stock_hf_mismatches"):
+    """The engine's sampled-token logprobs vs ``bitmatch.token_logprobs(model)`` of the same sequences in
+    other batches and order, at each of DIFF_CONFIGS; the control (want > 0) is stock ``hf``'s
+    log-softmax, or ``control(ids, mask)``: token logprobs aligned as token_logprobs' (another trainer)."""
     import bitmatch
     from bitmatch.testing_models import pad_batch
 
+    if control is None and hf is not None:
+        def control(ids, mask):
+            lp = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1)
+            return lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     rows = []
     for label, kw in DIFF_CONFIGS:
         eng = engine(model, device, kv_cache_bytes=1 << 30, **kw)
@@ -340,20 +348,19 @@ def engine_diff(model, hf, prompts, device, temperature, n_new):
             ids, mask = ids.to(device), mask.to(device)
             with torch.no_grad():
                 lp = bitmatch.token_logprobs(model, ids, mask, temperature=temperature)
-                stock = (None if hf is None else
-                         torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.float() / temperature, -1))
+                other = None if control is None else control(ids, mask)
             for b, i in enumerate(idx):
                 o = outs[i]
                 p, c = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
                 got = torch.tensor(o.outputs[0].logprobs, device=device)
                 mism += int((got != lp[b, p - 1:p + c - 1]).sum())
-                if stock is not None:
-                    ctrl += int((got != stock[b, p - 1:p + c - 1].gather(-1, ids[b, p:p + c, None])[:, 0]).sum())
+                if other is not None:
+                    ctrl += int((got != other[b, p - 1:p + c - 1]).sum())
                 tot += c
         rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
-                     "control_stock_hf_mismatches": ctrl if hf is not None else None, **graph_use(eng)})
+                     control_key: ctrl if control is not None else None, **graph_use(eng)})
         print("diff", rows[-1], flush=True)
-        del eng
+        eng.close()
     return rows
 
 

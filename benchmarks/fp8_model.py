@@ -38,38 +38,15 @@ def build(cfg: dict, seed: int = 0):
 
 
 def diff(cfg: dict, args) -> dict:
-    from bitmatch.testing_models import pad_batch
-
     model = build(cfg)
     bf16 = bitmatch.patch(copy.deepcopy(model))          # the control: the same weights, bf16 projections
     model = bitmatch.patch(model, quantization="fp8")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg["vocab_size"], (int(n),), generator=g).tolist()
                for n in torch.randint(5, args.max_prompt, (args.n_prompts,), generator=g)]
-    rows = []
-    for label, kw in _common.DIFF_CONFIGS:
-        eng = _common.engine(model, torch.device(_common.DEV), kv_cache_bytes=1 << 30, **kw)
-        params = [bitmatch.SamplingParams(temperature=0.9, max_tokens=args.new_tokens, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
-        outs = eng.generate(prompts, params, use_tqdm=False)
-        seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-        tot = mism = ctrl = 0
-        for s in range(0, len(outs), 5):
-            idx = list(range(s, min(s + 5, len(outs))))[::-1]   # other batches, other order than the engine's
-            ids, mask = (t.to(_common.DEV) for t in pad_batch([seqs[i] for i in idx], "right"))
-            with torch.no_grad():
-                lp = bitmatch.token_logprobs(model, ids, mask, temperature=0.9)
-                lp_bf16 = bitmatch.token_logprobs(bf16, ids, mask, temperature=0.9)
-            for b, i in enumerate(idx):
-                p, c = len(outs[i].prompt_token_ids), len(outs[i].outputs[0].token_ids)
-                got = torch.tensor(outs[i].outputs[0].logprobs, device=_common.DEV)
-                mism += int((got != lp[b, p - 1:p + c - 1]).sum())
-                ctrl += int((got != lp_bf16[b, p - 1:p + c - 1]).sum())
-                tot += c
-        rows.append({"config": label, "tokens": tot, "mismatches": mism, "control_bf16_trainer_mismatches": ctrl,
-                     **_common.graph_use(eng)})
-        print("diff", rows[-1], flush=True)
-        eng.close()
+    rows = _common.engine_diff(model, None, prompts, torch.device(_common.DEV), 0.9, args.new_tokens,
+                               control=lambda ids, mask: bitmatch.token_logprobs(bf16, ids, mask, temperature=0.9),
+                               control_key="control_bf16_trainer_mismatches")
     return {"rows": rows, "tokens": sum(r["tokens"] for r in rows), "mismatches": sum(r["mismatches"] for r in rows),
             "control_bf16_trainer_mismatches": sum(r["control_bf16_trainer_mismatches"] for r in rows)}
 
