@@ -14,6 +14,7 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, EngineConfig, SamplingParams
+from bitmatch.engine.graphs import graph_safe
 from bitmatch.kernels.fp8 import code_to_e4m3, e4m3_code, quantize_fp8_blocks
 from bitmatch.models import fp8_mode
 from bitmatch.models.registry import families
@@ -60,6 +61,12 @@ def test_engine_equals_trainer_in_fp8(name, cfg, n, max_tokens):
     assert kept and kept[torch.bfloat16][0].dtype == torch.float8_e4m3fn, "the engine ran no FP8 projection"
     assert torch.equal(kept[torch.bfloat16][0].view(torch.uint8),
                        quantize_fp8_blocks(q_proj.weight)[0].view(torch.uint8))
+    sparse = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    for ex in sparse:   # Qwen3-MoE: the routed experts run FP8 too, quantized per expert
+        q, sc = fp8_mode.kept_weights_of(ex, "gate_up_proj")[torch.bfloat16]
+        assert q.shape == ex.gate_up_proj.shape and sc.shape[0] == ex.gate_up_proj.shape[0]
+        assert torch.equal(q.view(torch.uint8), quantize_fp8_blocks(ex.gate_up_proj)[0].view(torch.uint8))
+    assert graph_safe(model, "fp8") == (not sparse)   # the FP8 expert loop reads ids on the host: eager
     engine.close()
     assert not fp8_mode.kept_weights_of(q_proj), "the engine's close kept its FP8 bytes"
     n_tok, bad = engine_vs_trainer(model, outs, params)
@@ -110,7 +117,7 @@ def test_straight_through_gradient_reaches_master(master):
     lp = bitmatch.token_logprobs(model, ids, mask, quantization="fp8", compute_dtype=torch.bfloat16)
     lp.sum().backward()
     for name, p in model.named_parameters():
-        if name.endswith("_proj.weight") and ".experts." not in name:
+        if name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
             assert p.grad is not None and bool(torch.isfinite(p.grad).all()) and p.grad.abs().sum() > 0, name
 
 

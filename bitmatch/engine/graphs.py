@@ -41,13 +41,15 @@ import torch
 from bitmatch.context import ForwardContext
 from bitmatch.engine.host import upload
 from bitmatch.engine.recording import GraphTap
-from bitmatch.models import compute_logits, family_of, forward_hidden, unwrap_causal_lm
+from bitmatch.models import compute_logits, family_of, forward_hidden, fp8_mode, unwrap_causal_lm
 
 
-def graph_safe(model) -> bool:
+def graph_safe(model, quantization: str | None = None) -> bool:
     """Whether the model's family declares its decode forward capturable (no host syncs, no
-    data-dependent host control flow): ``Family.cuda_graph_safe(lm)`` (default False)."""
-    return bool(family_of(model).cuda_graph_safe(unwrap_causal_lm(model)))
+    data-dependent host control flow): ``Family.cuda_graph_safe(lm)`` (default False), and in
+    ``quantization`` "fp8" whether FP8 mode's forward is (``fp8_mode.capturable``: not its experts)."""
+    lm = unwrap_causal_lm(model)
+    return bool(family_of(model).cuda_graph_safe(lm)) and (quantization is None or fp8_mode.capturable(lm))
 
 
 def padded_sampling(sampler, params, seeds, indices, bucket: int):

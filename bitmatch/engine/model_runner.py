@@ -202,7 +202,7 @@ class ModelRunner:
         self.weights_changed = True
         self.graphs = None
         self._pending = None
-        self.graph_safe = graph_safe(model)
+        self.graph_safe = graph_safe(model, quantization)
         self.num_simulated_steps = 0
         self._simulated_keys = set()  # the graph keys a simulated run has "captured"
         self.num_steps = 0  # forwards run (bitmatch.parallel.step_data_parallel: did this step run one)

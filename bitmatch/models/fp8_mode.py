@@ -34,7 +34,7 @@ from bitmatch.models.state import create_state, get_state
 from bitmatch.precision import cast_param, compute_cast
 
 QUANTIZATIONS = (None, "fp8")
-_KEPT = "fp8_weight"   # the module's ModelState.derived slot: {dtype: [key, q, scale]}
+_KEPT = "fp8:"   # + the parameter's name: a module's ModelState.derived slot, {dtype: [key, q, scale]}
 _mode = threading.local()
 
 
@@ -95,6 +95,40 @@ def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return K.fp8_linear_master(x, cast_param(mod.weight, dtype), bias)
 
 
+def experts(ex, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """HF's stacked SwiGLU experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) in FP8: each
+    (token, rank) row through its expert's ``gate_up`` FP8 linear, ``silu_and_mul``, its ``down`` FP8
+    linear, then ``moe_combine`` (fp32, rank order). Each expert weight is quantized per expert in
+    128 x 128 blocks (``quantize_fp8_blocks`` of the stacked tensor: the same blocks as expert by
+    expert). Invariance: a token's bits depend only on its row, its routing and the expert weights
+    (the FP8 linear is row-invariant). The loop over the routed experts reads them on the host: FP8
+    MoE steps are not captured in CUDA graphs (``capturable``)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    kept = lora.kept_on()
+    if kept:
+        (gq, gs), (dq, ds) = kept_weight(ex, dtype, name="gate_up_proj"), kept_weight(ex, dtype, name="down_proj")
+    else:
+        gu, dn = cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype)
+    y = x.new_zeros(T * k, H)
+    for e in torch.unique(flat).tolist():
+        pos = (flat == e).nonzero().squeeze(1)
+        xe = x.index_select(0, pos // k)
+        if kept:
+            ye = K.fp8_linear(K.silu_and_mul(K.fp8_linear(xe, gq[e], gs[e])), dq[e], ds[e])
+        else:
+            ye = K.fp8_linear_master(K.silu_and_mul(K.fp8_linear_master(xe, gu[e])), dn[e])
+        y = y.index_put((pos,), ye)
+    return K.moe_combine(y.view(T, k, H), weights.float())
+
+
+def capturable(lm) -> bool:
+    """Whether FP8 mode's forward of ``lm`` may be captured in a CUDA graph: not with stacked experts,
+    whose loop (``experts``) reads the routed expert ids on the host."""
+    return not any(hasattr(m, "gate_up_proj") for m in lm.modules())
+
+
 def _fill(entry, w: torch.Tensor, dtype: torch.dtype, key) -> None:
     with torch.no_grad():
         q, s = quantize_fp8_blocks(compute_cast(w.detach(), dtype))   # the cast is dropped here
@@ -106,31 +140,34 @@ def _fill(entry, w: torch.Tensor, dtype: torch.dtype, key) -> None:
     entry[0] = key
 
 
-def kept_weight(mod, dtype: torch.dtype, force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 bytes, fp32 block scales) of ``quantize_fp8_blocks(compute_cast(mod.weight, dtype))``,
+def kept_weight(mod, dtype: torch.dtype, force: bool = False, name: str = "weight") -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """(FP8 bytes, fp32 block scales) of ``quantize_fp8_blocks(compute_cast(mod.<name>, dtype))``,
     kept on the module and refilled in place when the weight's pointer or version counter moves
     (``force``: always). Invariance: the very bytes ``fp8_linear_master`` quantizes in the trainer."""
-    w = mod.weight
+    w = getattr(mod, name)
     key = (w.data_ptr(), w._version)
-    entry = create_state(mod).derived.setdefault(_KEPT, {}).setdefault(dtype, [None, None, None])
+    entry = create_state(mod).derived.setdefault(_KEPT + name, {}).setdefault(dtype, [None, None, None])
     if force or entry[0] != key:
         _fill(entry, w, dtype, key)
     return entry[1], entry[2]
 
 
-def kept_weights_of(mod) -> dict:
-    """``{dtype: (q, scale)}`` the engine keeps of ``mod`` (empty if none)."""
+def kept_weights_of(mod, name: str = "weight") -> dict:
+    """``{dtype: (q, scale)}`` the engine keeps of ``mod``'s parameter ``name`` (empty if none)."""
     st = get_state(mod)
-    return {} if st is None else {dt: (e[1], e[2]) for dt, e in st.derived.get(_KEPT, {}).items()}
+    return {} if st is None else {dt: (e[1], e[2]) for dt, e in st.derived.get(_KEPT + name, {}).items()}
 
 
 def refresh(lm, force: bool = False) -> None:
     """Re-quantize, in place, every kept FP8 weight of ``lm`` whose master moved (``force``: all);
     before a graph replay and whenever the engine starts work. ``lora.drop_kept_weights`` drops them."""
     for m in lm.modules():
-        for dtype in list(kept_weights_of(m)):
-            kept_weight(m, dtype, force)
+        st = get_state(m)
+        for slot in [] if st is None else [k for k in st.derived if k.startswith(_KEPT)]:
+            for dtype in list(st.derived[slot]):
+                kept_weight(m, dtype, force, name=slot[len(_KEPT):])
 
 
-__all__ = ["QUANTIZATIONS", "check_quantization", "check_model", "projections", "active", "linear", "kept_weight",
-           "kept_weights_of", "refresh"]
+__all__ = ["QUANTIZATIONS", "check_quantization", "check_model", "projections", "active", "linear", "experts",
+           "capturable", "kept_weight", "kept_weights_of", "refresh"]

@@ -21,6 +21,8 @@ programs past the real tile count return; the combine: one program per token; th
 check: ``torch._assert_async``), so the family opts into the engine's decode graphs
 (``cuda_graph_safe``; tests/test_engine_graphs_moe.py). The CPU reference is not sync-free
 (``unique``, ``nonzero``): the CPU tests simulate the graphs eagerly, as the dense ones do.
+FP8 mode (``quantization="fp8"``): the experts run ``fp8_mode.experts`` (each expert's gate_up and
+down on block-FP8 weights, the same rank-order combine); the router stays fp32; eager steps only.
 HF keeps the routing weights in the model dtype and sums expert outputs in expert order with
 ``index_add_``: in fp32 that agrees with this order to rounding (parity), not bit for bit.
 """
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import bitmatch.kernels as K
-from bitmatch.models import dense, lora
+from bitmatch.models import dense, fp8_mode, lora
 from bitmatch.models.registry import register, tp_shard
 from bitmatch.precision import cast_param
 
@@ -56,8 +58,11 @@ def _moe_block(mod, x, dtype, rec=None, prefix="mlp", experts=None):
         rec(f"{prefix}.router", (ids, w))
     if experts is None:
         ex = dense.plain_module(mod.experts, "the routed experts (mlp.experts)")
-        y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
-                          activation="swiglu")
+        if fp8_mode.active():  # quantization="fp8": the experts on block-FP8 weights, the router stays fp32
+            y = fp8_mode.experts(ex, x, ids, w, dtype)
+        else:
+            y = K.moe_experts(x, ids, w, cast_param(ex.gate_up_proj, dtype), cast_param(ex.down_proj, dtype),
+                              activation="swiglu")
     else:
         y = experts(x, ids, w)
     if rec is not None:
