@@ -16,8 +16,9 @@ it, so a gradient-checkpointed layer recomputed in backward runs in the mode of 
 
 Each HF projection is quantized on its own (the checkpoint's and the sync's unit): q/k/v and gate/up
 are not fused in FP8 mode, so a 128-row block never straddles two projections on either side.
-The LM head, the embeddings, the norms, the MoE router (fp32) and the routed experts stay in the
-compute dtype (docs/fp8.md, "FP8 mode").
+Qwen3-MoE's routed experts run ``experts`` below (each expert's weights quantized per expert).
+The LM head, the embeddings, the norms and the MoE router (fp32) stay in the compute dtype
+(docs/fp8.md, "FP8 mode").
 """
 from __future__ import annotations
 
