@@ -13,10 +13,11 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
+from bitmatch.context import ForwardContext
 from bitmatch.engine import Engine, EngineConfig, SamplingParams
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.kernels.fp8 import code_to_e4m3, e4m3_code, quantize_fp8_blocks
-from bitmatch.models import fp8_mode
+from bitmatch.models import forward_hidden, fp8_mode
 from bitmatch.models.registry import families
 from bitmatch.sync import SyncError
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
@@ -87,6 +88,11 @@ def _per_tensor_master(x, weight, bias=None, *, scale_fmt="float"):
 
 def test_control_per_tensor_scale_differs(monkeypatch):
     model = bitmatch.patch(tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=2), quantization="fp8")
+    ids = torch.tensor([[4, 9, 17, 30, 5]])
+    with torch.no_grad():   # the patched HF forward runs the patch's mode
+        fp8_logits = model(ids).logits
+        assert not torch.equal(fp8_logits, bitmatch.patch(model)(ids).logits)
+        assert torch.equal(fp8_logits, bitmatch.patch(model, quantization="fp8")(ids).logits)
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=i) for i in range(3)]
     outs = Engine(model, max_num_seqs=3).generate(random_prompts(3, 4, 16, seed=3), params, use_tqdm=False)
     n_tok, bad = engine_vs_trainer(model, outs, params, quantization=None)  # None: the patch's "fp8"
@@ -178,6 +184,15 @@ def test_refused_by_name():
             assert fam.name in ("nemotron_h", "deepseek_v4")
             with pytest.raises(ValueError, match=f"not wired for the '{fam.name}' family"):
                 fp8_mode.check_model(model, fam, "fp8", "token_logprobs")
+    v4 = tiny_model("deepseek_v4", dtype=torch.bfloat16, seed=0)
+    ctx = ForwardContext(positions=torch.arange(3), cu_seqlens=torch.tensor([0, 3], dtype=torch.int32),
+                         quantization="fp8")
+    for who, call in [("patch", lambda: bitmatch.patch(v4, quantization="fp8")),
+                      ("token_logprobs", lambda: bitmatch.token_logprobs(v4, ids, quantization="fp8")),
+                      ("Engine", lambda: Engine(v4, quantization="fp8", max_num_seqs=1)),
+                      ("forward_hidden", lambda: forward_hidden(v4, ids[0, :3], ctx))]:   # never bf16 in silence
+        with pytest.raises(ValueError, match=f"{who}: quantization='fp8' is not wired for the 'deepseek_v4'"):
+            call()
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="PEFT LoRA layers"):
