@@ -357,7 +357,9 @@ def engine_diff(model, hf, prompts, device, temperature, n_new, control=None,
                 if other is not None:
                     ctrl += int((got != other[b, p - 1:p + c - 1]).sum())
                 tot += c
-        rows.append({"config": label, "graphs_on": True, "tokens": tot, "mismatches": mism,
+        r = eng.model_runner  # graphs (or their CPU simulation) replayed: the engine may run a mode eagerly
+        on = bool(r.graphs.num_replays) if r.graphs is not None else r.num_simulated_steps > 0
+        rows.append({"config": label, "graphs_on": on, "tokens": tot, "mismatches": mism,
                      control_key: ctrl if control is not None else None, **graph_use(eng)})
         print("diff", rows[-1], flush=True)
         eng.close()

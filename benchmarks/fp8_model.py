@@ -22,6 +22,9 @@ SMALL = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_h
              max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
 QWEN3_8B = dict(SMALL, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 vocab_size=151936)
+SMALL_MOE = dict(SMALL, model_type="qwen3_moe", moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4,
+                 norm_topk_prob=True, num_hidden_layers=4, num_key_value_heads=4, router_aux_loss_coef=0.0,
+                 decoder_sparse_step=1, mlp_only_layers=[])
 SMOKE = dict(SMALL, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=512)
 
@@ -79,6 +82,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--sections", default="diff,speed")
     ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--families", default="qwen3,qwen3_moe")
     ap.add_argument("--n-prompts", type=int, default=40)
     ap.add_argument("--max-prompt", type=int, default=300)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -91,11 +95,17 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rec = _common.Recorder(os.path.join(args.out, "fp8_model.json"), args)
     t0 = time.perf_counter()
-    if "diff" in args.sections:
+    for fam in args.families.split(",") if "diff" in args.sections else ():
+        cfg = {"qwen3": SMALL, "qwen3_moe": SMALL_MOE}[fam]
+        if smoke:  # the same family, tiny
+            cfg = {**cfg, **{k: SMOKE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "vocab_size")}, **({"moe_intermediate_size": 128,
+                                                                      "num_experts": 8} if fam != "qwen3" else {})}
         try:
-            rec.put("diff/qwen3", diff(SMOKE if smoke else SMALL, args))
+            rec.put(f"diff/{fam}", diff(cfg, args))
         except Exception:
-            rec.err("diff/qwen3")
+            rec.err(f"diff/{fam}")
     if "speed" in args.sections:
         try:
             rec.put("speed/qwen3_8b" if not smoke else "speed/smoke", speed(SMOKE if smoke else QWEN3_8B, args))
