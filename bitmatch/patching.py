@@ -47,10 +47,7 @@ def _patched_run(lm, input_ids, attention_mask, position_ids, past_key_values, i
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     p = pack(input_ids, attention_mask, position_ids)
-    ctx = p.context()
-    st = patch_state(lm)
-    ctx.quantization = None if st is None else st.quantization
-    return p, forward_hidden(lm, p.input_ids, ctx)
+    return p, forward_hidden(lm, p.input_ids, p.context())   # in the patch's quantization
 
 
 def _causal_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

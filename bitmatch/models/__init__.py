@@ -7,6 +7,8 @@ and never names an architecture:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bitmatch.models import fp8_mode, lora
@@ -93,7 +95,8 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     ``compute_dtype``: dtype the weights are cast to at use (default: the one set by
     ``bitmatch.patch(model, compute_dtype=...)``, else the parameters' dtype).
     ``ctx.quantization`` "fp8": the projections on block-FP8 weights (``fp8_mode``; refused by name
-    for a family that does not declare it in ``Family.quantizations``).
+    for a family that does not declare it in ``Family.quantizations``); None: the one
+    ``bitmatch.patch(model, quantization=...)`` set, else none.
     ``recorder(name, value)``: called after each op (``bitmatch.verify.locate``, ``Engine.record``);
     an observer: every family runs the same ops with or without one.
     Invariance: each token's hidden state depends only on its own tokens and causal prefix.
@@ -105,6 +108,10 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     if ctx.positions is None or ctx.positions.shape[0] != input_ids.shape[0]:
         raise ValueError("forward_hidden: ctx.positions must have one entry per token of input_ids")
     dt = compute_dtype if compute_dtype is not None else _compute_dtype_of(lm)
+    st = patch_state(lm)
+    if ctx.quantization is None and st is not None and st.quantization is not None:
+        # the patch's mode, as for the compute dtype: every caller (locate, checks) runs what the trainer runs
+        ctx = dataclasses.replace(ctx, quantization=st.quantization)
     if ctx.quantization is not None and ctx.quantization not in fam.quantizations:  # never bf16 in silence
         fp8_mode.check_model(lm, fam, fp8_mode.check_quantization(ctx.quantization, "forward_hidden"),
                              "forward_hidden")
