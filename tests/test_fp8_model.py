@@ -17,7 +17,7 @@ from bitmatch.context import ForwardContext
 from bitmatch.engine import Engine, EngineConfig, SamplingParams
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.kernels.fp8 import code_to_e4m3, e4m3_code, quantize_fp8_blocks
-from bitmatch.models import forward_hidden, fp8_mode
+from bitmatch.models import forward_hidden, fp8_mode, lora
 from bitmatch.models.registry import families
 from bitmatch.sync import SyncError
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
@@ -199,3 +199,18 @@ def test_refused_by_name():
         bitmatch.token_logprobs(lora, ids, quantization="fp8")
     with pytest.raises(ValueError, match="PEFT LoRA layers"):
         Engine(lora, quantization="fp8")
+
+
+@pytest.mark.interpreter
+def test_trainer_and_engine_linear_agree_on_triton():
+    """The trainer's path (fp8_linear_master) and the engine's (kept bytes + fp8_linear) on the Triton
+    backend (the interpreter on CPU): the same bits, and the kept bytes are the reference quantizer's."""
+    lin = torch.nn.Linear(192, 200, dtype=torch.bfloat16)
+    x = torch.randn(5, 192, dtype=torch.bfloat16)
+    with K.use_backend("triton"), fp8_mode.projections("fp8"):
+        trainer = fp8_mode.linear(lin, x.requires_grad_(True), torch.bfloat16).detach()
+        with torch.no_grad(), lora.kept_weights(True):
+            engine = fp8_mode.linear(lin, x.detach(), torch.bfloat16)
+    q, _ = fp8_mode.kept_weights_of(lin)[torch.bfloat16]
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_blocks(lin.weight)[0].view(torch.uint8))
+    assert torch.equal(trainer.view(torch.int16), engine.view(torch.int16))
