@@ -166,6 +166,21 @@ def test_sync_records_fp8_and_refuses_mixing():
         Engine(rollout, max_num_seqs=2).generate([[1, 2, 3]], params[0], use_tqdm=False)
 
 
+def test_sync_over_tcp_carries_the_mode():
+    trainer = tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=9)
+    token = "fp8-test-token"
+    rx_fp8 = bitmatch.sync.receive(copy.deepcopy(trainer), quantization="fp8")
+    rx_bf16 = bitmatch.sync.receive(copy.deepcopy(trainer))
+    with bitmatch.sync.serve(rx_fp8, token) as a, bitmatch.sync.serve(rx_bf16, token) as b:
+        man = bitmatch.sync.publish(trainer, 1, to=bitmatch.sync.TcpSender(*a.address, token), quantization="fp8")
+        assert man.quantization == "fp8" and man.digest() == rx_fp8.state.manifest.digest()
+        with pytest.raises(SyncError, match="quantization='fp8'.*quantization=None"):   # an FP8 sender, a bf16 receiver
+            bitmatch.sync.publish(trainer, 1, to=bitmatch.sync.TcpSender(*b.address, token), quantization="fp8")
+        with pytest.raises(SyncError, match="quantization=None.*quantization='fp8'"):   # the reverse
+            bitmatch.sync.publish(trainer, 2, to=bitmatch.sync.TcpSender(*a.address, token))
+    assert rx_fp8.version == 1 and rx_bf16.version is None
+
+
 def test_refused_by_name():
     model = tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0)
     ids = torch.tensor([[1, 5, 7, 9]])

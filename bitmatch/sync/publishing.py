@@ -13,6 +13,7 @@ from bitmatch.models.registry import patch_state
 from .fingerprint import Manifest
 from .receiver import Receiver
 from .transport_inprocess import InProcessSender
+from .transport_tcp import TcpSender
 from .version import check_version
 
 
@@ -47,8 +48,8 @@ def publish(model, version: int, *, to, dtype: torch.dtype = torch.bfloat16,
                          "publish those")
     if quantization is None:
         return to.send(model, version, dtype)
-    if not isinstance(to, InProcessSender):
-        raise ValueError(f"publish: quantization={quantization!r} travels to an in-process receiver only for now "
-                         f"(bitmatch.sync.receive(engine_model, quantization={quantization!r})), not through "
-                         f"{type(to).__name__} (docs/fp8.md, FP8 mode)")
+    if not isinstance(to, (InProcessSender, TcpSender)):   # IpcSender is a TcpSender
+        raise ValueError(f"publish: quantization={quantization!r} travels through InProcessSender, TcpSender and "
+                         f"IpcSender (to a receive(engine_model, quantization={quantization!r})), not through "
+                         f"{type(to).__name__} yet (docs/fp8.md, FP8 mode)")
     return to.send(model, version, dtype, quantization=quantization)

@@ -47,9 +47,9 @@ class IpcSender(TcpSender):
     def _buckets(self, weights, dtype):
         return iter_buckets(weights, dtype, self.bucket_bytes, buf=self._private)
 
-    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16):
+    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16, quantization: str | None = None):
         try:
-            return super().send(model, version, dtype)
+            return super().send(model, version, dtype, quantization)
         finally:
             if self._bucket is not None:  # the sender owns the bucket: freed (unlinked) after every update
                 self._bucket.close()

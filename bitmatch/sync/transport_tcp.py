@@ -219,7 +219,7 @@ class TcpReceiverServer:
             if not isinstance(h.get("tensors"), dict):
                 raise SyncError("begin frame: 'tensors' must be an object")
             specs = {k: TensorSpec.from_json(v) for k, v in h["tensors"].items()}
-            upd = rx.begin(version, specs, order=h.get("order"))
+            upd = rx.begin(version, specs, order=h.get("order"), quantization=h.get("quantization"))
         except Exception as e:
             ch.send(error_reply(e))
             raise
@@ -353,11 +353,14 @@ class TcpSender:
     def _begin_extra(self, weights) -> dict:
         return {}
 
-    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16) -> Manifest:
+    def send(self, model, version: int, dtype: torch.dtype = torch.bfloat16,
+             quantization: str | None = None) -> Manifest:
+        """``quantization``: the trainer's mode, announced in the begin frame; the receiver refuses
+        another than its own (docs/fp8.md, FP8 mode)."""
         version = check_version(version, "TcpSender.send")
         where = f"weight update to version {version}: {self.host}:{self.port}"
         try:
-            return self._send(model, version, dtype)
+            return self._send(model, version, dtype, quantization)
         except (socket.timeout, TimeoutError) as e:
             raise SyncError(f"{where} did not answer within {self.timeout} s ({e}); the receiver keeps its "
                             "previous version") from e
@@ -367,13 +370,14 @@ class TcpSender:
             raise SyncError(f"{where} closed the connection ({e}) without saying why (the receiver was "
                             "closed, or it has no free handshake slot); it keeps its previous version") from e
 
-    def _send(self, model, version: int, dtype: torch.dtype) -> Manifest:
+    def _send(self, model, version: int, dtype: torch.dtype, quantization: str | None = None) -> Manifest:
         weights = named_weights(model)
         specs = wire_specs(weights, dtype)
         order = sender_order(weights)
         ch = self._connect()
         with ch.sock:
-            ch.send({"type": "begin", "version": int(version), "hash": HASH_NAME, "order": order,
+            mode = {} if quantization is None else {"quantization": quantization}
+            ch.send({"type": "begin", "version": int(version), "hash": HASH_NAME, "order": order, **mode,
                      "tensors": {k: v.to_json() for k, v in specs.items()}, **self._begin_extra(weights)})
             raise_reply(ch.recv())
             fps, man = {}, None
@@ -381,7 +385,8 @@ class TcpSender:
                 for buf, segs, finished in self._buckets(weights, dtype):
                     self._send_bucket(ch, buf, segs, finished)
                     fps.update(finished)
-                man = Manifest(int(version), {k: TensorSpec(s.shape, s.dtype, fps[k]) for k, s in specs.items()})
+                man = Manifest(int(version), {k: TensorSpec(s.shape, s.dtype, fps[k]) for k, s in specs.items()},
+                               quantization=quantization)
                 ch.send({"type": "commit", "version": int(version), "order": order, "digest": man.digest()})
             except OSError:
                 pass  # the receiver hung up: its error frame says why
