@@ -5,7 +5,8 @@
   family's module; each family declares its layout next to its forward (``Family.shard``).
   ``UNMOVED`` lists the layouts still built in ``parallel/``; it fails on an entry that no longer
   occurs, so it only shrinks.
-- the engine reaches ``bitmatch.parallel`` only where ``ENGINE_PARALLEL_IMPORTS`` says why.
+- the engine imports nothing from ``bitmatch.parallel``: it reads what the parallel layer sets on the
+  model (``registry.tp_shard`` / ``tp_step``); ``ENGINE_PARALLEL_IMPORTS`` would say why otherwise.
 
 The import graph itself (cycles, local imports, adapters) is tests/test_imports.py's.
 """
@@ -20,19 +21,11 @@ from test_imports import EDGES, LOCAL, upward_imports
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PARALLEL = REPO / "bitmatch" / "parallel"
 
-# family name -> the parallel/ files that still name it (its layout module, the dispatch table, the
-# lazy exports): the layouts to move next to their families' forwards
-UNMOVED = {
-    "nemotron_h": {"nemotron_h.py", "tensor_parallel.py", "__init__.py"},
-    "deepseek_v4": {"deepseek_v4.py", "tensor_parallel.py", "__init__.py"},
-}
+# family name -> the parallel/ files that still name it: a layout to move next to its family's forward
+UNMOVED: dict[str, set[str]] = {}
 
 # (engine module, parallel module): why the engine imports the parallel layer directly
-ENGINE_PARALLEL_IMPORTS = {
-    ("bitmatch.engine.llm_engine", "bitmatch.parallel.tensor_parallel"):
-        "data-parallel experts: the ranks' engines step together (step_data_parallel); to go behind an "
-        "interface the parallel layer registers",
-}
+ENGINE_PARALLEL_IMPORTS: dict = {}
 
 
 def family_words() -> set[str]:

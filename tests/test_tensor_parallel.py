@@ -137,12 +137,13 @@ def _worker(tp):
 
 def _locate(tp):
     """``bitmatch locate``'s engine pair on a TP rank (the family's own forward, so its recorder runs on
-    the rank's share): the trainer vs the engine, then with a planted weight fault (the control)."""
+    the rank's share): the trainer vs the engine, then with the stock linear planted on the engine's
+    side (the control; a planted weight is not: ``faults.perturb_weight``'s copy runs unsharded)."""
     lm = _model("qwen3moe")
     enable_tensor_parallel(lm, tp)
     kw = dict(max_tokens=3, block_size=4, engine_kw=dict(max_num_batched_tokens=5))
     clean = verify.locate_pair("engine", lm, ENGINE_PROMPTS[:2], **kw)
-    planted = verify.locate_pair("engine", lm, ENGINE_PROMPTS[:2], inject="weight:1.mlp.down_proj", **kw)
+    planted = verify.locate_pair("engine", lm, ENGINE_PROMPTS[:2], inject="kernel:linear", **kw)
     return {"locate/clean": [(r.bitmatched, len(r.ops)) for r in clean],
             "locate/planted": [(r.bitmatched, r.first_divergent) for r in planted]}
 
@@ -454,7 +455,8 @@ def test_locate_runs_at_tp2(ranks):
         pytest.skip("locate runs at TP = 2")
     for r in res:
         assert [b for b, _ in r["locate/clean"]] == [True] and r["locate/clean"][0][1] > 0, r["locate/clean"]
-        assert r["locate/planted"] == [(False, "layers.1.mlp.down_proj")], r["locate/planted"]
+        [(bitmatched, op)] = r["locate/planted"]
+        assert not bitmatched and op.startswith("layers.0.self_attn."), r["locate/planted"]
 
 
 # ----------------------------------------------------------------------------- single process

@@ -30,7 +30,7 @@ from bitmatch.parallel import (
     allreduce_row_parallel_linear,
     enable_tensor_parallel,
     reduce_tp_gradients,
-    shard_deepseek_v4,
+    shard_model,
     token_logprobs,
 )
 from bitmatch.testing import assert_bitwise_equal, bits_equal
@@ -95,14 +95,14 @@ def _triton_logits(model_or_shard):
 def _triton_case(tp):
     """The sharded forward on Triton: sink attention on the rank's heads, the grouped o_a on its groups,
     shard_linear for the column slices, the experts' grouped GEMM on the rank's experts."""
-    return {"triton/logits": _triton_logits(shard_deepseek_v4(_model(), tp))}
+    return {"triton/logits": _triton_logits(shard_model(_model(), tp))}
 
 
 def _worker(tp):
     res = {}
     ids, mask = padded_batch()
     with torch.no_grad():
-        shard = shard_deepseek_v4(_model(), tp)
+        shard = shard_model(_model(), tp)
         res["logprobs"] = token_logprobs(shard, ids, mask)
         res["hidden"] = shard.forward_hidden(ids[0], packed_ctx(ids[0]))
         for a, _ in shard.layers:  # the control: stock row-parallel o_b_proj
@@ -227,4 +227,4 @@ def test_triton_interpreter_forward_equals_tp1(ranks):
 ], ids=["heads", "o_groups", "experts"])
 def test_shard_refuses_indivisible(kw, world, field):
     with pytest.raises(ValueError, match=field):
-        shard_deepseek_v4(_model(**kw), FakeTP(0, world))
+        shard_model(_model(**kw), FakeTP(0, world))

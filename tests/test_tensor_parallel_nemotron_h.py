@@ -19,16 +19,16 @@ import bitmatch
 import bitmatch.kernels as K
 from bitmatch import Engine, SamplingParams
 from bitmatch.models import cache_groups as model_cache_groups, family_of, forward_hidden as tp1_forward_hidden
+from bitmatch.models.nemotron_h_tp import MambaShare
 from bitmatch.models.registry import tp_shard
 from bitmatch.parallel import (
     TPGroup,
     disable_tensor_parallel,
     enable_tensor_parallel,
     reduce_tp_gradients,
-    shard_nemotron_h,
+    shard_model,
     token_logprobs,
 )
-from bitmatch.parallel.nemotron_h import MambaShard
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
 from bitmatch.testing import assert_bitwise_equal
 from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
@@ -70,7 +70,7 @@ def _worker(tp):
     ids0 = _batches()["right"][0][4]
     with torch.no_grad():
         for name in MODELS:
-            shard = shard_nemotron_h(_model(name), tp)
+            shard = shard_model(_model(name), tp)
             for side, (ids, mask) in _batches().items():
                 res[f"{name}/{side}/logprobs"] = token_logprobs(shard, ids, mask)
             res[f"{name}/hidden"] = shard.forward_hidden(ids0, packed_ctx(ids0))
@@ -91,14 +91,14 @@ def _controls(name, tp, ids0):
     """The stock all-reduce row-parallel layer (bf16 partials summed by ``dist.all_reduce``): in the
     Mamba layers' out_proj only, and as the whole stock layout (``row_parallel="allreduce"``)."""
     out = {}
-    shard = shard_nemotron_h(_model(name), tp)
-    for _, mixer in shard.layers:
-        if isinstance(mixer, MambaShard):
+    shard = shard_model(_model(name), tp)
+    for mixer in shard.layers:
+        if isinstance(mixer, MambaShare):
             k = mixer.inner.stop - mixer.inner.start  # the rank's K columns of out_proj
             mixer.out = AllreduceRowShard(mixer.out.module, tp.rank * k, (tp.rank + 1) * k, shard.dtype, tp)
     out[f"{name}/control/hidden"] = shard.forward_hidden(ids0, packed_ctx(ids0))
     out[f"{name}/control/logprobs"] = token_logprobs(shard, *_batches()["right"])
-    stock = shard_nemotron_h(_model(name), tp, row_parallel="allreduce")
+    stock = shard_model(_model(name), tp, row_parallel="allreduce")
     out[f"{name}/control/stock_hidden"] = stock.forward_hidden(ids0, packed_ctx(ids0))
     return out
 
@@ -126,7 +126,7 @@ def _triton_case(tp):
     ids, mask = _batches()["right"]
     lm = _model("latent")
     with K.use_backend("triton"):
-        out = {"triton/logprobs": token_logprobs(shard_nemotron_h(lm, tp), ids[:2], mask[:2])}
+        out = {"triton/logprobs": token_logprobs(shard_model(lm, tp), ids[:2], mask[:2])}
         enable_tensor_parallel(lm, tp)
         out["triton/engine"] = _engine_run(lm, **TRITON_ENGINE)
     return out
@@ -246,14 +246,14 @@ def test_triton_interpreter_trainer_and_engine_equal_tp1(ranks):
 def test_refuses_indivisible_sizes_by_config_field():
     lm = tiny_model("nemotron_h")  # 4 Mamba heads in 2 groups, 4 heads, 2 KV heads, 8 experts, hidden 64
     with pytest.raises(ValueError) as e:
-        shard_nemotron_h(lm, FakeTP(0, 3))
+        shard_model(lm, FakeTP(0, 3))
     for field in ("hidden_size = 64", "vocab_size = 128", "mamba_num_heads = 4", "n_groups = 2",
                   "num_attention_heads = 4", "n_routed_experts = 8", "num_key_value_heads = 2"):
         assert field in str(e.value), field
     assert "intermediate_size = 96" not in str(e.value)  # 96 = 3 x 32: not named
     # heads divide 4, groups do not: the gated norm's groups would straddle ranks
     with pytest.raises(ValueError, match="row_parallel must be 'gather' or 'allreduce'"):
-        shard_nemotron_h(lm, FakeTP(0, 2), row_parallel="reduce")
+        shard_model(lm, FakeTP(0, 2), row_parallel="reduce")
     with pytest.raises(ValueError, match=r"n_groups = 2 is not divisible by the TP degree 4 \(the gated RMSNorm"):
         enable_tensor_parallel(lm, FakeTP(1, 4))
     assert tp_shard(lm) is None, "a refused enable sets no shard"

@@ -30,8 +30,7 @@ from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
 from bitmatch.models.fp8_mode import check_model
 from bitmatch.models.lora import drop_kept_weights
-from bitmatch.models.registry import patch_state
-from bitmatch.parallel.tensor_parallel import data_parallel_group, step_data_parallel
+from bitmatch.models.registry import patch_state, tp_step
 from bitmatch.patching import unsupported_param_dtypes
 from bitmatch.sync import WeightsNotReadyError, WeightVersionError, weight_state
 
@@ -535,10 +534,10 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         # data-parallel experts (bitmatch.parallel.enable_expert_parallel): every rank's engine runs each
         # MoE layer's collectives, so the ranks step together until none has a request left
-        together = data_parallel_group(self._lm)
+        together = tp_step(self._lm)
         try:
             while together is not None or self.has_unfinished_requests():
-                outs = self.step() if together is None else step_data_parallel(self, together)
+                outs = self.step() if together is None else together(self)
                 if outs is None:
                     break
                 for out in outs:

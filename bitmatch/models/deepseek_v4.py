@@ -35,7 +35,7 @@ from bitmatch.context import ForwardContext
 from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
 from bitmatch.kernels._backend import backend_for, recompute_grads
 from bitmatch.kernels.moe import SCORINGS
-from bitmatch.models import deepseek_v4_attention as A, deepseek_v4_tiny, lora
+from bitmatch.models import deepseek_v4_attention as A, deepseek_v4_tiny, deepseek_v4_tp, lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, refresh_fused, rms_norm
 from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
@@ -117,7 +117,7 @@ class LayerCall:
     rope_at: object
     seqs: list
     recorder: Recorder | None = None
-    # a tensor-parallel rank's share of the layer (bitmatch.parallel.deepseek_v4): its query heads
+    # a tensor-parallel rank's share of the layer (deepseek_v4_tp): its query heads
     # (deepseek_v4_attention.QueryHeads) and its MoE parts (MoeParts); None: the whole layer
     heads: object = None
     moe: object = None
@@ -177,7 +177,7 @@ def _all_scores(logits, spec):
 class MoeParts:
     """How a MoE block runs its experts: ``experts(x, ids, w)`` -> [T, hidden] (the routed experts'
     slot-order combine) and ``shared(x)`` -> [T, hidden]. The one-process block runs all of them;
-    a tensor-parallel rank its experts and shared-expert columns (bitmatch.parallel.deepseek_v4)."""
+    a tensor-parallel rank its experts and shared-expert columns (``deepseek_v4_tp``)."""
     experts: object
     shared: object
 
@@ -246,7 +246,7 @@ def decoder_layer(layer, streams, *, bm: LayerCall):
 
 def forward_hidden(lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
     """Packed tokens [T] -> final-norm hidden states [T, hidden]. ``shares``: per layer, a
-    tensor-parallel rank's (QueryHeads, MoeParts) (bitmatch.parallel.deepseek_v4); None: the whole model."""
+    tensor-parallel rank's (QueryHeads, MoeParts) (``DeepseekV4Family.run``); None: the whole model."""
     K = _kernels()
     seqs = A.sequences(ctx, ctx.positions)
     rope_at = A.rope_lookup(spec, ctx, seqs)  # table rows: no host read (CUDA graphs)
@@ -366,9 +366,23 @@ class DeepseekV4Family(Family):
         tp = tp_shard(lm)
         if tp is not None:
             return tp.forward_hidden(input_ids, ctx, recorder)
+        return self.run(lm, spec, input_ids, ctx, dtype, recorder)
+
+    def run(self, lm, spec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
+        """The forward; ``shares``: a tensor-parallel rank's (AttentionShare, MoeShare) per layer
+        (``deepseek_v4_tp``), run as its QueryHeads and MoeParts."""
+        if shares is not None:
+            limit = spec.swiglu_limit
+            shares = [(a.heads(), MoeParts(experts=m.experts, shared=lambda x, m=m: clamped_swiglu(
+                m.gate, m.up, m.down, m.enter(x), limit))) for a, m in shares]
         # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
         with lora.kept_weights(ctx.paged):
-            return forward_hidden(lm, spec, input_ids, ctx, dtype, recorder)
+            return forward_hidden(lm, spec, input_ids, ctx, dtype, recorder, shares)
+
+    def shard(self, lm, sharder):
+        """This rank's tensor-parallel layout (``deepseek_v4_tp``: whole output groups of query heads,
+        experts, the shared expert's columns, vocab rows; the rest replicated)."""
+        return deepseek_v4_tp.shard(self, lm, self.build_spec(lm), sharder)
 
     def compute_logits(self, lm, spec, hidden, dtype):
         tp = tp_shard(lm)

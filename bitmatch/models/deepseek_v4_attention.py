@@ -117,7 +117,7 @@ def rope_lookup(spec, ctx, rows: KeyRows):
 class QueryHeads:
     """The query heads one attention block computes, and their output projection: all of them
     (``all_heads``, one process) or a tensor-parallel rank's whole output groups
-    (``bitmatch.parallel.deepseek_v4``). Everything else in the block (the K = V head, the
+    (``deepseek_v4_tp``). Everything else in the block (the K = V head, the
     compressors, the indexer) is the same for any heads: a head's bits depend only on its own
     q_b rows, its sink and the shared keys, and an output group only on its own heads.
 

@@ -17,9 +17,10 @@ Final norm_f, lm_head. Engine state: the attention layers' K/V in ``paged_kv`` g
 Mamba layer's (conv_state, ssm_state, x_buf, B_buf, dt_buf) in the ``per_seq`` group "mamba", so a
 token's bits do not depend on how its prefix was scheduled (prefix caching is refused by the engine).
 
-Tensor parallel: while ``bitmatch.parallel.enable_tensor_parallel`` has set a shard
-(``bitmatch.parallel.nemotron_h``), the forward, the logits and the spec (hence the caches: the
-rank's KV heads, Mamba heads and groups) come from the shard; it reuses this module's pieces.
+Tensor parallel (``nemotron_h_tp``: the layout, ``NemotronHFamily.shard``): while
+``bitmatch.parallel.enable_tensor_parallel`` has set a shard, this forward runs each mixer on the
+rank's share and the spec (hence the caches: the rank's KV heads, Mamba heads and groups) is the
+rank's; the logits are the vocab-parallel head's.
 
 Not reproduced (refused by ``problems``): grouped routing (n_group > 1), other activations, a
 non-fp32 SSM cache, sliding-window attention, router logits output.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
-from bitmatch.models import dense, lora
+from bitmatch.models import dense, lora, nemotron_h_tp
 from bitmatch.models.registry import CacheGroup, Family, call_layer, register, tp_shard
 from bitmatch.precision import cast_param
 
@@ -113,9 +114,12 @@ def relu2(u):
     return torch.square(torch.relu(u))  # HF relu2: elementwise in the compute dtype
 
 
-def mlp(mod, x, dtype, rec=None, prefix="mixer"):
-    u = dense.linear(mod.up_proj, x, dtype)
-    y = dense.linear(mod.down_proj, relu2(u), dtype)
+def mlp(mod, x, dtype, rec=None, prefix="mixer", share=None):
+    """down(relu2(up(x))); ``share``: a tensor-parallel rank's ``nemotron_h_tp.MlpShare``."""
+    if share is None:
+        y = dense.linear(mod.down_proj, relu2(dense.linear(mod.up_proj, x, dtype)), dtype)
+    else:
+        y = share.down(relu2(share.up(share.enter(x))))
     _rec(rec, f"{prefix}.down_proj", y)
     return y
 
@@ -133,15 +137,22 @@ def latent(proj, x, dtype):
     return x if isinstance(proj, torch.nn.Identity) else dense.linear(proj, x, dtype)
 
 
-def moe(mod, x, dtype, rec=None, prefix="mixer"):
+def moe(mod, x, dtype, rec=None, prefix="mixer", share=None):
+    """Routed experts (+ latent projections) and the shared expert; ``share``: a tensor-parallel rank's
+    ``nemotron_h_tp.MoeShare`` (its experts after the replicated router, its shared-expert columns)."""
     w, ids = route(mod, x)
     _rec(rec, f"{prefix}.gate", (ids, w))
-    ex = dense.plain_module(mod.experts, "the routed experts (mixer.experts)")
-    y = K.moe_experts(latent(mod.fc1_latent_proj, x, dtype), ids, w, cast_param(ex.up_proj, dtype),
-                      cast_param(ex.down_proj, dtype), activation="relu2")
+    h = latent(mod.fc1_latent_proj, x, dtype)
+    if share is None:
+        ex = dense.plain_module(mod.experts, "the routed experts (mixer.experts)")
+        y = K.moe_experts(h, ids, w, cast_param(ex.up_proj, dtype), cast_param(ex.down_proj, dtype),
+                          activation="relu2")
+    else:
+        y = share.experts(h, ids, w)
     y = latent(mod.fc2_latent_proj, y, dtype)
     _rec(rec, f"{prefix}.experts", y)
-    return y + mlp(mod.shared_experts, x, dtype, rec, f"{prefix}.shared_experts")
+    return y + mlp(mod.shared_experts, x, dtype, rec, f"{prefix}.shared_experts",
+                   None if share is None else share.shared)
 
 
 def attend(q, k, v, ctx: ForwardContext, spec: NemotronHSpec, i):
@@ -155,16 +166,19 @@ def attend(q, k, v, ctx: ForwardContext, spec: NemotronHSpec, i):
     return K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, max_seqlen=ctx.max_query_len)
 
 
-def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
+def attention(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer", share=None):
+    """``share``: a tensor-parallel rank's ``nemotron_h_tp.AttentionShare`` (its heads, o_proj by gather)."""
     T, D = x.shape[0], spec.head_dim
-    q = dense.linear(mod.q_proj, x, dtype).view(T, -1, D)
-    k = dense.linear(mod.k_proj, x, dtype).view(T, -1, D)
-    v = dense.linear(mod.v_proj, x, dtype).view(T, -1, D)
+    if share is None:
+        q, k, v = (dense.linear(m, x, dtype).view(T, -1, D) for m in (mod.q_proj, mod.k_proj, mod.v_proj))
+    else:
+        x = share.enter(x)
+        q, k, v = share.q(x).view(T, -1, D), share.k(x).view(T, -1, D), share.v(x).view(T, -1, D)
     o = attend(q, k, v, ctx, spec, i)
     _rec(rec, f"{prefix}.attn", o)
     # recorded so ``locate --pair hf`` pairs the attention output with HF's o_proj input (the next
     # record, the mixer's output, is a container whose input is the mixer's input)
-    out = dense.linear(mod.o_proj, o.reshape(T, -1), dtype)
+    out = dense.linear(mod.o_proj, o.reshape(T, -1), dtype) if share is None else share.o(o.reshape(T, -1))
     _rec(rec, f"{prefix}.o_proj", out)
     return out
 
@@ -215,12 +229,20 @@ def mamba_mixer(z, xbc, dt, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, 
     return y.to(dtype)
 
 
-def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer"):
-    proj = dense.linear(mod.in_proj, x, dtype)
-    _rec(rec, f"{prefix}.in_proj", proj)
-    z, xbc, dt = proj.split([spec.mamba_heads * spec.mamba_head_dim, spec.conv_dim, spec.mamba_heads], dim=-1)
-    y = mamba_mixer(z, xbc, dt, ctx, spec, i, dtype, **mamba_weights(mod, dtype), rec=rec, prefix=prefix)
-    return dense.linear(mod.out_proj, y, dtype)
+def mamba(mod, x, ctx: ForwardContext, spec: NemotronHSpec, i, dtype, rec=None, prefix="mixer", share=None):
+    """in_proj, the mixer, out_proj; ``share``: a tensor-parallel rank's ``nemotron_h_tp.MambaShare``
+    (its heads' and groups' rows of in_proj, their channels and heads; ``spec`` is the rank's)."""
+    if share is None:
+        proj = dense.linear(mod.in_proj, x, dtype)
+        _rec(rec, f"{prefix}.in_proj", proj)
+        z, xbc, dt = proj.split([spec.mamba_heads * spec.mamba_head_dim, spec.conv_dim, spec.mamba_heads], dim=-1)
+        w = mamba_weights(mod, dtype)
+    else:
+        x = share.enter(x)
+        z, xbc, dt = share.z(x), torch.cat([share.x(x), share.B(x), share.C(x)], dim=-1), share.dt(x)
+        w = mamba_weights(mod, dtype, share.channels, share.heads, share.inner)
+    y = mamba_mixer(z, xbc, dt, ctx, spec, i, dtype, **w, rec=rec, prefix=prefix)
+    return dense.linear(mod.out_proj, y, dtype) if share is None else share.out(y)
 
 
 @dataclass
@@ -230,6 +252,7 @@ class BlockCall:
     layer_idx: int
     dtype: torch.dtype
     recorder: object = None
+    share: object = None  # a tensor-parallel rank's share of the mixer (nemotron_h_tp); None: all of it
 
 
 def block(layer, h, *, bm: BlockCall):
@@ -239,13 +262,13 @@ def block(layer, h, *, bm: BlockCall):
     x = rms_norm(layer.norm, h, dt)
     _rec(rec, f"layers.{i}.norm", x)
     if kind == MAMBA:
-        m = mamba(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p)
+        m = mamba(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p, bm.share)
     elif kind == ATTN:
-        m = attention(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p)
+        m = attention(layer.mixer, x, bm.ctx, bm.spec, i, dt, rec, p, bm.share)
     elif kind == MOE:
-        m = moe(layer.mixer, x, dt, rec, p)
+        m = moe(layer.mixer, x, dt, rec, p, bm.share)
     else:
-        m = mlp(layer.mixer, x, dt, rec, p)
+        m = mlp(layer.mixer, x, dt, rec, p, bm.share)
     _rec(rec, p, m)
     return h + m
 
@@ -379,13 +402,19 @@ class NemotronHFamily(Family):
         tp = tp_shard(lm)
         if tp is not None:
             return tp.forward_hidden(input_ids, ctx, recorder)
+        return self.run(lm, spec, input_ids, ctx, dtype, recorder)
+
+    def run(self, lm, spec: NemotronHSpec, input_ids, ctx: ForwardContext, dtype, recorder=None, shares=None):
+        """The forward; ``shares``: a tensor-parallel rank's share of each mixer (``nemotron_h_tp``),
+        with ``spec`` the rank's."""
         check_packed_starts(spec, ctx)
         h = embed(lm, input_ids, dtype)
         _rec(recorder, "embeddings", h)
         # the engine's paged steps read LoRA layers' kept merged weights (bitmatch.models.lora)
         with lora.kept_weights(ctx.paged):
             for i, layer in enumerate(lm.model.layers[: spec.num_layers]):
-                h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder))
+                share = None if shares is None else shares[i]
+                h = call_layer(layer, block, (h,), BlockCall(ctx, spec, i, dtype, recorder, share))
         out = rms_norm(lm.model.norm_f, h, dtype)
         _rec(recorder, "norm_f", out)
         return out
@@ -393,6 +422,11 @@ class NemotronHFamily(Family):
     def compute_logits(self, lm, spec, hidden, dtype):
         tp = tp_shard(lm)
         return dense.lm_head_logits(lm, hidden, dtype) if tp is None else tp.compute_logits(hidden)
+
+    def shard(self, lm, sharder):
+        """This rank's tensor-parallel layout (``nemotron_h_tp``: Mamba heads and groups, attention
+        heads, MLP columns, experts, vocab rows)."""
+        return nemotron_h_tp.shard(self, lm, self.build_spec(lm), sharder)
 
     def cuda_graph_safe(self, lm) -> bool:
         """The engine may capture this family's decode steps in CUDA graphs: on the Triton backend a

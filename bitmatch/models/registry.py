@@ -326,6 +326,15 @@ def tp_shard(lm):
     return None if st is None else st.tp
 
 
+def tp_step(lm):
+    """How an engine steps ``lm``'s rank together with the other ranks of its layout, or None (each
+    engine steps alone): ``step(engine)`` -> this rank's finished requests, or None once no rank has
+    a request left. ``bitmatch.parallel.enable_expert_parallel`` sets it (data-parallel experts: every
+    rank runs each MoE layer's collectives)."""
+    st = get_state(lm)
+    return None if st is None else st.tp_step
+
+
 # ----------------------------------------------------------------------------- patch state
 
 @dataclass(eq=False)

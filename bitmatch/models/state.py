@@ -14,7 +14,10 @@ Every piece of per-model state lives in one slot of it, read and written through
   module;
 - ``weights`` (on a model a ``bitmatch.sync`` receiver manages): its ``WeightState``;
 - ``tp`` (on a causal LM): this rank's tensor-parallel shard ``bitmatch.parallel.enable_tensor_parallel``
-  set (the family's forward, logits and caches run through it); ``disable_tensor_parallel`` drops it.
+  set (the family's forward, logits and caches run through it); ``disable_tensor_parallel`` drops it;
+- ``tp_step`` (on a causal LM whose layout's ranks must step together, ``enable_expert_parallel``):
+  ``step(engine)``, the engine's step joined with the other ranks' (set by ``bitmatch.parallel``, so the
+  engine never imports it); ``disable_tensor_parallel`` drops it.
 
 In ``__dict__``, so ``nn.Module.__setattr__`` / ``__getattr__`` never see it. A copy
 (``copy.deepcopy``, pickle) keeps ``patch`` and ``lm`` (a copy of a patched model is patched; its
@@ -29,7 +32,7 @@ _ATTR = "_bitmatch"
 
 class ModelState:
     """bitmatch's state on one object (see the module docstring for who sets each slot)."""
-    __slots__ = ("patch", "lm", "spec", "derived", "weights", "tp")
+    __slots__ = ("patch", "lm", "spec", "derived", "weights", "tp", "tp_step")
     _COPIED = ("patch", "lm")
 
     def __init__(self):
@@ -39,6 +42,7 @@ class ModelState:
         self.derived: dict = {}
         self.weights = None
         self.tp = None
+        self.tp_step = None
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self._COPIED}
@@ -49,7 +53,8 @@ class ModelState:
             setattr(self, k, v)
 
     def empty(self) -> bool:
-        return all(getattr(self, k) is None for k in ("patch", "lm", "spec", "weights", "tp")) and not self.derived
+        unset = all(getattr(self, k) is None for k in ("patch", "lm", "spec", "weights", "tp", "tp_step"))
+        return unset and not self.derived
 
 
 def get_state(obj) -> ModelState | None:

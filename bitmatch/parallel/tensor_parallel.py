@@ -25,7 +25,7 @@ replicated tensor enters the column shards and under row-parallel inputs, Megatr
 """
 from __future__ import annotations
 
-import importlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -177,13 +177,27 @@ class ExpertShard(ExpertRows):
     data_parallel: bool = False
     stock: bool = False
     num_experts: int = 0  # the layer's routed experts (its expert tensors may hold this rank's only)
+    tensors: tuple = ("gate_up_proj", "down_proj")  # module.experts' stacked [in, out] tensors
+    activation: str = "swiglu"
+    limit: float | None = None  # the SwiGLU clamp (DeepSeek-V4's swiglu_limit)
+
+    @property
+    def EXPERT_TENSORS(self) -> tuple:  # noqa: N802 (ExpertRows' name)
+        return self.tensors
+
+    @property
+    def ACTIVATION(self) -> str:  # noqa: N802 (ExpertRows' name)
+        return self.activation
 
     def __call__(self, x, ids, w):
         w_in, w_out = self.expert_weights()
+        if self.data_parallel and self.stock:
+            return allreduce_data_parallel_experts(x, ids, w, w_in, w_out, self.num_experts, self.tp)
         if self.data_parallel:
-            combine = allreduce_data_parallel_experts if self.stock else data_parallel_experts
-            return combine(x, ids, w, w_in, w_out, self.num_experts, self.tp)
-        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, self.num_experts, self.tp)
+            return data_parallel_experts(x, ids, w, w_in, w_out, self.num_experts, self.tp, activation=self.activation,
+                                         swiglu_limit=self.limit)
+        return expert_parallel_experts(copy_to_ranks(x, self.tp), ids, w, w_in, w_out, self.num_experts, self.tp,
+                                       activation=self.activation, swiglu_limit=self.limit)
 
 
 @dataclass
@@ -250,18 +264,21 @@ class Sharder:
         summed over the ranks in backward)."""
         return copy_to_ranks(x, self.tp)
 
-    def experts(self, module, num_experts: int, field: str = "num_experts") -> ExpertShard:
-        """``module``'s routed experts spread over the ranks: EP = TP, or over ``data_parallel_experts``."""
+    def experts(self, module, num_experts: int, field: str = "num_experts", **kind) -> ExpertShard:
+        """``module``'s routed experts spread over the ranks: EP = TP, or over ``data_parallel_experts``.
+        ``kind``: the expert tensors' names, activation and clamp (``ExpertShard.tensors`` / ``activation`` /
+        ``limit``)."""
         ep = self.data_parallel_experts
         if ep is None:
             e = self.even(num_experts, field)
-            return ExpertShard(module, self.rank * e, (self.rank + 1) * e, self.dtype, self.tp, num_experts=num_experts)
+            return ExpertShard(module, self.rank * e, (self.rank + 1) * e, self.dtype, self.tp, num_experts=num_experts,
+                               **kind)
         if num_experts % ep.world:
             raise ValueError(f"enable_expert_parallel: {field} = {num_experts} is not divisible by the EP "
                              f"degree {ep.world}; use a degree that divides it")
         e = num_experts // ep.world
         return ExpertShard(module, ep.rank * e, (ep.rank + 1) * e, self.dtype, ep, data_parallel=True,
-                           stock=self.row_parallel == "allreduce", num_experts=num_experts)
+                           stock=self.row_parallel == "allreduce", num_experts=num_experts, **kind)
 
 
 # ----------------------------------------------------------------------------- the sharded model
@@ -304,10 +321,6 @@ def compute_logits(shard, hidden: torch.Tensor) -> torch.Tensor:
     return shard.compute_logits(hidden)
 
 
-def vocab_parallel_logits(shard, hidden: torch.Tensor) -> torch.Tensor:
-    """``shard.lm_head`` (a ``ColumnShard`` of the vocab rows) on every rank, all-gathered to full rows."""
-    return all_gather_cat(shard.lm_head(copy_to_ranks(hidden, shard.tp)), shard.tp, dim=-1)
-
 def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
     """fp32 [B, L-1]: ``bitmatch.token_logprobs``'s result (full vocabulary; no top-k / top-p)
@@ -332,14 +345,6 @@ def token_logprobs(shard, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return out.index_put((p.rows[tgt], p.cols[tgt] - 1), lp.to(torch.float32))
 
 
-# The two layouts still built in this package instead of declared by their family (``Family.shard``):
-# "module:function" by family name. Moving them next to their families' forwards removes this table.
-UNMOVED_LAYOUTS: dict[str, str] = {
-    "nemotron_h": "nemotron_h:shard_nemotron_h",
-    "deepseek_v4": "deepseek_v4:shard_deepseek_v4",
-}
-
-
 def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None = None, **layout):
     """Run ``model`` as rank ``tp.rank`` of a gather-only TP layout everywhere bitmatch runs it
     (``bitmatch.models.forward_hidden`` / ``compute_logits`` / ``cache_groups``, hence the embedded
@@ -350,13 +355,11 @@ def enable_tensor_parallel(model, tp: TPGroup, compute_dtype: torch.dtype | None
     if tp_shard(lm) is not None:
         raise ValueError("enable_tensor_parallel: the model runs tensor parallel already; "
                          "disable_tensor_parallel(model) before sharding it again")
-    build = UNMOVED_LAYOUTS.get(family_of(lm).name)
-    if build is None:
-        shard = shard_model(lm, tp, compute_dtype, who="enable_tensor_parallel", **layout)
-    else:
-        mod, fn = build.split(":")
-        shard = getattr(importlib.import_module(f"bitmatch.parallel.{mod}"), fn)(lm, tp, compute_dtype, **layout)
-    create_state(lm).tp = shard
+    shard = shard_model(lm, tp, compute_dtype, who="enable_tensor_parallel", **layout)
+    st = create_state(lm)
+    st.tp = shard
+    group = data_parallel_group(lm)  # the engine steps the ranks together through the model's state
+    st.tp_step = None if group is None else functools.partial(step_data_parallel, group=group)
     forget_spec(lm)  # the rank's spec names its own heads (its caches)
     return shard
 
@@ -524,7 +527,7 @@ def disable_tensor_parallel(model) -> None:
         if m.experts_trimmed():
             raise ValueError("disable_tensor_parallel: the model holds only this rank's experts (keep_local_experts); "
                              "load it again to run it as one process")
-    drop_state(lm, "tp")
+    drop_state(lm, "tp", "tp_step")
     forget_spec(lm)
 
 
