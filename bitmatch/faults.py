@@ -14,6 +14,7 @@ import torch
 import bitmatch.kernels as K
 from bitmatch.kernels.table import OPS
 from bitmatch.models import unwrap_causal_lm
+from bitmatch.models.registry import tp_shard
 
 
 def parse_inject(spec: str | None):
@@ -34,7 +35,11 @@ def parse_inject(spec: str | None):
 def perturb_weight(model, target: str):
     """A deep copy of ``model`` whose parameter ``target`` ("1.mlp.down_proj" = layer 1's
     module or parameter; "lm_head", "model.norm" outside the layers) is scaled by 1 + 2^-5
-    (every nonzero element changes its bits in bf16 and fp32)."""
+    (every nonzero element changes its bits in bf16 and fp32). Refused for a tensor-parallel rank: the
+    copy would run as one process (a copy keeps no layout), not as the rank it is compared with."""
+    if tp_shard(unwrap_causal_lm(model)) is not None:
+        raise ValueError(f"locate: --inject weight:{target} on a tensor-parallel rank: the perturbed copy would run "
+                         "as one process; plant kernel:OP instead (it runs on the rank's layout)")
     m = copy.deepcopy(model)
     lm = unwrap_causal_lm(m)
     head, _, rest = target.partition(".")

@@ -479,6 +479,14 @@ def test_column_slice_of_linear_is_those_columns(backend):
                 assert not torch.equal(plain, full[:, lo:hi]), "control: the slice's own split should differ"
 
 
+def test_locate_refuses_a_weight_fault_on_a_tp_rank():
+    """A perturbed copy keeps no layout: it would run as one process beside the rank it is compared with."""
+    lm = _model("qwen3-kv1")
+    enable_tensor_parallel(lm, TPGroup(0, 1))
+    with pytest.raises(ValueError, match="on a tensor-parallel rank"):
+        verify.locate_pair("engine", lm, [[1, 5, 9]], inject="weight:1.mlp.down_proj")
+
+
 def test_shard_refuses_uneven_heads():
     lm = _model("qwen3-kv1")
     with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by the TP degree 3"):
