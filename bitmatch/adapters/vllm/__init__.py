@@ -8,7 +8,8 @@ is built (which sets the variable, so the processes vLLM starts inherit it). Whe
 - every architecture of a registered bitmatch family with a vLLM path (``bitmatch.models``)
   resolves to a bitmatch class (``model.py``) whose forward and logits are the family's, on
   vLLM's parameters and paged KV cache;
-- the V1 sampler reports ``kernels.token_logprobs`` for the sampled token (``sampler.py``);
+- the sampler reports ``kernels.token_logprobs`` for the sampled token, under the V1 model runner
+  (``sampler.py``) and the V2 one (``sampler_v2.py``, where this vLLM ships it);
 - an unsupported engine setting fails when the engine is configured, and an unsupported
   sampling option fails when the request is admitted, each naming what is unsupported
   (``checks.py``). Nothing falls back silently to vLLM's own kernels.
@@ -105,10 +106,10 @@ V2_RUNNER_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def _select_v1_runner() -> None:
-    """vLLM 0.2x runs its V2 model runner by default on the GPU, whose sampler and logprobs path
-    the plugin does not hook yet: choose the V1 runner unless the user chose a runner (an explicit
-    V2 is refused by name in ``checks.py``). Set in the environment, so the engine core and the
-    workers vLLM starts inherit it; plugins load before the engine configuration is built."""
+    """vLLM 0.2x runs its V2 model runner by default on the GPU. Both runners' samplers are hooked, but
+    V1 has the wider measured coverage (Qwen3-MoE on GPU vLLM): choose it unless the user chose a
+    runner. Set in the environment, so the engine core and the workers vLLM starts inherit it;
+    plugins load before the engine configuration is built."""
     if os.environ.get(V2_RUNNER_VAR) is None:
         os.environ[V2_RUNNER_VAR] = "0"
         logger.debug("bitmatch: %s=0 (the plugin runs under the V1 model runner)", V2_RUNNER_VAR)
