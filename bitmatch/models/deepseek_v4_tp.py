@@ -40,6 +40,7 @@ import torch
 
 from bitmatch.models import lora
 from bitmatch.models.deepseek_v4_attention import QueryHeads
+from bitmatch.models.tp_share import ModelShare
 from bitmatch.precision import cast_param
 
 
@@ -79,28 +80,9 @@ class MoeShare:
 
 
 @dataclass
-class DeepseekV4Shard:
-    """One rank's share of a DeepSeek-V4 causal LM; the whole model stays on every rank (the
-    simulation), the shares read their slices from it at use."""
-    family: object
-    tp: object
-    spec: object
-    dtype: torch.dtype
-    model: torch.nn.Module  # the unwrapped causal LM
-    layers: list            # [(AttentionShare, MoeShare)]
-    lm_head: Callable       # hidden -> full logits (vocab rows, gathered)
-
-    def forward_hidden(self, input_ids, ctx, recorder=None):
-        """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank.
-        Invariance: bit for bit the unsharded model's ``bitmatch.models.forward_hidden``."""
-        return self.family.run(self.model, self.spec, input_ids, ctx, self.dtype, recorder, self.layers)
-
-    def compute_logits(self, hidden):
-        """Full logits on every rank (vocab slices all-gathered). Invariance: TP = 1's bits."""
-        return self.lm_head(hidden)
-
-    def cache_groups(self):
-        return self.family.cache_groups(self.spec, self.dtype)
+class DeepseekV4Shard(ModelShare):
+    """One rank's share of a DeepSeek-V4 causal LM (``layers``: [(AttentionShare, MoeShare)], this
+    file's shares)."""
 
     def moe_shards(self) -> list:
         return [m.experts for _, m in self.layers]

@@ -27,16 +27,7 @@ from typing import Callable
 
 import torch
 
-
-@dataclass
-class AttentionShare:
-    """A rank's share of one attention block: ``enter`` (the replicated input into the column
-    shards), its q/k/v heads' projections and o_proj (any callable [T, Hq_rank * D] -> [T, hidden])."""
-    enter: Callable
-    q: Callable
-    k: Callable
-    v: Callable
-    o: Callable
+from bitmatch.models.tp_share import AttentionShare, ModelShare
 
 
 @dataclass
@@ -55,27 +46,9 @@ class LayerShare:
 
 
 @dataclass
-class DenseShard:
-    """One rank's share of a dense-family causal LM: the model's own modules (the simulation keeps the
-    whole model on every rank; the pieces read their slices at use, so autograd reaches the
-    parameters and an in-place update is seen) and, per layer, its ``LayerShare``."""
-    family: object
-    tp: object  # the TP group (rank, world)
-    spec: object  # the family's spec of the whole model
-    dtype: torch.dtype
-    model: torch.nn.Module  # the unwrapped causal LM
-    layers: list
-    lm_head: Callable  # hidden -> full logits (vocab rows, gathered)
+class DenseShard(ModelShare):
+    """One rank's share of a dense-family causal LM (``layers``: a ``LayerShare`` each)."""
     kv_heads: int  # this rank's KV heads (sharded, or one replicated head when N > num_kv_heads)
-
-    def forward_hidden(self, input_ids, ctx, recorder=None):
-        """Packed tokens [T] -> final-norm hidden states [T, hidden], the same on every rank.
-        Invariance: bit for bit the unsharded model's ``bitmatch.models.forward_hidden``."""
-        return self.family.run(self.model, self.spec, input_ids, ctx, self.dtype, recorder, self.layers)
-
-    def compute_logits(self, hidden):
-        """Full logits on every rank. Invariance: the unsharded model's ``compute_logits`` bits."""
-        return self.lm_head(hidden)
 
     def cache_groups(self):
         """The paged KV caches of this rank's KV heads."""

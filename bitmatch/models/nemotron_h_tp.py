@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from bitmatch.models.dense_tp import kv_heads_of_rank
+from bitmatch.models.tp_share import AttentionShare, ModelShare
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"  # nemotron_h's block kinds
 
@@ -54,16 +55,6 @@ class MambaShare:
 
 
 @dataclass
-class AttentionShare:
-    """Attention on rank r's query heads (and its KV heads), o_proj row-parallel."""
-    enter: Callable
-    q: Callable
-    k: Callable
-    v: Callable
-    o: Callable
-
-
-@dataclass
 class MlpShare:
     """down(relu2(up(x))): up_proj by intermediate columns, down_proj row-parallel."""
     enter: Callable
@@ -80,28 +71,9 @@ class MoeShare:
 
 
 @dataclass
-class NemotronHShard:
-    """One rank's share of a Nemotron-H model, read from the model's own modules at use (the simulation
-    keeps the whole model on every rank), and per layer its share of the mixer."""
-    family: object
-    tp: object
-    spec: object  # the rank's heads and groups: the family's spec (and caches) while set
-    dtype: torch.dtype
-    model: torch.nn.Module  # the unwrapped causal LM
-    layers: list
-    lm_head: Callable  # hidden -> full logits (vocab rows, gathered)
-
-    def forward_hidden(self, input_ids, ctx, recorder=None):
-        """Packed tokens -> final-norm hidden states, the same on every rank. Invariance: bit for
-        bit the unsharded model's ``bitmatch.models.forward_hidden``."""
-        return self.family.run(self.model, self.spec, input_ids, ctx, self.dtype, recorder, self.layers)
-
-    def compute_logits(self, hidden):
-        """Full logits on every rank (vocab slices gathered). Invariance: TP = 1's bits."""
-        return self.lm_head(hidden)
-
-    def cache_groups(self):
-        return self.family.cache_groups(self.spec, self.dtype)
+class NemotronHShard(ModelShare):
+    """One rank's share of a Nemotron-H model (``spec``: the rank's heads and groups), per layer its share
+    of the mixer."""
 
     def moe_shards(self) -> list:
         return [s.experts for s in self.layers if isinstance(s, MoeShare)]
