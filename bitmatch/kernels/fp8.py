@@ -38,6 +38,7 @@ from ._backend import (
     needs_autograd,
     triton_impl,
 )
+from .linear import check_operands
 
 GROUP = 128
 BLOCK = (128, 128)
@@ -273,12 +274,7 @@ def fp8_linear_master(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Invariance: each output row's bits depend only on that row of x, the weight and the bias, and
     equal ``fp8_linear`` on ``quantize_fp8_blocks(weight)``'s bytes."""
     op = "fp8_linear_master"
-    check_float("x", x, op)
-    check_float("weight", weight, op)
-    if weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{op}: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
+    check_operands(op, x, weight)
     check_same_device(op, x=x, weight=weight)
     ue8m0 = _check_fmt(op, scale_fmt)
     wq, sw = quantize_fp8_blocks(weight, scale_fmt=scale_fmt)

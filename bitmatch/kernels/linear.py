@@ -34,6 +34,16 @@ def _forward(x2d, weight, bias, segments=None):
     return triton_impl("linear", "linear")(x2d, weight, bias)
 
 
+def check_operands(op: str, x, weight) -> None:
+    """x [..., K] and a 2-D float weight [N, K] (a master weight, for ``fp8_linear_master`` too)."""
+    check_float("x", x, op)
+    check_float("weight", weight, op)
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
+
+
 class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, segments=None):
@@ -71,12 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if not segments or min(segments) < 1 or sum(segments) != weight.shape[0]:
             raise ValueError(f"{op}: segments {segments} must be positive sizes summing to weight's N "
                              f"{weight.shape[0]}")
-    check_float("x", x, op)
-    check_float("weight", weight, op)
-    if weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{op}: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
+    check_operands(op, x, weight)
     if bias is not None:
         check_float("bias", bias, op)
         if bias.shape != (weight.shape[0],):
