@@ -50,6 +50,8 @@ def diff(cfg: dict, args) -> dict:
     rows = _common.engine_diff(model, None, prompts, torch.device(_common.DEV), 0.9, args.new_tokens,
                                control=lambda ids, mask: bitmatch.token_logprobs(bf16, ids, mask, temperature=0.9),
                                control_key="control_bf16_trainer_mismatches")
+    if not all(r["tokens"] for r in rows):  # nothing compared is no evidence of equality
+        raise RuntimeError(f"fp8_model: a diff config compared no tokens: {rows}")
     return {"rows": rows, "tokens": sum(r["tokens"] for r in rows), "mismatches": sum(r["mismatches"] for r in rows),
             "control_bf16_trainer_mismatches": sum(r["control_bf16_trainer_mismatches"] for r in rows)}
 
