@@ -127,9 +127,14 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--hbm-tbps", type=float, default=None, help="roofline TB/s (default: the card's)")
     ap.add_argument("--engine-kw", default="", help="extra Engine keywords, k=v,k=v (ints)")
+    ap.add_argument("--linear-sweep", default=None,
+                    help="linear_decode.json: run with its winning tiles (benchmarks/linear_decode.py)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rec = _common.Recorder(os.path.join(a.out, "engine_step.json"), a)
+    if a.linear_sweep:
+        import linear_decode
+        rec.data["linear_tables_applied"] = linear_decode.apply_sweep(a.linear_sweep)
     model = gpu_train.build_model(a.size)
     cfg = model.config
     per_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2

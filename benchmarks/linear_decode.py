@@ -153,7 +153,7 @@ def sweep_shape(lin, N, K, ms, deadline):
     wbytes = N * K * 2
     n = max(1, min(CALLS, math.ceil(3 * L2 / wbytes)))
     ws = [torch.randn(N, K, device="cuda", dtype=BF) * 0.02 for _ in range(n)]
-    res = {"split": split, "weight_copies": n}
+    res = {"N": N, "K": K, "split": split, "weight_copies": n}
     for M in ms:
         if time.time() > deadline:
             res[str(M)] = {"skipped": "budget"}
@@ -212,6 +212,47 @@ def fused_qkv_8b(lin, ms):
     return out
 
 
+def tables_from_sweep(lin, data):
+    """{(N, K): CONFIG_TABLES rows} with each swept M bucket's fastest bitwise-equal candidate
+    (where it beat the table by > 3%): the bucket of M is (the next smaller swept M, M]; rows
+    outside the swept buckets keep the table's configs. A TMA winner becomes a "tma" row."""
+    out = {}
+    for shape in data["shapes"].values():
+        wins = {}
+        for m, e in shape.items():
+            if m.isdigit() and e.get("winner"):
+                b = e["best"]
+                cfg = tuple(b["cfg"][:6]) + ("tma",) if b["kind"] == "tma" else tuple(b["cfg"])
+                wins[int(m)] = cfg
+        if not wins:
+            continue
+        N, K = shape["N"], shape["K"]
+        swept = sorted(int(m) for m, e in shape.items() if m.isdigit())
+        lows = {m: (swept[i - 1] if i else m // 2) for i, m in enumerate(swept)}
+        old = lin.CONFIG_TABLES.get((N, K)) or lin.CONFIG_TABLE
+        ends = sorted({r[0] for r in old} | {m for m in wins} | {lows[m] for m in wins})
+        rows = []
+        for end in ends:
+            w = next((c for m, c in wins.items() if lows[m] < end <= m), None)
+            cfg = w or lin.config_for(end, N, K, BF)
+            if rows and tuple(rows[-1][1:]) == tuple(cfg):
+                rows[-1] = (end, *cfg)
+            else:
+                rows.append((end, *cfg))
+        out[(N, K)] = rows
+    return out
+
+
+def apply_sweep(path):
+    """Patch this process's linear tables with a sweep's winners (a benchmark's what-if: the
+    bits do not change, only the tiles); returns the patched {(N, K): rows}."""
+    lin = _lin()
+    with open(path) as f:
+        tables = tables_from_sweep(lin, json.load(f))
+    lin.CONFIG_TABLES.update(tables)
+    return {f"{n},{k}": [list(r) for r in rows] for (n, k), rows in tables.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -238,6 +279,8 @@ def main():
     for name, (N, K) in SHAPES.items():
         data["shapes"][name] = sweep_shape(lin, N, K, ms, deadline)
         data["elapsed_s"] = round(time.time() - t0, 1)
+        data["tables_from_sweep"] = {f"{n},{k}": [list(r) for r in rows]
+                                     for (n, k), rows in tables_from_sweep(lin, data).items()}
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
     print("wrote", path, "in", data["elapsed_s"], "s", flush=True)

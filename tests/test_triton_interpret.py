@@ -121,8 +121,15 @@ def test_linear_tma_persistent_same_order(M, N, Kd, split):
             lin.TMA_TABLE[(N, Kd)] = [(64, 32, 16, 64, 2, 4, 3)]
             assert torch.equal(lin.linear(x, w, b), ref)                       # M >= 64: TMA path
             assert torch.equal(lin.linear(x[:9].contiguous(), w, b), ref[:9])  # M < 64: table
+            # a table row in "tma" mode (a swept M bucket's winner) runs the TMA kernel there only
+            lin.TMA_TABLE.pop((N, Kd))
+            lin.CONFIG_TABLES[(N, Kd)] = [(16, 16, 16, 64, 8, 4, 4, "fused"),
+                                          (1 << 62, 32, 16, 64, 2, 4, 3, "tma")]
+            assert torch.equal(lin.linear(x, w, b), ref)
+            assert torch.equal(lin.linear(x[:9].contiguous(), w, b), ref[:9])
     finally:
         lin.TMA_TABLE.pop((N, Kd), None)
+        lin.CONFIG_TABLES.pop((N, Kd), None)
 
 
 # ---------------------------------------------------------------- norms

@@ -30,7 +30,8 @@ def split_for(N: int, K: int) -> int:
 
 
 # (max_M, BM, BN, BK, GROUP_M, warps, stages, mode); first row with M <= max_M is used.
-# mode "split" is used only when split_for(N, K) > 1, else falls back to "fused".
+# mode "split" is used only when split_for(N, K) > 1, else falls back to "fused"; mode "tma" runs
+# the persistent TMA kernel below with the row's tiles (bf16 / fp16 operands only).
 CONFIG_TABLE = [
     (16, 16, 64, 128, 8, 4, 4, "split"),
     (32, 32, 64, 128, 8, 4, 4, "split"),
@@ -408,7 +409,12 @@ def linear(x, weight, bias=None, *, split=None, out=None):
     cfg = tma_config_for(M, N, K)
     if cfg is not None and tma_supported(x, weight):
         return _launch_tma(x, weight, bias, cfg, split, out)
-    return _launch(x, weight, bias, config_for(M, N, K, x.dtype), split, out)
+    cfg = config_for(M, N, K, x.dtype)
+    if cfg[-1] == "tma":  # a table row that picks the persistent TMA kernel for its M bucket
+        if tma_supported(x, weight):
+            return _launch_tma(x, weight, bias, cfg[:6], split, out)
+        cfg = CONFIG_TABLE[-1][1:]  # same bits (tiles never change them), pointer loads
+    return _launch(x, weight, bias, cfg, split, out)
 
 
 def linear_segments(x, weight, bias, segments):
