@@ -59,6 +59,10 @@ MODES = {  # name -> environment of the vLLM process
     # where a decode step's GPU time goes (torch profiler; the model runs in this process)
     "stock_profile": {"BITMATCH": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "plugin_profile": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    # the plugin with --linear-sweep's tiles (benchmarks/linear_decode.py; the model in this process,
+    # where the tables are patched) and its in-process baseline
+    "plugin_inproc": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "plugin_swept": {"BITMATCH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
 }
 DEV = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" and os.path.exists("/dev/nvidia0") else "cpu"
 T = 0.9
@@ -111,6 +115,10 @@ def child(args) -> None:
     else:
         kw.update(max_num_batched_tokens=512)  # long prompts prefill in chunks
     swap = contextlib.nullcontext()
+    if args.mode == "plugin_swept":
+        sys.path.insert(0, HERE)
+        import linear_decode
+        linear_decode.apply_sweep(args.linear_sweep)
     if args.mode == "plugin_stock_linear":
         import bitmatch.kernels as K
         from bitmatch.kernels.table import OPS
@@ -201,6 +209,7 @@ def run_child(args, mode: str, task: str, ckpt: str, eager: bool, timeout: float
            "--new-tokens", str(args.new_tokens), "--gpu-mem", str(args.gpu_mem),
            "--max-model-len", str(args.max_model_len)] + (["--eager"] if eager else [])
     cmd += (["--ckpt2", ckpt2] if ckpt2 else []) + (["--cudagraph-mode", cudagraph_mode] if cudagraph_mode else [])
+    cmd += ["--linear-sweep", args.linear_sweep] if args.linear_sweep else []
     t0 = time.perf_counter()
     # its own session: a child that times out goes with the engine core and workers it started
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -230,7 +239,7 @@ def trainer_diff(ckpts: dict[str, str], runs: list[dict]) -> dict:
     import transformers
 
     import bitmatch
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
 
     mism = tot = 0
     where = {"first token": 0, "later token": 0, "prompt prefix-cached": 0, "prompt not cached": 0}
@@ -285,8 +294,8 @@ def probe(ckpt: str, args) -> dict:
 
     import bitmatch
     import bitmatch.kernels as K
-    from bitmatch import verify
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.diagnostics import verify
+    from bitmatch.testing.models import pad_batch
 
     out = {}
     model = bitmatch.load_model(ckpt, device=DEV)
@@ -406,6 +415,8 @@ def main():
     ap.add_argument("--mode"), ap.add_argument("--task"), ap.add_argument("--ckpt"), ap.add_argument("--child-out")
     ap.add_argument("--ckpt2"), ap.add_argument("--cudagraph-mode")
     ap.add_argument("--rows", default="", help="diff rows to run, by index (default: all)")
+    ap.add_argument("--linear-sweep", default=None,
+                    help="linear_decode.json: modes plugin_swept / engine_swept run with its winning tiles")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.rows = [int(r) for r in args.rows.split(",") if r]
@@ -471,13 +482,17 @@ def main():
                 rows[mode] = {"skipped": "budget"}
                 continue
             try:
-                rows[mode] = (engine_speed(QWEN3_8B, args) if mode == "engine"
+                if mode == "engine_swept":  # patches this process's tables: run it after "engine"
+                    import linear_decode
+                    rows["linear_tables_applied"] = linear_decode.apply_sweep(args.linear_sweep)
+                rows[mode] = (engine_speed(QWEN3_8B, args) if mode.startswith("engine")
                               else run_child(args, mode, "speed", ckpt, False, timeout=max(60, left() - 30)))
             except Exception:
                 rec.err(f"speed/{mode}")
             rec.put("speed/qwen3_8b", rows)
         base = {r["B"]: r["decode_tok_s"] for r in (rows.get("stock") or {}).get("rows", [])}
-        for mode in ("batch_invariant", "plugin", "engine"):
+        for mode in ("batch_invariant", "plugin", "plugin_v2", "plugin_inproc", "plugin_swept", "engine",
+                     "engine_swept"):
             got = rows.get(mode)
             got = got if isinstance(got, list) else (got or {}).get("rows", [])
             for r in got:
