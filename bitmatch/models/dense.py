@@ -6,19 +6,11 @@ Every path that computes a token's logits runs these functions in this order: th
 functions read ``module.weight``/``module.bias`` and call the kernels, so the parameters stay the
 model's own (trainable; gradients flow through the kernels' autograd).
 
-Op order of one decoder layer (rounding points as HF's):
-    x, residual = rms_norm(h)                  (layer 0: residual = embedding)
-                | fused_add_rms_norm(h, residual)
-    q, k, v = linear(x, Wq/Wk/Wv [+ bias])     -> [T, H, D]
-    q, k = rms_norm(q, Wqn), rms_norm(k, Wkn)  (Qwen3 only, on head_dim)
-    q, k = apply_rotary(q, k, cos, sin)        (cos/sin fp32 from rotary_cos_sin(positions))
-    a = attention_prefill(...) | write_kv_cache + attention_paged(...)   (per-layer sliding window)
-    a = linear(a, Wo)
-    x, residual = fused_add_rms_norm(a, residual, W_post)
-    m = family.mlp(x): linear(silu_and_mul(cat(linear(x, Wg), linear(x, Wu))), Wd)
-    -> (m, residual) to the next layer; final: fused_add_rms_norm(m, residual, W_norm)
-Weights are cast with ``bitmatch.precision.compute_cast`` at use time when the parameter
-dtype differs from the compute dtype (fp32 master, bf16 compute).
+Where the pieces live: ``dense_layer.py`` one decoder layer (attention, the gated MLP, their op
+order and rounding points), ``primitives.py`` the ops on an HF module's parameters every family
+uses (``linear``, ``rms_norm``, ``embed``, ``lm_head_logits``), ``fused_proj.py`` the engine's fused
+q/k/v and gate/up copies, ``dense_tp.py`` the tensor-parallel layout; this module the spec read from
+the config, the patched forwards and ``DenseFamily``. Their public names are importable from here too.
 
 The optional ``recorder(name, tensor_or_tuple)`` is called after every op with names such as
 ``embed_tokens``, ``layers.1.self_attn.q_proj``, ``layers.1.mlp.down_proj``, ``norm``
@@ -32,20 +24,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-import torch.nn.functional as F
-
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import dense_tp, fp8_mode, lora
-from bitmatch.models.registry import CacheGroup, Family, Recorder, call_layer, register, tp_shard
-from bitmatch.models.state import create_state, get_state
-from bitmatch.precision import cast_param
-
-
-def _kernels():
-    """The kernels package: ops are read as ``K.op`` at call time (``kernels.override`` swaps them)."""
-    return K
+from bitmatch.models.dense_layer import (
+    LayerCall as LayerCall,
+    attention as attention,
+    decoder_layer as decoder_layer,
+    gated_mlp as gated_mlp,
+    paged_attention as paged_attention,
+    rope_cos_sin as rope_cos_sin,
+)
+from bitmatch.models.fused_proj import (
+    fused_copies as fused_copies,
+    fused_linear as fused_linear,
+    refresh_fused as refresh_fused,
+)
+from bitmatch.models.primitives import (
+    embed as embed,
+    fused_add_rms_norm as fused_add_rms_norm,
+    linear as linear,
+    lm_head_logits as lm_head_logits,
+    norm_eps as norm_eps,
+    plain_module as plain_module,
+    rms_norm as rms_norm,
+)
+from bitmatch.models.registry import CacheGroup, Family, call_layer, register, tp_shard
 
 
 @dataclass(frozen=True)
@@ -96,325 +100,6 @@ def _layer_sliding_window(cfg, layer, i: int):
     if getattr(cfg, "use_sliding_window", False) and i >= getattr(cfg, "max_window_layers", 0):
         return sw
     return None
-
-
-# ----------------------------------------------------------------------------- primitives
-
-def plain_module(mod, what: str):
-    """``mod`` when no PEFT adapter wraps it, else a ValueError naming it: the families read the
-    parameters of such modules (routers, experts, lm_head, V4's grouped o_a_proj) directly, so an
-    adapter there would be ignored, not reproduced. LoRA runs on the projections that go through
-    ``linear`` below."""
-    if hasattr(mod, "base_layer") or hasattr(mod, "lora_A"):
-        raise ValueError(
-            f"bitmatch: a PEFT adapter wraps {what} ({type(mod).__name__}); bitmatch reads its weights "
-            "directly and would ignore the adapter: remove it from LoraConfig target_modules / "
-            "target_parameters (LoRA runs on the attention and MLP projections), or merge the adapters "
-            "(peft merge_adapter) first")
-    return mod
-
-
-def _plain_linear_params(mod, what: str = "a layer bitmatch reads directly"):
-    mod = plain_module(mod, what)
-    return mod.weight, getattr(mod, "bias", None)
-
-
-def linear(mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if fp8_mode.active():  # quantization="fp8": every projection on block-FP8 weights
-        return fp8_mode.linear(mod, x, dtype)
-    if lora.is_lora_layer(mod):
-        return lora.linear(mod, x, dtype)  # PEFT LoRA: the merged weight the rollout receives
-    w, b = _plain_linear_params(mod)
-    return _kernels().linear(x, cast_param(w, dtype), cast_param(b, dtype))
-
-
-def norm_eps(norm_mod) -> float:
-    """The epsilon of an HF RMSNorm module (``variance_epsilon`` or ``eps``)."""
-    for name in ("variance_epsilon", "eps"):
-        if hasattr(norm_mod, name):
-            return float(getattr(norm_mod, name))
-    raise ValueError(f"bitmatch: cannot find eps on norm module {type(norm_mod).__name__}")
-
-
-def rms_norm(norm_mod, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _kernels().rms_norm(x, cast_param(norm_mod.weight, dtype), norm_eps(norm_mod))
-
-
-def fused_add_rms_norm(norm_mod, x, residual, dtype):
-    return _kernels().fused_add_rms_norm(x, residual, cast_param(norm_mod.weight, dtype), norm_eps(norm_mod))
-
-
-def embed(lm, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    emb = plain_module(lm.model.embed_tokens, "the token embeddings (embed_tokens)")
-    w = emb.weight
-    # exact gather (cast after gather == gather after cast); padding_idx as nn.Embedding has it:
-    # the pad row gets no gradient (HF configs set it from pad_token_id)
-    h = F.embedding(input_ids, w, padding_idx=getattr(emb, "padding_idx", None))
-    if torch.is_grad_enabled() and not h.requires_grad and getattr(emb, "_forward_hooks", None) and \
-            getattr(lm, "_require_grads_hooks", None):
-        # HF enable_input_require_grads (PEFT + reentrant checkpointing) hooks the embedding module,
-        # which this gather bypasses: do what its hook does
-        h.requires_grad_(True)
-    return cast_param(h, dtype)
-
-
-# ----------------------------------------------------------------------------- fused projections
-# Inference only (no autograd recording): q/k/v and gate/up as one GEMM each on a concatenated
-# copy of the HF weights, which stay the source of truth. kernels.linear(segments=) gives each
-# segment the bits of its own linear, so fusing changes no bit. The copy is keyed on the weights'
-# data_ptr (a replaced tensor: new copy) and _version (an in-place update, an optimizer step or
-# a weight sync: recomputed in place, so a captured CUDA graph reading it stays valid). It lives in
-# the parent module's ModelState (``derived``), so it goes with the module.
-
-
-# A PEFT LoRA layer joins a fused copy in the engine's kept-weights steps: its part is the cast
-# merged weight (lora.fused_part: the bits of its kept rollout weight), keyed on W, A, B, the live
-# adapters, their scalings and the base bias (lora.fused_key). The fused copy then IS the kept
-# weight (not a second copy), and the LoRA model's projections run as the merged model's do.
-
-
-def _part(m, dtype):
-    if lora.is_lora_layer(m):
-        return lora.fused_part(m, dtype)
-    return cast_param(m.weight, dtype), getattr(m, "bias", None)
-
-
-def _part_key(m):
-    if lora.is_lora_layer(m):
-        return lora.fused_key(m)
-    b = getattr(m, "bias", None)
-    return (m.weight.data_ptr(), m.weight._version), None if b is None else (b.data_ptr(), b._version)
-
-
-class _FusedEntry:
-    __slots__ = ("mods", "dtype", "key", "weight", "bias", "segments")
-
-    def versions(self):
-        return tuple(_part_key(m) for m in self.mods)
-
-    def build(self, out=None):
-        parts = [_part(m, self.dtype) for m in self.mods]
-        ws = [w for w, _ in parts]
-        shape = (sum(w.shape[0] for w in ws), ws[0].shape[1])
-        # in place while the shape holds: a captured graph reads this address
-        self.weight = torch.cat(ws, 0, out=out) if out is not None and out.shape == shape else torch.cat(ws, 0)
-        bs = [b for _, b in parts]
-        self.bias = None if bs[0] is None else torch.cat([cast_param(b, self.dtype) for b in bs], 0)
-        self.key = self.versions()
-
-    def refresh(self, force: bool = False, key=None):
-        if (self.versions() if key is None else key) == self.key and not force:
-            return
-        self.build(out=self.weight)
-
-
-def _fused_weight(parent, name: str, mods, dtype):
-    """(weight, bias, segments) of ``mods`` fused, or None when fusing does not apply (autograd
-    records: the trainer keeps its separate parameters; PEFT layers outside the engine's
-    kept-weights steps or that the LoRA linear cannot run; mixed bias)."""
-    # (inference mode, e.g. inside vLLM: its tensors carry no _version to key the copy on)
-    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return None
-    if fp8_mode.active():  # FP8 mode quantizes each projection on its own: no fused copy
-        return None
-    for m in mods:  # LoRA layers only where the engine reads kept weights; other PEFT layers never
-        if lora.is_lora_layer(m):
-            if not lora.fusable(m):
-                return None
-        elif hasattr(m, "base_layer") or hasattr(m, "lora_A"):
-            return None
-    key = tuple(_part_key(m) for m in mods)
-    if len({k[1] is None for k in key}) != 1:  # mixed bias
-        return None
-    per = create_state(parent).derived
-    e = per.get(name)
-    if e is None or e.dtype != dtype or any(a is not b for a, b in zip(e.mods, mods)):
-        e = _FusedEntry()
-        e.mods, e.dtype = tuple(mods), dtype
-        e.segments = tuple(m.weight.shape[0] for m in mods)
-        e.build()
-        per[name] = e
-    else:
-        e.refresh(key=key)
-    return e.weight, e.bias, e.segments
-
-
-def refresh_fused(lm, force: bool = False) -> None:
-    """Bring every fused copy of ``lm``'s layers up to date in place (before a CUDA graph replay,
-    which runs no host code). ``force``: rebuild even where the version counters did not move (a
-    write through ``param.data`` bumps no counter; the engine forces a rebuild whenever it starts
-    work after being idle, so such a write between generate() calls is seen)."""
-    for layer in lm.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for e in fused_copies(parent).values():
-                e.refresh(force)
-
-
-def fused_copies(parent) -> dict:
-    """``{name: fused copy}`` the engine derived from ``parent``'s projections (empty if none)."""
-    st = get_state(parent)
-    return {} if st is None else st.derived
-
-
-def fused_linear(parent, name, mods, x, dtype, fuse: bool = True):
-    """The outputs of ``linear(m, x)`` for each of ``mods``: one GEMM when fusable, same bits."""
-    f = _fused_weight(parent, name, mods, dtype) if fuse else None
-    if f is None:
-        return [linear(m, x, dtype) for m in mods]
-    w, b, segs = f
-    y = _kernels().linear(x, w, b, segments=segs)
-    return list(torch.split(y, segs, dim=-1))
-
-
-def lm_head_logits(lm, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Logits [N, vocab] of ``lm.lm_head`` on kernels.linear, weights cast at use (every family's head;
-    a row's bits do not depend on the other rows)."""
-    w, b = _plain_linear_params(lm.lm_head, "lm_head")
-    return _kernels().linear(hidden, cast_param(w, dtype), cast_param(b, dtype))
-
-
-def gated_mlp(mlp_mod, x: torch.Tensor, dtype: torch.dtype, rec: Recorder | None = None, prefix: str = "mlp",
-              fuse: bool = False, share=None):
-    """``fuse``: gate/up as one GEMM on the fused copy (the engine's paged steps only: the engine
-    rebuilds the copies whenever it starts work, so a weight written behind autograd's back, e.g.
-    through ``param.data`` or by an optimizer, cannot leave a stale copy in a trainer forward).
-    ``share``: a tensor-parallel rank's ``dense_tp.MlpShare`` (its intermediate columns, down_proj
-    row-parallel): the same ops in the same order on the rank's columns."""
-    f = _fused_weight(mlp_mod, "gate_up", (mlp_mod.gate_proj, mlp_mod.up_proj), dtype) if fuse and not share else None
-    if share is not None:
-        x = share.enter(x)
-        g, u, gu = share.gate(x), share.up(x), None
-    elif f is not None:  # [g | u] as one GEMM: exactly the cat below, without the copy
-        w, b, segs = f
-        gu = _kernels().linear(x, w, b, segments=segs)
-        g, u = gu[:, :segs[0]], gu[:, segs[0]:]   # views for a recorder: the step runs what it runs unrecorded
-    else:
-        g = linear(mlp_mod.gate_proj, x, dtype)
-        u = linear(mlp_mod.up_proj, x, dtype)
-        gu = None
-    if rec is not None:
-        rec(f"{prefix}.gate_proj", g)
-        rec(f"{prefix}.up_proj", u)
-    a = _kernels().silu_and_mul(torch.cat([g, u], dim=-1) if gu is None else gu)
-    if rec is not None:
-        rec(f"{prefix}.act_fn", a)
-    y = linear(mlp_mod.down_proj, a, dtype) if share is None else share.down(a)
-    if rec is not None:
-        rec(f"{prefix}.down_proj", y)
-    return y
-
-
-def attention(attn, x, cos, sin, ctx: ForwardContext, spec: DenseSpec, layer_idx: int, dtype,
-              rec: Recorder | None = None, prefix: str = "self_attn", share=None):
-    """``share``: a tensor-parallel rank's ``dense_tp.AttentionShare`` (its heads; o_proj row-parallel)."""
-    K = _kernels()
-    T = x.shape[0]
-    D = spec.head_dim
-    if share is None:  # fused only in the engine's paged steps (see gated_mlp)
-        q, k, v = fused_linear(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x, dtype, fuse=ctx.paged)
-    else:
-        x = share.enter(x)
-        q, k, v = share.q(x), share.k(x), share.v(x)
-    q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
-    if rec is not None:
-        rec(f"{prefix}.q_proj", q)
-        rec(f"{prefix}.k_proj", k)
-        rec(f"{prefix}.v_proj", v)
-    if spec.qk_norm:
-        q = rms_norm(attn.q_norm, q, dtype)
-        k = rms_norm(attn.k_norm, k, dtype)
-        if rec is not None:
-            rec(f"{prefix}.q_norm", q)
-            rec(f"{prefix}.k_norm", k)
-    q, k = K.apply_rotary(q, k, cos, sin)
-    if rec is not None:
-        rec(f"{prefix}.rotary", (q, k))
-    sw = spec.sliding_windows[layer_idx]
-    if ctx.paged:
-        k_cache, v_cache = ctx.cache("kv", layer_idx)
-        K.write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        o = paged_attention(K, q, k, v, k_cache, v_cache, ctx, spec.scale, sw)
-    else:
-        if ctx.cu_seqlens is None:
-            raise ValueError("bitmatch: ForwardContext needs cu_seqlens (packed prefill) or slot_mapping (paged)")
-        # the host's longest sequence (pack's metadata) sizes the grid: no read of cu_seqlens back
-        o = K.attention_prefill(q, k, v, ctx.cu_seqlens, spec.scale, causal=True, sliding_window=sw,
-                                max_seqlen=ctx.max_query_len)
-    if rec is not None:
-        rec(f"{prefix}.attn", o)
-    o = linear(attn.o_proj, o.reshape(T, -1), dtype) if share is None else share.o(o.reshape(T, -1))
-    if rec is not None:
-        rec(f"{prefix}.o_proj", o)
-    return o
-
-
-def paged_attention(K, q, k, v, k_cache, v_cache, ctx: ForwardContext, scale, sw=None):
-    """The paged step's attention (K/V already written): a step of fresh prefills (no cached
-    prefix) attends over its own contiguous K/V with attention_prefill, with no per-token gather
-    through the block table; any other step through attention_paged, given the context's host
-    bounds when it has them (a decode step then reads nothing back: graph capture). Same bits
-    either way (the kernels share the canonical KV-block order: tests/test_engine_prefill_fast.py).
-    Shared by every family with plain paged attention (dense, Qwen3-MoE, Nemotron-H)."""
-    if ctx.fresh_prefill and ctx.max_query_len is not None:
-        return K.attention_prefill(q, k, v, ctx.query_start_loc, scale, causal=True, sliding_window=sw,
-                                   max_seqlen=ctx.max_query_len)
-    host = {} if ctx.max_seq_len is None or ctx.max_query_len is None else dict(
-        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len)
-    return K.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.query_start_loc, ctx.seq_lens,
-                             scale, sliding_window=sw, **host)
-
-
-def rope_cos_sin(ctx: ForwardContext, head_dim: int, base: float, scaling, max_position_embeddings):
-    """(cos, sin) fp32 [T, head_dim // 2] of ``ctx.positions``.
-
-    With the step's host bound (``ctx.max_seq_len``: positions < it) on device positions, the
-    kernel gathers the rows from its table with no read back of the positions, so the step can be
-    captured in a CUDA graph (the kernel keeps every table a graph may read). Same bits either
-    way: rotary_cos_sin's row of a position depends only on the position.
-    """
-    K = _kernels()
-    bound = None if ctx.max_seq_len is None or K.host_readable(ctx.positions) else ctx.max_seq_len
-    return K.rotary_cos_sin(ctx.positions, head_dim, base, scaling, dtype=torch.float32,
-                            max_position_embeddings=max_position_embeddings, max_seq_len=bound)
-
-
-@dataclass
-class LayerCall:
-    """What a decoder layer needs besides its tensors (captured, so a checkpoint replay sees it)."""
-    family: "DenseFamily"
-    ctx: ForwardContext
-    spec: DenseSpec
-    layer_idx: int
-    dtype: torch.dtype
-    recorder: Recorder | None = None
-    share: dense_tp.LayerShare | None = None  # a tensor-parallel rank's share of the layer; None: all of it
-
-
-def decoder_layer(layer, h, residual, cos, sin, *, bm: LayerCall):
-    """One decoder layer: returns (mlp_out, residual); the next norm adds them (fused)."""
-    # the mode rides in the context, so a checkpointed layer recomputed in backward runs in it too
-    with fp8_mode.projections(bm.ctx.quantization):
-        return _decoder_layer(layer, h, residual, cos, sin, bm)
-
-
-def _decoder_layer(layer, h, residual, cos, sin, bm: LayerCall):
-    i, dt, rec = bm.layer_idx, bm.dtype, bm.recorder
-    p = f"layers.{i}"
-    if residual is None:
-        residual = h
-        x = rms_norm(layer.input_layernorm, h, dt)
-    else:
-        x, residual = fused_add_rms_norm(layer.input_layernorm, h, residual, dt)
-    if rec is not None:
-        rec(f"{p}.input_layernorm", (x, residual))
-    share = bm.share
-    a = attention(layer.self_attn, x, cos, sin, bm.ctx, bm.spec, i, dt, rec, f"{p}.self_attn",
-                  share=None if share is None else share.attn)
-    x, residual = fused_add_rms_norm(layer.post_attention_layernorm, a, residual, dt)
-    if rec is not None:
-        rec(f"{p}.post_attention_layernorm", (x, residual))
-    m = bm.family.mlp(layer.mlp, x, dt, rec, f"{p}.mlp", fuse=bm.ctx.paged, share=None if share is None else share.mlp)
-    return m, residual
 
 
 # ----------------------------------------------------------------------------- patched forwards
