@@ -7,104 +7,43 @@ the trainer, whatever the batch, chunking, block size, preemption or prefix-cach
 
 Fed by a receiver (``bitmatch.sync.receive(model)``), the engine refuses to step until a verified
 weight version is in place, holds the receiver's lock for each step (no switch inside a step),
-and stamps every ``RequestOutput`` with the version and fingerprint it was sampled with.
+and stamps every ``RequestOutput`` with the version and fingerprint it was sampled with
+(``weights.py``). A request's inputs are checked in ``requests.py``, the KV budget sized by
+``model_runner.kv_cache_blocks``.
 """
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
-import weakref
 
-import numpy as np
 import torch
 import xxhash
 
 from bitmatch.engine.block_manager import BlockManager
 from bitmatch.engine.config import EngineConfig, positive_int
-from bitmatch.engine.model_runner import ModelRunner, bytes_per_block, profile_kv_budget
+from bitmatch.engine.model_runner import ModelRunner, kv_cache_blocks
+from bitmatch.engine.requests import batch_requests, check_sampling_params, token_ids
 from bitmatch.engine.sampling import SamplingParams
 from bitmatch.engine.scheduler import Scheduler
 from bitmatch.engine.sequence import RequestOutput, Sequence
+from bitmatch.engine.weights import (
+    ManifestDigest,
+    engine_opened,
+    holding_weights,
+    weight_versions as weight_versions,
+    written_since,
+)
 from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
 from bitmatch.models.fp8_mode import check_model
-from bitmatch.models.lora import drop_kept_weights
 from bitmatch.models.registry import patch_state, tp_step
 from bitmatch.patching import unsupported_param_dtypes
-from bitmatch.sync import WeightsNotReadyError, WeightVersionError, weight_state
-
-_DEFAULT_CPU_KV_BYTES = 512 << 20
-
-# vLLM engine arguments (``vllm.LLM`` / ``EngineArgs``) the engine refuses by name, with the fix; any
-# other unknown keyword is Python's TypeError
-
-
-def weight_versions(model) -> dict:
-    """name -> (data_ptr, version counter) of every parameter and buffer of ``model``: which tensors
-    a step read and how often each was written in place, without reading a weight (microseconds a
-    tensor). ``Engine.weights_written_since_sampling`` compares it with the snapshot taken when the
-    engine started sampling. A write through ``.data`` bumps no counter and is not seen."""
-    out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        try:
-            out[name] = (t.data_ptr(), t._version)
-        except RuntimeError:   # an inference-mode tensor keeps no version counter
-            out[name] = (t.data_ptr(), None)
-    return out
+from bitmatch.sync import WeightVersionError, weight_state
 
 
 def _closed_error(where: str) -> RuntimeError:
     return RuntimeError(f"{where}: this engine was closed (Engine.close() or the end of its with block) and its KV "
                         "cache freed; build a new bitmatch.Engine(model)")
-
-
-# causal LM -> how many engines over it are open (weak: the count goes with the model)
-_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _engine_gone(lm_ref) -> None:
-    """An engine over ``lm_ref()`` closed (or died unclosed: its finalizer): the last one drops the
-    copies the engines derived on the model (fused weights, kept casts); the next engine rebuilds them."""
-    lm = lm_ref()
-    if lm is None:
-        return
-    n = _OPEN.get(lm, 1) - 1
-    if n > 0:
-        _OPEN[lm] = n
-        return
-    _OPEN.pop(lm, None)
-    drop_kept_weights(lm)
-
-
-def _kind(x) -> str:
-    """What a value is, for a message: the type, and a tensor's or array's shape and dtype."""
-    if isinstance(x, (torch.Tensor, np.ndarray)):
-        return f"{type(x).__name__} of shape {tuple(x.shape)}, dtype {x.dtype}"
-    return f"{type(x).__name__} {x!r}" if isinstance(x, (bool, float, int, str, np.generic)) else type(x).__name__
-
-
-def _token_ids(prompt, where: str) -> list[int]:
-    """A prompt as a list of Python ints, or ValueError naming ``where``, the element and the fix.
-    1-D tensors / arrays and numpy integers are taken as token ids; floats and bools never are."""
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        if prompt.ndim != 1:
-            raise ValueError(f"{where} must be one prompt's token ids (1-D), got {_kind(prompt)}; for a batch pass "
-                             "a list of token-id lists, one per prompt, without padding (e.g. [row[m.bool()].tolist() "
-                             "for row, m in zip(ids, mask)])")
-        if prompt.dtype in (torch.bool, np.bool_) or torch.is_tensor(prompt) and prompt.is_floating_point() or \
-                isinstance(prompt, np.ndarray) and prompt.dtype.kind not in "iu":
-            raise ValueError(f"{where} must hold integer token ids, got {_kind(prompt)}; pass prompt.long() / "
-                             "the tokenizer's ids")
-        return [int(t) for t in prompt.tolist()]
-    if not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"{where} must be a list of token ids or a string, got {_kind(prompt)}")
-    for j, t in enumerate(prompt):
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
-            hint = " (a batch of prompts? pass it as the list of prompts, not as one prompt)" \
-                if isinstance(t, (list, tuple, torch.Tensor, np.ndarray)) else ""
-            raise ValueError(f"{where}[{j}] must be an int token id, got {_kind(t)}{hint}")
-    return [int(t) for t in prompt]
 
 
 def _check_compute_dtype(lm) -> None:
@@ -118,12 +57,6 @@ def _check_compute_dtype(lm) -> None:
         raise ValueError(f"Engine: the model's parameters are {', '.join(bad)}, but bitmatch computes in bf16 or "
                          "fp32: load it with dtype=torch.bfloat16 (or torch.float32), call model.to(torch.bfloat16), "
                          "or bitmatch.patch(model, compute_dtype=torch.bfloat16) before Engine(model)")
-
-
-def _check_sampling_params(sp, where: str) -> None:
-    if not isinstance(sp, SamplingParams):
-        fix = f" (pass SamplingParams(**{sp!r}))" if isinstance(sp, dict) else ""
-        raise ValueError(f"{where} must be a bitmatch.SamplingParams, got {_kind(sp)}{fix}")
 
 
 class Engine:
@@ -171,12 +104,10 @@ class Engine:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"Engine: config must be a bitmatch.engine.EngineConfig, got {type(config).__name__}")
         cfg = self.config = config if config is not None else EngineConfig.from_kwargs(**engine_args)
-        block_size, num_gpu_blocks, kv_cache_bytes = cfg.block_size, cfg.num_gpu_blocks, cfg.kv_cache_bytes
-        max_num_seqs, max_num_batched_tokens, seed = cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.seed
+        block_size, max_num_seqs, max_num_batched_tokens = cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
+        seed, enforce_eager, max_seq_len_to_capture = cfg.seed, cfg.enforce_eager, cfg.max_seq_len_to_capture
         enable_chunked_prefill, enable_prefix_caching = cfg.enable_chunked_prefill, cfg.enable_prefix_caching
-        enforce_eager, gpu_memory_utilization = cfg.enforce_eager, cfg.gpu_memory_utilization
-        max_seq_len_to_capture, memory_share, max_model_len = (cfg.max_seq_len_to_capture, cfg.memory_share,
-                                                               cfg.max_model_len)
+        max_model_len = cfg.max_model_len
         if isinstance(model, (str, os.PathLike)):
             path = resolve_checkpoint(model, who="Engine")  # missing folder / bad hub name: fails fast
             model = load_model(path)
@@ -212,39 +143,14 @@ class Engine:
             None if st is None else st.quantization)
         check_model(lm, self._family, self.quantization, "Engine")
         self._idle = True  # no request running: the next step rebuilds derived weights (fused copies)
-        self._digest = (None, None)  # (manifest, its digest) of the version last stepped with
+        self._digests = ManifestDigest()  # of the version last stepped with
         groups = cache_groups(model)
         per_seq = [g.name for g in groups if g.kind == "per_seq"]
         if per_seq and enable_prefix_caching:
             raise ValueError(f"Engine: enable_prefix_caching=True is not supported for this model: its cache "
                              f"group(s) {per_seq} hold per-sequence state (a recurrent state), which a reused "
                              "prefix block does not carry; use enable_prefix_caching=False")
-        per_block = bytes_per_block(groups, self.block_size)
-        state_bytes = self.max_num_seqs * sum(g.bytes_per_seq() for g in groups)
-        self.kv_profile = None
-        if num_gpu_blocks is None:
-            if kv_cache_bytes is None:
-                kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
-                if self.device.type == "cuda":
-                    self.kv_profile = profile_kv_budget(model, groups, self.block_size, self.max_num_batched_tokens,
-                                                        self.max_num_seqs, float(gpu_memory_utilization),
-                                                        memory_share, self.quantization)
-                    kv_cache_bytes = self.kv_profile["kv_cache_bytes"]
-                    if kv_cache_bytes < per_block + state_bytes:
-                        trl = (" (under TRL's attach: GRPOConfig(vllm_gpu_memory_utilization=...))"
-                               if memory_share == "engine" else "")
-                        raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="
-                                         f"{gpu_memory_utilization} ({self.kv_profile}); raise it{trl}, or lower "
-                                         "max_num_batched_tokens / max_num_seqs")
-            positive_int("kv_cache_bytes", kv_cache_bytes)
-            if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
-                num_gpu_blocks = self.max_num_seqs * -(-(self.max_model_len or 32768) // self.block_size)
-            else:
-                num_gpu_blocks = (kv_cache_bytes - state_bytes) // per_block
-            if num_gpu_blocks < 1:
-                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is less than one KV block "
-                                 f"({per_block} bytes at block_size={self.block_size}) after the per-sequence "
-                                 f"state of max_num_seqs={self.max_num_seqs} sequences ({state_bytes} bytes)")
+        num_gpu_blocks, self.kv_profile = kv_cache_blocks(model, groups, cfg, self.max_model_len, self.quantization)
         self.num_gpu_blocks = positive_int("num_gpu_blocks", num_gpu_blocks)
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.block_manager = BlockManager(self.num_gpu_blocks, self.block_size, bool(enable_prefix_caching),
@@ -261,10 +167,9 @@ class Engine:
         self._num_requests = 0
         self._seqs: dict[str, Sequence] = {}
         self.sampled_weights: dict | None = None   # weight_versions(model) when the engine last started work
-        _OPEN[lm] = _OPEN.get(lm, 0) + 1
-        self._closed = False
         # an engine dropped without close() still counts down (its KV cache goes with it)
-        self._finalizer = weakref.finalize(self, _engine_gone, weakref.ref(lm))
+        self._finalizer = engine_opened(self, lm)
+        self._closed = False
         self._finalizer.atexit = False   # at exit the process gives everything back anyway
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -327,7 +232,7 @@ class Engine:
 
     def _add_request(self, prompt, sampling_params, where: str, sp_where: str) -> str:
         params = SamplingParams() if sampling_params is None else sampling_params
-        _check_sampling_params(params, sp_where)
+        check_sampling_params(params, sp_where)
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -335,7 +240,7 @@ class Engine:
                                  "pass token-id lists otherwise")
             text, prompt = prompt, list(self.tokenizer.encode(prompt))
         else:
-            prompt = _token_ids(prompt, where)
+            prompt = token_ids(prompt, where)
         if len(prompt) == 0:
             raise ValueError(f"{where} must have at least one token, got an empty one")
         if self.max_model_len is not None and len(prompt) >= self.max_model_len:
@@ -382,49 +287,17 @@ class Engine:
         """The receiver's WeightState managing this engine's model (None: no receiver)."""
         return weight_state(self.model) or weight_state(self._lm)
 
-    @contextlib.contextmanager
     def _holding_weights(self):
-        """One step's hold on the weights: under a receiver, its lock (no switch inside the step) and
-        (version, fingerprint) of the verified weights, or WeightsNotReadyError naming the fix;
-        (None, None) for a model no receiver manages."""
-        st = self.weight_state
-        if st is None:
-            yield None, None
-            return
-        if st.quantization != self.quantization:
-            raise ValueError(f"Engine: runs quantization={self.quantization!r} but the bitmatch.sync receiver managing "
-                             f"its model was made for quantization={st.quantization!r}: the trainer's and the "
-                             "engine's bits would differ. Give both the same (receive(model, quantization=...), "
-                             "EngineConfig(quantization=...); docs/fp8.md)")
-        with st.lock:
-            try:
-                version = st.require_ready()
-            except WeightsNotReadyError as e:
-                if st.updating is not None:
-                    fix = ("a weight update is being staged right now: publish between generate() calls, not "
-                           "during one (or wait for the publish to return)")
-                elif st.failure is not None:
-                    fix = "publish a full version again (bitmatch.sync.publish(trainer_model, version, to=receiver))"
-                else:
-                    fix = ("the engine's model is managed by a bitmatch.sync receiver: publish a version first "
-                           "(bitmatch.sync.publish(trainer_model, version, to=receiver)), or create the receiver "
-                           "with initial_version=N to accept the weights already loaded")
-                raise WeightsNotReadyError(f"Engine: {e}. Fix: {fix}") from None
-            man = st.manifest
-            if man is not None and self._digest[0] is not man:  # Manifest.digest hashes every spec: once
-                self._digest = (man, man.digest())
-            yield version, (self._digest[1] if man is not None else None)
+        """One step's hold on the weights (``weights.holding_weights``): (version, fingerprint) of the
+        verified weights under a receiver, (None, None) for a model no receiver manages."""
+        return holding_weights(self.weight_state, self.quantization, self._digests)
 
     def weights_written_since_sampling(self) -> list[str]:
         """The parameters and buffers written in place (or replaced) since the engine last started
         sampling (its first step after being idle): with weights shared with a trainer, a non-empty
         list explains a rollout / trainer mismatch that no op of a forward shows (the weights changed
         between sampling and scoring). Empty before any step."""
-        if self.sampled_weights is None:
-            return []
-        now = weight_versions(self.model)
-        before = self.sampled_weights
-        return [n for n in now if now[n] != before.get(n)] + [n for n in before if n not in now]
+        return written_since(self.sampled_weights, self.model)
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -492,30 +365,7 @@ class Engine:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (token-id lists or strings); outputs in input order."""
         self._check_open("Engine.generate")
-        if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim != 1:
-            raise ValueError(f"Engine.generate: prompts must be a list of prompts (token-id lists or strings) or one "
-                             f"prompt, got {_kind(prompts)}; pass a list of token-id lists, one per prompt, without "
-                             "padding (e.g. [row[m.bool()].tolist() for row, m in zip(ids, mask)])")
-        if isinstance(prompts, (str, torch.Tensor, np.ndarray)) or (
-                isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (
-                    str, list, tuple, torch.Tensor, np.ndarray))):
-            prompts = [prompts]  # one prompt (its elements are checked as token ids)
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"Engine.generate: prompts must be a list of prompts (token-id lists or strings) or "
-                             f"one prompt, got {_kind(prompts)}")
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"Engine.generate: sampling_params has {len(params)} entries for "
-                                 f"{len(prompts)} prompts")
-            for i, sp in enumerate(params):
-                _check_sampling_params(sp, f"Engine.generate: sampling_params[{i}]")
-        else:
-            _check_sampling_params(sampling_params, "Engine.generate: sampling_params (one, or a list of one per "
-                                   "prompt)")
+        prompts, params = batch_requests(prompts, sampling_params)
         if self.has_unfinished_requests():
             raise RuntimeError("Engine.generate: requests added with add_request are still running; "
                                "step() them to completion first")

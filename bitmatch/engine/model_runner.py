@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from bitmatch.context import ForwardContext
+from bitmatch.engine.config import EngineConfig, positive_int
 from bitmatch.engine.graphs import (
     DecodeGraphs,
     context_buckets,
@@ -40,6 +41,8 @@ from bitmatch.engine.recording import GraphTap, StepView, begin, emit, step_rows
 from bitmatch.engine.sampling import Sampler, SamplingParams
 from bitmatch.engine.sequence import Sequence
 from bitmatch.models import allocate_caches, cache_groups, compute_logits, forward_hidden
+
+_DEFAULT_CPU_KV_BYTES = 512 << 20  # the KV budget on CPU, where no profile run sizes it
 
 
 def bytes_per_block(groups, block_size: int) -> int:
@@ -110,6 +113,43 @@ def profile_kv_budget(model, groups, block_size: int, max_tokens: int, max_seqs:
     return {"total_bytes": total, "utilization": utilization, "share": share, "other_processes_bytes": other,
             "in_use_bytes": in_use, "activation_peak_bytes": peak,
             "kv_cache_bytes": kv_budget(total, utilization, other, base, in_use, peak, share)}
+
+
+
+def kv_cache_blocks(model, groups, cfg: EngineConfig, max_model_len: int | None,
+                    quantization: str | None = None) -> tuple[int, dict | None]:
+    """(number of KV blocks, the profile run's figures or None) for ``cfg``: its ``num_gpu_blocks``, else
+    ``kv_cache_bytes`` (default: on CUDA ``profile_kv_budget``'s, 512 MiB on CPU) less the per-sequence
+    state of ``max_num_seqs`` sequences, in blocks; a model with no paged state gets enough blocks for
+    ``max_num_seqs`` sequences of ``max_model_len`` (32768 when unknown)."""
+    block_size, max_num_seqs, num_gpu_blocks = cfg.block_size, cfg.max_num_seqs, cfg.num_gpu_blocks
+    per_block = bytes_per_block(groups, block_size)
+    state_bytes = max_num_seqs * sum(g.bytes_per_seq() for g in groups)
+    profile = None
+    if num_gpu_blocks is None:
+        kv_cache_bytes = cfg.kv_cache_bytes
+        if kv_cache_bytes is None:
+            kv_cache_bytes = _DEFAULT_CPU_KV_BYTES
+            if next(model.parameters()).device.type == "cuda":
+                profile = profile_kv_budget(model, groups, block_size, cfg.max_num_batched_tokens, max_num_seqs,
+                                            float(cfg.gpu_memory_utilization), cfg.memory_share, quantization)
+                kv_cache_bytes = profile["kv_cache_bytes"]
+                if kv_cache_bytes < per_block + state_bytes:
+                    trl = (" (under TRL's attach: GRPOConfig(vllm_gpu_memory_utilization=...))"
+                           if cfg.memory_share == "engine" else "")
+                    raise ValueError(f"Engine: no memory left for the KV cache at gpu_memory_utilization="
+                                     f"{cfg.gpu_memory_utilization} ({profile}); raise it{trl}, or lower "
+                                     "max_num_batched_tokens / max_num_seqs")
+        positive_int("kv_cache_bytes", kv_cache_bytes)
+        if per_block == 0:  # no paged state at all: blocks only bound the sequence lengths
+            num_gpu_blocks = max_num_seqs * -(-(max_model_len or 32768) // block_size)
+        else:
+            num_gpu_blocks = (kv_cache_bytes - state_bytes) // per_block
+        if num_gpu_blocks < 1:
+            raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is less than one KV block "
+                             f"({per_block} bytes at block_size={block_size}) after the per-sequence "
+                             f"state of max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes)")
+    return num_gpu_blocks, profile
 
 
 class StepInputs:
