@@ -328,7 +328,7 @@ def engine_diff(model, hf, prompts, device, temperature, n_new, control=None,
     other batches and order, at each of DIFF_CONFIGS; the control (want > 0) is stock ``hf``'s
     log-softmax, or ``control(ids, mask)``: token logprobs aligned as token_logprobs' (another trainer)."""
     import bitmatch
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
 
     if control is None and hf is not None:
         def control(ids, mask):

@@ -106,7 +106,7 @@ def _diff_on_device(model, outs, device):
     """Engine logprobs vs bitmatch.token_logprobs of the same tokens (one padded batch on the
     model's device, T = 1): tokens compared and tokens whose fp32 bits differ."""
     import bitmatch
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     ids, mask = pad_batch(seqs)
     with torch.no_grad():

@@ -37,7 +37,7 @@ def run_engine(model, prompts, sp, args):
 
 
 def run_hf(model, prompts, args):
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
     ids, mask = pad_batch(prompts, side="left")
     kw = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=True, temperature=1.0,
               top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
@@ -72,7 +72,7 @@ def main(argv=None):
     import transformers
 
     from bitmatch.engine import SamplingParams
-    from bitmatch.testing_models import random_prompts, tiny_model
+    from bitmatch.testing.models import random_prompts, tiny_model
 
     torch.manual_seed(0)
     model = tiny_model("qwen3", seed=0, num_hidden_layers=args.layers, hidden_size=args.hidden,

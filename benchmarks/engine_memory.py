@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 import bitmatch  # noqa: E402
 import bitmatch.kernels as K  # noqa: E402
 from bitmatch.kernels.table import stock_for  # noqa: E402
-from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
+from bitmatch.testing.models import random_prompts, tiny_model  # noqa: E402
 
 # Qwen3-1.7B's shape (hidden 2048, 28 layers, GQA 16/8, head 128, tied embeddings)
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

@@ -160,10 +160,10 @@ def diff(n_prompts=8, new_tokens=16, T=1.0, size="1.7b"):
 
 # ------------------------------------------------------------------ controls
 def cuda_controls():
-    """The stock controls of `bitmatch check --device cuda` (bitmatch.controls: one definition,
+    """The stock controls of `bitmatch check --device cuda` (bitmatch.diagnostics.controls: one definition,
     the check and this benchmark run the same ones); each must find a mismatch on the H200. Plus
     bitmatch's linear on the same small-M comparison the cuBLAS controls make (0 rows must differ)."""
-    from bitmatch.controls import run_controls
+    from bitmatch.diagnostics.controls import run_controls
     res = {"check_controls": run_controls(_common.DEV)}
     res["every_stock_control_mismatches"] = all(v["mismatch_found"] for v in res["check_controls"].values())
     g = torch.Generator(device=_common.DEV).manual_seed(0)

@@ -58,7 +58,7 @@ def census(batch: int) -> dict:
     import bitmatch.models as M
     from bitmatch.engine import Engine, SamplingParams, graphs, model_runner as mr
     from bitmatch.models.deepseek_v4_tiny import tiny_model
-    from bitmatch.testing_models import random_prompts
+    from bitmatch.testing.models import random_prompts
 
     triton_calls, torch_ops = collections.Counter(), collections.Counter()
     on = [False]

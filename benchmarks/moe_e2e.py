@@ -193,7 +193,7 @@ def main(argv=None):
 
     import bitmatch
     from bitmatch.engine.graphs import graph_safe
-    from bitmatch.testing_models import random_prompts
+    from bitmatch.testing.models import random_prompts
 
     t_start = time.time()
     deadline = t_start + a.budget_s

@@ -19,7 +19,7 @@ Sections (the JSON is rewritten after each; ``--budget-s`` skips what would star
   with graphs, the same engine eager, HF ``generate`` (its hybrid cache and Mamba kernels).
 - diff_blocks: the diff on one-block models of each block type in --diff-blocks (same widths):
   which block type's ops differ between the engine and the trainer.
-- locate: ``bitmatch.verify.locate_pair("engine")`` on the whole model (a few prompts, the first
+- locate: ``bitmatch.diagnostics.verify.locate_pair("engine")`` on the whole model (a few prompts, the first
   diff config's step budget): the first op whose bits differ, as a table.
 - train: fwd + bwd of token_logprobs on the patched model vs HF's own forward + backward (training
   mode: the fused split-conv1d scan when HF has it), --train-shape tokens: step time, tokens/s,
@@ -203,7 +203,7 @@ def main(argv=None):
     import bitmatch
     from bitmatch.engine.graphs import graph_safe
     from bitmatch.models import spec_of
-    from bitmatch.testing_models import random_prompts
+    from bitmatch.testing.models import random_prompts
 
     t_start = time.time()
     deadline = t_start + a.budget_s
@@ -237,7 +237,7 @@ def main(argv=None):
                     del one
                     rec.put("diff_blocks", out)
             elif name == "locate":
-                from bitmatch.verify import format_table, locate_pair
+                from bitmatch.diagnostics.verify import format_table, locate_pair
                 prompts = random_prompts(min(a.prompts, 6), 8, a.prompt_len, seed=1, vocab_hi=a.vocab - 1)
                 res = locate_pair("engine", model, prompts, temperature=0.9, max_tokens=a.diff_tokens,
                                   engine_kw=dict(_common.DIFF_CONFIGS[0][1]))

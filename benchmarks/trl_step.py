@@ -2,7 +2,7 @@
 
 Four runs in one process, each a fresh ``GRPOTrainer`` on the same random-weight Qwen3 (fp32 master
 weights, ``bf16=True`` mixed precision on CUDA), the same seed and the same toy task
-(``bitmatch.testing_trl``: character tokenizer, one-letter prompts, the toy reward):
+(``bitmatch.testing.trl``: character tokenizer, one-letter prompts, the toy reward):
 
   stock        stock TRL, ``use_vllm=False`` (HF ``generate``)
   attach       ``attach(GRPOTrainer(...))``: ``bitmatch.Engine`` rollouts, Diff checked every step
@@ -53,8 +53,8 @@ from transformers import TrainerCallback
 import bitmatch
 import bitmatch.adapters.trl
 import bitmatch.sync
-import bitmatch.testing_trl as ttrl
-from bitmatch.testing_models import tiny_model
+import bitmatch.testing.trl as ttrl
+from bitmatch.testing.models import tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ("stock", "attach", "stock_lora", "attach_lora", "attach_lora_copy", "attach_lora_gencheck")
@@ -212,7 +212,7 @@ def policy(a, shape):
 
 
 def use_checkout_examples():
-    """``bitmatch.testing_trl`` reads its toy task from ``examples/`` beside the package; an
+    """``bitmatch.testing.trl`` reads its toy task from ``examples/`` beside the package; an
     installed bitmatch has none, so point it at the checkout this file is in."""
     if not (ttrl.EXAMPLES / "trl_grpo.py").is_file():  # site-packages/examples may exist (other packages)
         ttrl.EXAMPLES = REPO / "examples"
@@ -448,7 +448,7 @@ def main(argv=None):
                    "learning_rate": a.lr, "lora": {"r": 8, "alpha": 16, "targets": LORA_TARGETS},
                    "engine_kwargs": a.engine_kwargs, "gradient_checkpointing": False},
         "notes": "one process, runs in order; each a fresh GRPOTrainer on a deepcopy of the same random policy, "
-                 "seed 0, the toy task of bitmatch.testing_trl (character tokenizer, prompts of 2 tokens, "
+                 "seed 0, the toy task of bitmatch.testing.trl (character tokenizer, prompts of 2 tokens, "
                  "completions run to max length: a random policy seldom samples EOS). step_s: wall seconds per "
                  "optimizer step (one generation + fwd/bwd over micro-batches), device drained at each step end; "
                  "median_* over steps after the first (the first pays Triton compiles, the engine build and, for "

@@ -11,6 +11,9 @@ Names are imported lazily so ``import bitmatch`` stays light.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from bitmatch.wrappers import register_wrapper
 
@@ -24,9 +27,38 @@ _EXPORTS = {
     "RequestOutput": "bitmatch.engine", "CompletionOutput": "bitmatch.engine",
     "compute_cast": "bitmatch.precision",
 }
-_SUBMODULES = ("kernels", "verify", "sync", "testing", "models", "engine", "adapters", "context")
+_SUBMODULES = {m: f"bitmatch.{m}" for m in
+               ("kernels", "diagnostics", "sync", "testing", "models", "engine", "adapters", "context")}
+_SUBMODULES["verify"] = "bitmatch.diagnostics.verify"   # the README's path before 0.2
 
 __all__ = sorted(list(_EXPORTS) + list(_SUBMODULES))
+
+# Module paths published before 0.2 (the README's `from bitmatch.verify import compare`, user loops on
+# bitmatch.stepcheck) moved into packages (issue 49). Importing an old path hands back the new module
+# object itself, so isinstance checks and monkeypatches see one module, and no shim file sits here.
+_MOVED = {f"bitmatch.{m}": f"bitmatch.diagnostics.{m}"
+          for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls", "faults")}
+_MOVED.update({"bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl"})
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import bitmatch.verify`` -> the module ``bitmatch.diagnostics.verify``, the same object."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(_MOVED[spec.name])
+        spec.loader_state = module.__spec__   # the import system sets __spec__ to the alias's: put it back
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state
+
+
+# first on the path, so a stale bitmatch/verify.py (an old install's, a build/lib copy) never shadows the alias
+if not any(type(f).__name__ == _MovedModuleFinder.__name__ for f in sys.meta_path):  # once, even on reload
+    sys.meta_path.insert(0, _MovedModuleFinder())
 
 # The wrappers token_logprobs runs inside, declared here, at the top, so that the core never names the
 # parallel layer above it: each handler loads with the first model once its torch module is imported
@@ -40,5 +72,5 @@ def __getattr__(name):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"bitmatch.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'bitmatch' has no attribute {name!r}")

@@ -20,10 +20,10 @@ import time
 
 import torch
 
+from bitmatch.diagnostics.verify import compare
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.logprobs import token_logprobs
-from bitmatch.testing_models import CharTokenizer, pad_batch, tiny_model
-from bitmatch.verify import compare
+from bitmatch.testing.models import CharTokenizer, pad_batch, tiny_model
 
 PROMPTS = [
     "The quick brown fox", "Hello", "In the beginning", "def f(x):", "1 + 1 =", "Once upon a time there was",

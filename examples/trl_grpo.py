@@ -23,7 +23,7 @@ import time
 
 # the toy task (tokenizer, prompts, reward, tiny policy, GRPOConfig) lives in the package, so the
 # TRL tests and an installed bitmatch use the same one; the other examples import it from here too
-from bitmatch.testing_trl import (  # noqa: F401  (the other examples read them from here)
+from bitmatch.testing.trl import (  # noqa: F401  (the other examples read them from here)
     LETTERS,
     TOY_COMPLETION_LEN,
     char_tokenizer,
@@ -87,7 +87,7 @@ def main(argv=None):
         args = toy_config(a.output_dir, a.steps, use_cpu=use_cpu, bf16=not use_cpu,
                           **{"learning_rate": 1e-6, "max_completion_length": 256, "router_aux_loss_coef": 0.0, **over})
     elif a.expert_parallel:
-        from bitmatch.testing_models import tiny_model
+        from bitmatch.testing.models import tiny_model
         model = tiny_model("qwen3moe-e8-k2", dtype=torch.float32, seed=0, hidden_size=64).train()
         tokenizer = char_tokenizer()
         args = toy_config(a.output_dir, a.steps, **{"router_aux_loss_coef": 0.0, **over})

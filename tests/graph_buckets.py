@@ -18,7 +18,7 @@ import bitmatch.kernels as K
 import bitmatch.models as M
 from bitmatch.engine import Engine, SamplingParams, graphs, model_runner as mr
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 from host_reads import host_reads
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import bitmatch
+from bitmatch.diagnostics.verify import compare
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import tiny_model
-from bitmatch.verify import compare
+from bitmatch.testing.models import tiny_model
 
 
 @pytest.fixture(scope="module")

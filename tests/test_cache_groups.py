@@ -15,7 +15,7 @@ import torch
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models import registry
 from bitmatch.models.dense import DenseFamily
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 
 
 class ProbeFamily(DenseFamily):

@@ -25,7 +25,7 @@ def test_temperature_control_formulas_differ_at_realistic_scale():
     over Qwen's 151,936 vocabulary."""
     import torch
 
-    from bitmatch.controls import engine_logprobs, trainer_logprobs
+    from bitmatch.diagnostics.controls import engine_logprobs, trainer_logprobs
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(4, 151936, generator=g) * 4).bfloat16().float()
     t = torch.tensor([0.6, 0.7, 0.85, 0.95])
@@ -40,12 +40,12 @@ def _control_rows(out):
 
 
 def test_check_runs_the_stock_controls_of_bitmatch_controls(capsys):
-    """`bitmatch check` and `check --family` run exactly ``bitmatch.controls.stock_controls(device)``
+    """`bitmatch check` and `check --family` run exactly ``bitmatch.diagnostics.controls.stock_controls(device)``
     (one definition; the family adds its own HF forward), and the CUDA list has every stock
     kernel the contract replaces on the GPU (built lazily: listing them allocates nothing)."""
     from bitmatch.cli.check import _cases
-    from bitmatch.controls import stock_controls
-    from bitmatch.family_check import family_cases
+    from bitmatch.diagnostics.controls import stock_controls
+    from bitmatch.diagnostics.family_check import family_cases
     names = [c.name for c in stock_controls("cpu")]
     assert [r[0] for r in _cases("cpu") if r[3]] == names
     assert [r[0] for r in family_cases("dense", "cpu", 1) if r[3]] == names + ["control: HF forward"]
@@ -61,7 +61,7 @@ def test_a_control_that_finds_no_mismatch_fails_the_check(monkeypatch, capsys, t
 
     import torch
 
-    import bitmatch.controls as C
+    import bitmatch.diagnostics.controls as C
     import bitmatch.kernels as K
     from bitmatch.cli import check as cli
     from bitmatch.testing import assert_batch_invariant

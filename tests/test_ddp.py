@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import bitmatch
 from bitmatch.parallel import enable_expert_parallel, keep_local_experts
 from bitmatch.testing import assert_bitwise_equal
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from tp_ranks import ranks_fixture
 
 

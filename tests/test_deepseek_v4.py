@@ -12,7 +12,7 @@ import torch
 import bitmatch
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models.deepseek_v4_tiny import tiny_model
-from bitmatch.testing_models import pad_batch, random_prompts
+from bitmatch.testing.models import pad_batch, random_prompts
 from test_engine import assert_bitmatch, hf_logprobs
 
 

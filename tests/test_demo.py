@@ -22,7 +22,7 @@ def test_demo_model_path(tmp_path):
     """--model with a saved checkpoint (no tokenizer there: token-id prompts)."""
     import torch
 
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     ckpt = tmp_path / "ckpt"
     tiny_model("llama-hd128-gqa8-llama3rope", dtype=torch.bfloat16, seed=1).save_pretrained(ckpt)

@@ -22,18 +22,17 @@ import torch
 
 import bitmatch.engine.sampling as S
 import bitmatch.kernels as K
+from bitmatch.diagnostics.tracing import Recorder, diff_traces
+from bitmatch.diagnostics.verify import locate_pair
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.graphs import DecodeGraphs
 from bitmatch.engine.model_runner import ModelRunner
 from bitmatch.models import family_of
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts, tiny_model
-from bitmatch.tracing import Recorder, diff_traces
-from bitmatch.verify import locate_pair
+from bitmatch.testing.models import random_prompts, tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "bitmatch"
-DIAGNOSTICS = [ROOT / f"{m}.py" for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls",
-                                          "faults", "demo")] + sorted((ROOT / "cli").glob("*.py"))
+DIAGNOSTICS = sorted((ROOT / "diagnostics").glob("*.py")) + [ROOT / "demo.py"] + sorted((ROOT / "cli").glob("*.py"))
 MODELS = {"dense": lambda: tiny_model(), "qwen3_moe": lambda: tiny_model("qwen3moe-e8-k2", seed=0)}
 
 

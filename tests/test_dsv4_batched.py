@@ -18,7 +18,7 @@ from bitmatch.kernels.compressed_attention import KeyRows, entry_list, sink_atte
 from bitmatch.kernels.indexer import indexer_select
 from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 from host_reads import host_reads
 from test_engine import assert_bitmatch
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 
 
 def trainer_token_logprobs():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bitmatch.engine import Engine, RequestOutput, SamplingParams
-from bitmatch.testing_models import CharTokenizer, random_prompts, tiny_model
+from bitmatch.testing.models import CharTokenizer, random_prompts, tiny_model
 from test_engine import assert_bitmatch
 
 

@@ -20,7 +20,7 @@ from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.graphs import DecodeGraphs
 from bitmatch.models import lora
 from bitmatch.models.dense import fused_copies
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = random_prompts(3, 5, 20, seed=1)

@@ -9,7 +9,7 @@ import torch
 
 import bitmatch
 from bitmatch.engine import Engine, EngineConfig
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 
 def test_config_and_keywords_build_the_same_engine():

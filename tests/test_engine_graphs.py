@@ -13,7 +13,7 @@ import pytest
 from bitmatch.engine import SamplingParams
 from bitmatch.engine.model_runner import capture_sizes
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 from graph_buckets import one_request_in_buckets, padding_into_a_real_block, run
 
 

@@ -25,7 +25,7 @@ from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import deepseek_v4 as V4, family_of, unwrap_causal_lm
 from bitmatch.models.deepseek_v4_tiny import tiny_model
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 from graph_buckets import (
     decode_step_reads,
     eager_and_simulated,

@@ -29,7 +29,7 @@ from bitmatch.models import lora, unwrap_causal_lm  # noqa: E402
 from bitmatch.models.state import get_state  # noqa: E402
 from bitmatch.precision import cast_param  # noqa: E402
 from bitmatch.testing import same_outputs  # noqa: E402
-from bitmatch.testing_models import random_prompts, tiny_model  # noqa: E402
+from bitmatch.testing.models import random_prompts, tiny_model  # noqa: E402
 from graph_buckets import opt_in_needs_runnable_lora, stale_kept_weights, step_lora  # noqa: E402
 from test_engine import assert_bitmatch  # noqa: E402
 

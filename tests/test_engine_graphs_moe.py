@@ -26,7 +26,7 @@ from bitmatch.models import family_of, unwrap_causal_lm
 from bitmatch.models.qwen3_moe import Qwen3MoeFamily
 from bitmatch.models.state import create_state, drop_state
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 from graph_buckets import eager_and_simulated, one_request_in_buckets, padding_into_a_real_block, run, staggered
 from host_reads import host_reads
 from test_engine import assert_bitmatch

@@ -26,7 +26,7 @@ from bitmatch.engine import SamplingParams, model_runner
 from bitmatch.engine.graphs import graph_safe
 from bitmatch.models import nemotron_h as NH, unwrap_causal_lm
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 from graph_buckets import (
     decode_step_reads,
     eager_and_simulated,

@@ -11,7 +11,7 @@ import torch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams, model_runner as mr
 from bitmatch.kernels import order
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 
 
 def _lp_bits(outs):

@@ -7,7 +7,7 @@ from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.block_manager import BlockManager, compute_block_hash
 from bitmatch.engine.sequence import Sequence
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 from test_engine import assert_bitmatch
 
 

@@ -7,7 +7,7 @@ import torch
 
 import bitmatch.sync as bsync
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 SP = SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 13], [1, 40]]

@@ -28,7 +28,7 @@ from bitmatch.parallel import (
     step_data_parallel,
 )
 from bitmatch.testing import assert_bitwise_equal
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from tp_ranks import FakeTP, ranks_fixture
 
 # every MoE family, 8 routed experts: Qwen3-MoE (top-2, one dense layer); DeepSeek-V4 (hash and

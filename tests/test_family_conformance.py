@@ -21,12 +21,12 @@ import copy
 import pytest
 import torch
 
+from bitmatch.diagnostics.family_check import tiny_model_for
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.family_check import tiny_model_for
 from bitmatch.logprobs import token_logprobs
 from bitmatch.models import families
 from bitmatch.testing import bits_equal, same_outputs
-from bitmatch.testing_models import pad_batch, random_prompts
+from bitmatch.testing.models import pad_batch, random_prompts
 
 T = 0.8
 FAMILIES = [pytest.param(f, id=f.name) for f in families()]

@@ -20,7 +20,7 @@ from bitmatch.kernels.fp8 import code_to_e4m3, e4m3_code, quantize_fp8_blocks
 from bitmatch.models import forward_hidden, fp8_mode, lora
 from bitmatch.models.registry import families
 from bitmatch.sync import SyncError
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 from test_engine import mixed_params, temperature_of
 
 FP8 = EngineConfig(quantization="fp8", max_num_seqs=3, max_num_batched_tokens=16, block_size=16)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import bitmatch
 from bitmatch import Engine, SamplingParams
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 WORLD = 2
 BF = torch.bfloat16

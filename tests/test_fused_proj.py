@@ -69,7 +69,7 @@ def test_dense_fused_copy_follows_in_place_updates():
     projections); an in-place update is followed; the trainer path never fuses."""
     from bitmatch.context import ForwardContext
     from bitmatch.models import allocate_caches, cache_groups, dense, forward_hidden
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
     model = tiny_model()
     ids = torch.tensor([3, 5, 7, 9, 11])
     packed = ForwardContext(positions=torch.arange(5), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
@@ -96,7 +96,7 @@ def test_dense_fused_copy_follows_in_place_updates():
 def _engine_vs_trainer(eng, model, prompts):
     import bitmatch
     from bitmatch.engine import SamplingParams
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
     outs = eng.generate(prompts, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), use_tqdm=False)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     ids, mask = pad_batch(seqs)
@@ -115,7 +115,7 @@ def test_engine_sees_a_weight_write_through_data_between_generates(monkeypatch):
     weights. Control: without that rebuild the fused copy is stale and the engine differs."""
     from bitmatch.engine import Engine
     from bitmatch.models import dense
-    from bitmatch.testing_models import random_prompts, tiny_model
+    from bitmatch.testing.models import random_prompts, tiny_model
     model = tiny_model("qwen3")
     eng = Engine(model, num_gpu_blocks=64)
     prompts = random_prompts(3, 3, 12, seed=5)

@@ -225,11 +225,11 @@ def test_scanner_sees_the_cases_it_polices(tmp_path):
         if TYPE_CHECKING:
             from bitmatch.engine import Engine
         def f():
-            from bitmatch.verify import paged_trace
+            from bitmatch.diagnostics.verify import paged_trace
             return K._exact
     """))
     found = [(fn, t) for node, fn in _walk(tree) for t, _ in _targets("bitmatch.cli", node)]
-    assert found == [(None, "bitmatch.kernels"), ("f", "bitmatch.verify")]
+    assert found == [(None, "bitmatch.kernels"), ("f", "bitmatch.diagnostics.verify")]
 
 
 def _in(mod: str, packages) -> bool:
@@ -293,6 +293,45 @@ def test_logprobs_does_not_import_fsdp():
                                                               f"torch.distributed.fsdp or bitmatch.parallel: {r}")
     assert r["runner"] and r["first_call"]["fsdp"] is False, r  # a plain model: DDP's handler only
     assert r["runner_fsdp"] and r["after_fsdp"]["fsdp"] and "bitmatch.parallel.fsdp" in r["after_fsdp"]["parallel"], r
+
+
+# the module paths published before 0.2 -> where they live now (issue 49); bitmatch/__init__.py aliases them
+MOVED = {**{f"bitmatch.{m}": f"bitmatch.diagnostics.{m}"
+            for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls", "faults")},
+         "bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl"}
+
+_MOVED_PROBE = r"""
+import importlib, json, sys
+import bitmatch
+out = {}
+for old, new in json.loads(sys.argv[1]).items():
+    first = importlib.import_module(old)          # the old path first, as a script written for 0.1 does
+    out[old] = [first is importlib.import_module(new), first.__name__, first.__spec__.name, sys.modules[old] is first]
+from bitmatch.verify import compare
+out["from"] = compare.__module__
+out["attr"] = bitmatch.verify is sys.modules["bitmatch.diagnostics.verify"]
+try:
+    importlib.import_module("bitmatch.no_such_module")
+except ModuleNotFoundError:
+    out["unknown"] = "ModuleNotFoundError"
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_moved_paths_import_the_same_modules():
+    """The paths published before 0.2 (``bitmatch.verify``, ``bitmatch.testing_models``, ...), imported first
+    in a fresh interpreter, are the moved modules themselves (same object, name and spec), and no file of
+    theirs is back at the top level; an unknown name still fails (the control)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", _MOVED_PROBE, json.dumps(MOVED)], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=REPO)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, f"the probe failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    r = json.loads(line[-1][len("RESULT "):])
+    for old, new in MOVED.items():
+        assert old not in MODULES and new in MODULES, f"{old} is a file again, or {new} is gone"
+        assert r[old] == [True, new, new, True], f"{old}: [same object, __name__, __spec__.name, sys.modules] {r[old]}"
+    assert r["from"] == "bitmatch.diagnostics.verify" and r["attr"] and r["unknown"] == "ModuleNotFoundError", r
 
 
 # ----------------------------------------------------------------------------- each module first

@@ -14,9 +14,9 @@ import torch
 
 from bitmatch.cli import main
 from bitmatch.cli.check import main as check
+from bitmatch.diagnostics.verify import locate_pair, parse_inject
 from bitmatch.models.registry import families
-from bitmatch.testing_models import random_prompts, tiny_model
-from bitmatch.verify import locate_pair, parse_inject
+from bitmatch.testing.models import random_prompts, tiny_model
 
 PROMPTS = random_prompts(3, 4, 16, seed=1)
 

@@ -18,7 +18,7 @@ from bitmatch.engine import Engine, SamplingParams
 from bitmatch.kernels.triton import mamba_ssd
 from bitmatch.models import nemotron_h as NH
 from bitmatch.testing import assert_bitwise_equal
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 from test_engine import assert_bitmatch
 
 pytestmark = pytest.mark.interpreter

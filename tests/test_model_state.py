@@ -9,7 +9,7 @@ from bitmatch.models.state import ModelState, create_state, drop_state, get_stat
 from bitmatch.patching import is_patched, patch, unpatch
 from bitmatch.sync import WeightState, weight_state
 from bitmatch.sync.receiver import attach_state
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 
 def _holders(m):

@@ -13,7 +13,7 @@ import torch
 import bitmatch
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models import nemotron_h as NH
-from bitmatch.testing_models import pad_batch, random_prompts
+from bitmatch.testing.models import pad_batch, random_prompts
 from test_engine import assert_bitmatch, hf_logprobs
 
 Q = 8  # a chunk of 8 (the tiny config's is 16, the Triton scan's smallest): more boundaries per token

@@ -11,11 +11,11 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
+from bitmatch.diagnostics.faults import kernel_fault, parse_inject
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.faults import kernel_fault, parse_inject
 from bitmatch.kernels import order, table
 from bitmatch.models.deepseek_v4_tiny import tiny_model as v4_tiny_model
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 from test_golden_bits import CASES, _tensors
 
 ROOT = Path(__file__).resolve().parents[1]

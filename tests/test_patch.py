@@ -6,7 +6,7 @@ import torch
 
 from bitmatch.models import cache_groups, check_supported, forward_hidden, pack, unwrap_causal_lm
 from bitmatch.patching import BitmatchCacheError, is_patched, patch, unpatch
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")

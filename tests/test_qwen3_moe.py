@@ -11,7 +11,7 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 from test_engine import assert_bitmatch, hf_logprobs
 
 

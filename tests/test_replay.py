@@ -16,12 +16,12 @@ import torch
 
 import bitmatch
 from bitmatch.cli import main
+from bitmatch.diagnostics.replay import read_bundle, replay
+from bitmatch.diagnostics.stepcheck import Divergence, StepChecker, weights_fingerprint, write_bundle
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models import load_model
 from bitmatch.models.lora import merged_state_dict
-from bitmatch.replay import read_bundle, replay
-from bitmatch.stepcheck import Divergence, StepChecker, weights_fingerprint, write_bundle
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 
 T = 0.9
 

@@ -12,7 +12,7 @@ import bitmatch
 import bitmatch.sync as bsync
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.models.registry import families
-from bitmatch.testing_models import pad_batch, random_prompts
+from bitmatch.testing.models import pad_batch, random_prompts
 
 BF16, F32 = torch.bfloat16, torch.float32
 FAMILIES = {f.name: f for f in families()}

@@ -11,7 +11,7 @@ import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.engine.sampling import Sampler
 from bitmatch.kernels.sampling import to_int64_seed
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -158,7 +158,7 @@ def test_noise_depends_only_on_seed_and_token_index(model):
     # the engine's tokens are the kernel ops applied to (seed, completion index), row by row, on
     # the trainer's logits of the same prefixes
     from bitmatch.models import compute_logits, forward_hidden, pack
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
 
     seq_tokens = outs[0].outputs[0].token_ids
     ids = prompt + seq_tokens

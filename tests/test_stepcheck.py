@@ -1,4 +1,4 @@
-"""The per-step check every RL adapter runs (bitmatch/stepcheck.py): the metrics carry how much was
+"""The per-step check every RL adapter runs (bitmatch/diagnostics/stepcheck.py): the metrics carry how much was
 compared (``bitmatch/compared_tokens``, ``bitmatch/compared_seqs``) beside the mismatch count, and a
 step that compares nothing is a failure under "raise" (a zero mismatch count must mean "checked
 and equal", never "nothing checked"). Control: the same step with one token in the mask passes."""
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from bitmatch.stepcheck import METRIC_KEYS, BitmatchMismatchError, NothingComparedError, StepChecker
+from bitmatch.diagnostics.stepcheck import METRIC_KEYS, BitmatchMismatchError, NothingComparedError, StepChecker
 
 
 def _lp(b=3, t=5, seed=0):

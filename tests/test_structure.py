@@ -7,6 +7,9 @@
   occurs, so it only shrinks.
 - the engine imports nothing from ``bitmatch.parallel``: it reads what the parallel layer sets on the
   model (``registry.tp_shard`` / ``tp_step``); ``ENGINE_PARALLEL_IMPORTS`` would say why otherwise.
+- ``bitmatch/``'s top level holds only the modules ``TOP_LEVEL`` names: a new module goes into the
+  package that says what it is for (``diagnostics/``, ``testing/``, ``engine/``, ...), so loose modules
+  do not grow back (issue 49); the core imports neither the diagnostics nor the test helpers above it.
 
 The import graph itself (cycles, local imports, adapters) is tests/test_imports.py's.
 """
@@ -16,7 +19,7 @@ import ast
 import pathlib
 
 from bitmatch.models.registry import FAMILY_MODULES, Family, families
-from test_imports import EDGES, LOCAL, upward_imports
+from test_imports import CORE, EDGES, LOCAL, upward_imports
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PARALLEL = REPO / "bitmatch" / "parallel"
@@ -26,6 +29,9 @@ UNMOVED: dict[str, set[str]] = {}
 
 # (engine module, parallel module): why the engine imports the parallel layer directly
 ENGINE_PARALLEL_IMPORTS: dict = {}
+
+# the modules bitmatch/ may hold outside a package; grow it only for a module no package fits
+TOP_LEVEL = {"__init__", "context", "demo", "hub", "logprobs", "patching", "precision", "switch", "wrappers"}
 
 
 def family_words() -> set[str]:
@@ -87,3 +93,19 @@ def test_engine_reaches_parallel_only_where_listed():
                           "the model, e.g. its shard):\n  " + "\n  ".join(unlisted))
     stale = sorted(f"{m} -> {t}" for m, t in ENGINE_PARALLEL_IMPORTS if (m, t) not in found)
     assert not stale, "ENGINE_PARALLEL_IMPORTS entries that no longer occur (remove them):\n  " + "\n  ".join(stale)
+
+
+def test_top_level_holds_only_listed_modules():
+    found = {p.stem for p in (REPO / "bitmatch").glob("*.py")}
+    loose = sorted(found - TOP_LEVEL)
+    assert not loose, ("modules at bitmatch/'s top level outside TOP_LEVEL: put each in the package that says what "
+                       "it is for (bitmatch/diagnostics/, bitmatch/testing/, ...):\n  " + "\n  ".join(loose))
+    stale = sorted(TOP_LEVEL - found)
+    assert not stale, "TOP_LEVEL entries with no module (remove them):\n  " + "\n  ".join(stale)
+
+
+def test_core_imports_no_diagnostics():
+    """The diagnostics and the test helpers observe the core from above: the core never imports them."""
+    found = upward_imports(EDGES, LOCAL, CORE, ("bitmatch.diagnostics", "bitmatch.testing", "bitmatch.cli"))
+    assert not found, ("the core imports a diagnostic or a test helper (move the piece it needs into the core):\n  "
+                       + "\n  ".join(f"{m} imports {t}" for m, t in found))

@@ -246,7 +246,7 @@ def _engine_api():
 @pytest.mark.parametrize("transport", ["inprocess", "tcp"])
 def test_logprobs_after_update_equal_trainers(transport):
     Engine, SamplingParams, token_logprobs = _engine_api()
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
     master = tiny_model("qwen3", dtype=torch.float32, seed=0)
     trainer = tiny_model("qwen3", dtype=torch.float32, seed=0)
     for p in trainer.parameters():

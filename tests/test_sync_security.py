@@ -17,7 +17,7 @@ from bitmatch.engine import Engine, SamplingParams
 from bitmatch.kernels.order import stamp_for_device
 from bitmatch.precision import compute_cast
 from bitmatch.sync import channel as C, hash as H, transport_tcp as T
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from sync_helpers import bf16_target, bits_equal, two_tensor_state
 
 TOKEN = "s3cret"

@@ -13,7 +13,7 @@ from bitmatch.engine import Engine, SamplingParams
 from bitmatch.precision import compute_cast
 from bitmatch.sync import hash as H, transport_tcp as T
 from bitmatch.sync.names import build_layout
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from sync_helpers import FakeVllmQwen3, bf16_target, bits_equal, tiny_qwen3, two_tensor_state
 
 TOKEN = "trust-receiver-token"

@@ -18,8 +18,9 @@ from torch.distributed.fsdp import fully_shard
 
 import bitmatch
 import bitmatch.kernels as K
-from bitmatch import Engine, SamplingParams, verify
+from bitmatch import Engine, SamplingParams
 from bitmatch.context import ForwardContext
+from bitmatch.diagnostics import verify
 from bitmatch.kernels import order
 from bitmatch.models import (
     allocate_caches,
@@ -45,7 +46,7 @@ from bitmatch.parallel import (
     shard_linear,
     token_logprobs,
 )
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from tp_ranks import FakeTP, packed_ctx, padded_batch, ranks_fixture
 
 BF = torch.bfloat16

@@ -34,7 +34,7 @@ from bitmatch.parallel import (
     token_logprobs,
 )
 from bitmatch.testing import assert_bitwise_equal, bits_equal
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from tp_ranks import FakeTP, packed_ctx, padded_batch, ranks_fixture
 
 # heads 8 x 16 in 4 output groups (2 heads each), 8 experts top-2: TP 2 holds 2 groups and 4 experts

@@ -31,7 +31,7 @@ from bitmatch.parallel import (
 )
 from bitmatch.parallel.tensor_parallel import AllreduceRowShard
 from bitmatch.testing import assert_bitwise_equal
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 from tp_ranks import FakeTP, packed_ctx, ranks_fixture
 
 # head_dim 16 and chunk 16: the Triton scan's smallest tile; 8 Mamba heads in 4 groups

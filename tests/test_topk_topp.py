@@ -17,7 +17,7 @@ import torch
 import bitmatch
 import bitmatch.kernels as K
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 
 
 def bits(t):

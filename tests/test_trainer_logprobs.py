@@ -9,7 +9,7 @@ from bitmatch.logprobs import token_logprobs
 from bitmatch.patching import patch, unpatch
 from bitmatch.precision import compute_cast
 from bitmatch.testing import bits_equal
-from bitmatch.testing_models import TINY_CONFIGS, pad_batch, random_prompts, tiny_model
+from bitmatch.testing.models import TINY_CONFIGS, pad_batch, random_prompts, tiny_model
 
 SEQS = random_prompts(6, 1, 24, seed=7)  # lengths 1..24 (sliding windows are 8)
 

@@ -23,7 +23,7 @@ import bitmatch
 import bitmatch.kernels as K
 import bitmatch.logprobs as trainer
 from bitmatch.models import pack
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 from host_reads import host_reads
 
 pytest.importorskip("triton")

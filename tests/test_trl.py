@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import assert_trained, grpo_trainer, logged, params_snapshot, tiny_policy  # noqa: E402
+from bitmatch.testing.trl import assert_trained, grpo_trainer, logged, params_snapshot, tiny_policy  # noqa: E402
 
 
 def make_trainer(tmp_path, steps=5, lora=False, rollout_func=None, **over):
@@ -289,7 +289,7 @@ def test_use_vllm_without_plugin_enabled_is_refused(tmp_path, monkeypatch):
 
 def test_toy_task_needs_no_source_checkout(tmp_path, monkeypatch):
     """The toy task lives in the package: with no examples folder beside it, it still builds."""
-    import bitmatch.testing_trl as ttrl
+    import bitmatch.testing.trl as ttrl
     monkeypatch.setattr(ttrl, "EXAMPLES", tmp_path / "no-examples")
     ds, tok = ttrl.toy_dataset(4), ttrl.char_tokenizer()
     assert len(ds) == 4 and all(p[0] in ttrl.LETTERS for p in ds["prompt"])

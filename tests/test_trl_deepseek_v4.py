@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, load_example, params_snapshot  # noqa: E402
+from bitmatch.testing.trl import assert_diff_zero, assert_trained, grpo_trainer, load_example, params_snapshot  # noqa: E402
 
 
 def _dsv4_example():

@@ -14,7 +14,7 @@ import bitmatch  # noqa: E402
 import bitmatch.kernels as K  # noqa: E402
 from bitmatch.models import lora  # noqa: E402
 from bitmatch.testing import bits  # noqa: E402
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model  # noqa: E402
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 T = 0.8

@@ -16,8 +16,8 @@ pytest.importorskip("peft")
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_models import tiny_model  # noqa: E402
-from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, params_snapshot  # noqa: E402
+from bitmatch.testing.models import tiny_model  # noqa: E402
+from bitmatch.testing.trl import assert_diff_zero, assert_trained, grpo_trainer, params_snapshot  # noqa: E402
 
 STEPS = 2
 

@@ -11,12 +11,12 @@ import torch
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, params_snapshot, repeat_letter_reward  # noqa: E402
+from bitmatch.testing.trl import assert_diff_zero, assert_trained, grpo_trainer, params_snapshot, repeat_letter_reward  # noqa: E402
 
 
 def test_router_aux_loss_is_refused_with_the_fix(tmp_path):
     import bitmatch.adapters.trl as bt
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     policy = tiny_model("qwen3moe-e4-k1-step2", dtype=torch.float32, seed=0, hidden_size=64).train()
     reward = repeat_letter_reward
@@ -28,7 +28,7 @@ def test_router_aux_loss_is_refused_with_the_fix(tmp_path):
 
 def test_grpo_moe_three_steps_diff_zero(tmp_path):
     import bitmatch.adapters.trl as bt
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     policy = tiny_model("qwen3moe-e4-k1-step2", dtype=torch.float32, seed=0, hidden_size=64, num_experts_per_tok=2,
                         moe_intermediate_size=32, decoder_sparse_step=1).train()

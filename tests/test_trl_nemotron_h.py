@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bitmatch.testing_trl import assert_diff_zero, assert_trained, grpo_trainer, load_example, params_snapshot  # noqa: E402
+from bitmatch.testing.trl import assert_diff_zero, assert_trained, grpo_trainer, load_example, params_snapshot  # noqa: E402
 
 
 def test_grpo_nemotron_h_two_steps_diff_zero(tmp_path):

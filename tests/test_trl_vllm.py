@@ -38,7 +38,7 @@ def _child(spec):
     from trl import GRPOTrainer
 
     import bitmatch.adapters.trl as bt
-    import bitmatch.testing_trl as ex
+    import bitmatch.testing.trl as ex
     ckpt = spec["ckpt"]
     model = ex.tiny_policy(dtype=torch.bfloat16)
     model.config.architectures = [type(model).__name__]

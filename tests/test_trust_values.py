@@ -10,9 +10,9 @@ import torch
 import bitmatch.sync as sync
 from bitmatch import token_logprobs
 from bitmatch.adapters.vllm import VllmColocateSender
+from bitmatch.diagnostics.verify import compare
 from bitmatch.engine import SamplingParams
-from bitmatch.testing_models import pad_batch, random_prompts, tiny_model
-from bitmatch.verify import compare
+from bitmatch.testing.models import pad_batch, random_prompts, tiny_model
 from sync_helpers import FakeVllmQwen3, bf16_target, tiny_qwen3, two_tensor_state
 
 # -- verify.compare: zero compared tokens, float64, -inf ---------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 import bitmatch
 from bitmatch.engine import Engine, SamplingParams
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

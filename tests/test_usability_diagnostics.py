@@ -11,7 +11,7 @@ import torch
 import bitmatch
 from bitmatch.engine import Engine, SamplingParams
 from bitmatch.testing import same_outputs
-from bitmatch.testing_models import random_prompts, tiny_model
+from bitmatch.testing.models import random_prompts, tiny_model
 from test_engine import assert_bitmatch
 
 # ----------------------------------------------------------------------------- prefix caching (51.10)
@@ -132,8 +132,8 @@ def test_stepcheck_names_weights_written_between_sampling_and_scoring(tmp_path):
     loss): every op agrees on the weights as they are now, so the locate finds nothing; the
     message names the written tensor from the engine's version-counter snapshot instead of blaming
     the sampler."""
-    from bitmatch.stepcheck import BitmatchMismatchError, Divergence, StepChecker, locate_sentence
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.diagnostics.stepcheck import BitmatchMismatchError, Divergence, StepChecker, locate_sentence
+    from bitmatch.testing.models import pad_batch
 
     model = bitmatch.patch(tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0))
     eng = Engine(model, num_gpu_blocks=32)
@@ -177,7 +177,7 @@ def test_trl_check_names_weights_written_before_the_loss(tmp_path):
     import os
 
     import bitmatch.adapters.trl as bt
-    from bitmatch.testing_trl import grpo_trainer, tiny_policy
+    from bitmatch.testing.trl import grpo_trainer, tiny_policy
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     trainer = grpo_trainer(tiny_policy(), tmp_path / "out", 2, per_device_train_batch_size=8, num_generations=4,

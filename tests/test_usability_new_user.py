@@ -92,8 +92,8 @@ def test_trl_example_trains_an_moe_checkpoint(tmp_path):
     pytest.importorskip("trl")
     import torch
 
-    from bitmatch.testing_models import tiny_model
-    from bitmatch.testing_trl import char_tokenizer, load_example
+    from bitmatch.testing.models import tiny_model
+    from bitmatch.testing.trl import char_tokenizer, load_example
 
     ckpt = tmp_path / "moe"
     tiny_model("qwen3moe-e4-k1-step2", dtype=torch.float32, seed=0).save_pretrained(ckpt)
@@ -111,7 +111,7 @@ def test_demo_model_without_a_tokenizer_runs_on_token_ids(tmp_path, capsys):
     import torch
 
     from bitmatch.cli.demo import main
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     ckpt = tmp_path / "ckpt"
     tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.bfloat16, seed=0, num_hidden_layers=1).save_pretrained(ckpt)
@@ -137,7 +137,7 @@ def test_demo_dtype_without_model_is_refused(tmp_path, capsys):
 def _saved(tmp_path, dtype, name="ckpt"):
     import torch
 
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     path = tmp_path / name
     tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=0, num_hidden_layers=1).to(dtype).save_pretrained(path)
@@ -182,7 +182,7 @@ def test_load_model_refuses_fp16_at_the_call(tmp_path):
 def _tiny(dtype):
     import torch
 
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     return tiny_model("qwen3-hd64-gqa4-tied", dtype=torch.float32, seed=0, num_hidden_layers=1).to(dtype)
 
@@ -222,7 +222,7 @@ def test_trl_attach_on_fp16_names_the_fix(tmp_path):
     import torch
 
     import bitmatch.adapters.trl
-    from bitmatch.testing_trl import grpo_trainer
+    from bitmatch.testing.trl import grpo_trainer
 
     trainer = grpo_trainer(_tiny(torch.float16), tmp_path, 1)
     with pytest.raises(ValueError, match=r"attach: .*torch.float16.*bf16 or fp32.*compute_dtype=torch.bfloat16"):
@@ -232,7 +232,7 @@ def test_trl_attach_on_fp16_names_the_fix(tmp_path):
 def test_tiny_model_takes_a_family_name():
     """``tiny_model("dense")`` (the family name the README and CLI use) gave a bare KeyError."""
     from bitmatch.models import family_of
-    from bitmatch.testing_models import tiny_config, tiny_model
+    from bitmatch.testing.models import tiny_config, tiny_model
 
     assert family_of(tiny_model("dense", num_hidden_layers=1)).name == "dense"
     assert type(tiny_config("dense")).__name__ == type(tiny_config("qwen3-hd64-gqa4-tied")).__name__

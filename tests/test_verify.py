@@ -1,12 +1,12 @@
-"""bitmatch.verify: compare (exact mismatch, KL, first divergence) and locate (first op)."""
+"""bitmatch.diagnostics.verify: compare (exact mismatch, KL, first divergence) and locate (first op)."""
 import copy
 import math
 
 import pytest
 import torch
 
-from bitmatch.testing_models import random_prompts, tiny_model
-from bitmatch.verify import compare, float_hex, locate
+from bitmatch.diagnostics.verify import compare, float_hex, locate
+from bitmatch.testing.models import random_prompts, tiny_model
 
 
 def test_compare_equal_and_perturbed():

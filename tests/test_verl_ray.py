@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("ray")
 
-from bitmatch.testing_trl import char_tokenizer, tiny_policy  # noqa: E402
+from bitmatch.testing.trl import char_tokenizer, tiny_policy  # noqa: E402
 
 RUN_TIMEOUT_S = 300
 

@@ -44,13 +44,13 @@ MODELS = {  # name -> (family, overrides, engines): Qwen3 untied (q/k norms, GQA
 
 
 def _prompts():
-    from bitmatch.testing_models import random_prompts
+    from bitmatch.testing.models import random_prompts
 
     return random_prompts(N_PROMPTS, min_len=2, max_len=MAX_PROMPT, seed=7)
 
 
 def _write_checkpoint(path, name, seed=0, **extra):
-    from bitmatch.testing_models import tiny_model
+    from bitmatch.testing.models import tiny_model
 
     family, overrides, _ = MODELS[name]
     model = tiny_model(family, dtype=torch.bfloat16, seed=seed, **{**overrides, **extra})
@@ -156,7 +156,7 @@ def _compare(run, models):
     import transformers
 
     import bitmatch
-    from bitmatch.testing_models import pad_batch
+    from bitmatch.testing.models import pad_batch
 
     if run["weights"] not in models:
         m = transformers.AutoModelForCausalLM.from_pretrained(run["weights"], dtype=torch.bfloat16).eval()

@@ -50,7 +50,7 @@ def test_vllm_top_k_top_p_processed_logprobs_bitwise_equal_trainer(tmp_path):
     import transformers
 
     import bitmatch
-    from bitmatch.testing_models import pad_batch, random_prompts
+    from bitmatch.testing.models import pad_batch, random_prompts
     from test_vllm_logprobs import _write_checkpoint
 
     ckpt = _write_checkpoint(tmp_path / "qwen3", "qwen3")

@@ -28,7 +28,7 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
 - with ``use_vllm=True`` the rollout is vLLM's, made bitmatched by the bitmatch vLLM plugin
   (``bitmatch.adapters.vllm``, enabled with ``BITMATCH=1``); attach refuses to run without it;
 - it compares the rollout's logprobs with the trainer's logprobs of the same tokens (bit patterns,
-  ``bitmatch.verify.compare``), once per generation step. Where TRL keeps old logprobs
+  ``bitmatch.diagnostics.verify.compare``), once per generation step. Where TRL keeps old logprobs
   (``num_iterations > 1``, misaligned accumulation, vLLM importance sampling) those, at generation
   time; otherwise (TRL's default) the logprobs the loss itself computes (``_compute_loss``; TRL's
   old logprobs are then their detached copy), collected over the generation's micro-batches and
@@ -39,7 +39,7 @@ What ``attach`` does (trl 1.16.x; the private methods it rebinds are checked at 
   (they reach wandb / tensorboard with TRL's own), and on any difference applies ``on_mismatch``:
   ``"raise"`` (default), ``"warn"`` or ``"log"``. The message names the step, the first divergent
   sequence and token, both values as hex bits, the first divergent layer
-  (``bitmatch.verify.locate``) and the path of a small repro bundle.
+  (``bitmatch.diagnostics.verify.locate``) and the path of a small repro bundle.
 
 ``watch(trainer)`` installs only the comparison (no patching), to measure a stock run's gap.
 Supported: trl >= 1.16, < 1.17 (``pip install bitmatch[trl]``).
@@ -57,11 +57,7 @@ import bitmatch
 import bitmatch.adapters.vllm as plugin
 import bitmatch.sync as bsync
 from bitmatch import is_patched
-from bitmatch.logprobs import check_temperature
-from bitmatch.models import lora, unwrap_causal_lm
-from bitmatch.models.lora import plain_name
-from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
-from bitmatch.stepcheck import (
+from bitmatch.diagnostics.stepcheck import (
     BitmatchMismatchError,
     Divergence,
     StepCheck,
@@ -70,6 +66,10 @@ from bitmatch.stepcheck import (
     weights_fingerprint,
     weights_sentence,
 )
+from bitmatch.logprobs import check_temperature
+from bitmatch.models import lora, unwrap_causal_lm
+from bitmatch.models.lora import plain_name
+from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 
 logger = logging.getLogger("bitmatch.trl")
 
@@ -437,7 +437,7 @@ class TrlAdapter:
             weights = weights_sentence(self.rollout_copy.differing())
         if rollout is None:  # vLLM: its weights live in another engine
             return ("First divergent layer: not located (the rollout ran in vLLM; run the same tokens through "
-                    "bitmatch.verify.locate against the plugin's model).", weights)
+                    "bitmatch.diagnostics.verify.locate against the plugin's model).", weights)
         block = self.engine.block_size if self.engine is not None else None
         # shared weights written between sampling and scoring: a forward on the weights as they are
         # now cannot show it; the engine's version-counter snapshot of its sampling step can

@@ -12,9 +12,10 @@ from importlib import metadata
 import torch
 
 import bitmatch.kernels as K
-from bitmatch import controls, testing as T
+from bitmatch import testing as T
 from bitmatch.cli.common import usage_error, version_string, writable_file_problem
-from bitmatch.family_check import family_cases, tiny_model_for
+from bitmatch.diagnostics import controls
+from bitmatch.diagnostics.family_check import family_cases, tiny_model_for
 from bitmatch.models import families
 
 
@@ -64,7 +65,7 @@ def _lin(x, w):
 
 def main(argv=None) -> int:
     """Run every op's invariance self-test on this machine's backends and print a table; the stock
-    controls (``bitmatch.controls``) run the same comparisons on stock ops and must find mismatches.
+    controls (``bitmatch.diagnostics.controls``) run the same comparisons on stock ops and must find mismatches.
     Exit 1 if an op mismatched or a control found none (the harness did not show it can fail)."""
     ap = argparse.ArgumentParser(prog="bitmatch check", description=main.__doc__)
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",

@@ -10,7 +10,6 @@ import sys
 import torch
 
 import bitmatch
-from bitmatch import verify
 from bitmatch.cli.common import (
     load_error,
     one_line,
@@ -19,10 +18,11 @@ from bitmatch.cli.common import (
     version_string,
     writable_file_problem,
 )
-from bitmatch.family_check import tiny_model_for
+from bitmatch.diagnostics import verify
+from bitmatch.diagnostics.family_check import tiny_model_for
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import load_model
-from bitmatch.testing_models import random_prompts
+from bitmatch.testing.models import random_prompts
 
 
 def _args_problem(a) -> str | None:

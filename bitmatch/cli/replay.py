@@ -17,8 +17,8 @@ from bitmatch.cli.common import (
     version_string,
     writable_file_problem,
 )
+from bitmatch.diagnostics.replay import read_bundle, replay as replay_bundle
 from bitmatch.models import load_model
-from bitmatch.replay import read_bundle, replay as replay_bundle
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ output into a graph-owned tensor (``GraphTap``); after the replay the copies go 
 The copies only read, so every op of a recorded step runs the kernels, shapes and inputs of the
 unrecorded step and writes the same bits (tests/test_diagnostics_observe.py).
 
-The protocol (``bitmatch.tracing.Recorder`` implements it):
+The protocol (``bitmatch.diagnostics.tracing.Recorder`` implements it):
 
 * ``recorder.step(view)``: once per step, before its records; ``view`` a ``StepView``;
 * ``recorder.record(name, value, rows)``: per op output (the forward's names, then ``lm_head``);

@@ -97,7 +97,7 @@ def forward_hidden(model, input_ids: torch.Tensor, ctx, *, compute_dtype: torch.
     ``ctx.quantization`` "fp8": the projections on block-FP8 weights (``fp8_mode``; refused by name
     for a family that does not declare it in ``Family.quantizations``); None: the one
     ``bitmatch.patch(model, quantization=...)`` set, else none.
-    ``recorder(name, value)``: called after each op (``bitmatch.verify.locate``, ``Engine.record``);
+    ``recorder(name, value)``: called after each op (``bitmatch.diagnostics.verify.locate``, ``Engine.record``);
     an observer: every family runs the same ops with or without one.
     Invariance: each token's hidden state depends only on its own tokens and causal prefix.
     """

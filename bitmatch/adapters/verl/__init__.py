@@ -13,7 +13,7 @@ What the plugin does (``plugin.py``; verl 0.9.1):
   fp32 ``token_logprobs`` at verl's temperature instead of the bf16 ``logprobs_from_logits``;
 - the check (``check.py``): each step, ``rollout_log_probs`` vs ``old_log_probs`` bit for bit,
   ``bitmatch/*`` metrics in verl's metric dict, policy raise / warn / log
-  (``BITMATCH_ON_MISMATCH``), the shared message and repro bundle (``bitmatch.stepcheck``).
+  (``BITMATCH_ON_MISMATCH``), the shared message and repro bundle (``bitmatch.diagnostics.stepcheck``).
 With the vLLM rollout (``rollout.name=vllm``) and the bitmatch vLLM plugin on (``BITMATCH=1`` in
 the workers' environment) the actor patch and the check apply as well. Without GPUs:
 ``VERL_PLATFORM=cpu`` gives every verl process a CPU platform (``cpu.py``), and a local Ray's
@@ -22,7 +22,7 @@ runs ``main_ppo`` that way.
 """
 from __future__ import annotations
 
-from bitmatch.stepcheck import BitmatchMismatchError, StepCheck
+from bitmatch.diagnostics.stepcheck import BitmatchMismatchError, StepCheck
 
 __all__ = ["require_plugin", "plugin_loaded", "BitmatchMismatchError", "StepCheck", "configure", "check_batch"]
 

@@ -5,7 +5,7 @@ imports ``verl.utils.debug.metrics.calculate_debug_metrics`` and calls it on the
 whenever the rollout returned ``rollout_log_probs``, and merges what it returns into the step's
 metric dict. ``install`` wraps that function: verl's ``training/rollout_probs_diff_*`` plus
 ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3``, ``bitmatch/compared_tokens``,
-``bitmatch/compared_seqs``, from the shared ``bitmatch.stepcheck.StepChecker`` (bit
+``bitmatch/compared_seqs``, from the shared ``bitmatch.diagnostics.stepcheck.StepChecker`` (bit
 patterns of the same response tokens, a step with no response token compared is a failure; policy
 raise / warn / log, the TRL adapter's message: step, sequence, token, both values in hex, first
 divergent layer, repro bundle). ``check_batch`` is the same check for loops that drive the
@@ -24,7 +24,7 @@ import torch
 
 from bitmatch import switch
 from bitmatch.adapters.verl import require_plugin
-from bitmatch.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
+from bitmatch.diagnostics.stepcheck import Divergence, StepCheck, StepChecker, locate_sentence, weights_sentence
 
 _CHECKER: StepChecker | None = None
 _ORIG_DEBUG = None
@@ -110,8 +110,8 @@ def _locate(ids, mask):
     if actor is None:
         why = ("the actor is not on bitmatch kernels" if rollout is not None else
                "no bitmatch rollout lives in this process, e.g. the driver of a Ray run")
-        return (f"First divergent layer: not located ({why}; run bitmatch.verify.locate on the bundle's tokens "
-                "against the two models).", "")
+        return (f"First divergent layer: not located ({why}; run bitmatch.diagnostics.verify.locate on the "
+                "bundle's tokens against the two models).", "")
     weights = ""
     try:
         src, _ = actor.get_per_tensor_param()

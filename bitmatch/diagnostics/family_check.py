@@ -4,7 +4,7 @@ The op list is not declared per family: it is captured by running the family onc
 forward and an engine step, every op wrapped by ``kernels.override``), so a new family is covered
 the day it registers. Which ops get the batch harness alone is declared once, by the ``rows`` axis
 of the op table (``kernels/table.py``); the others are covered by the model row along the schedule
-axes. The controls are the device's stock controls (``bitmatch.controls``, the same rows as the
+axes. The controls are the device's stock controls (``bitmatch.diagnostics.controls``, the same rows as the
 plain check) and the family's own HF forward, batch vs alone."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 
 import bitmatch
 import bitmatch.kernels as K
-from bitmatch import verify
-from bitmatch.controls import stock_controls
+from bitmatch.diagnostics import verify
+from bitmatch.diagnostics.controls import stock_controls
 from bitmatch.kernels.table import OPS
 from bitmatch.models import compute_logits, families, forward_hidden, pack
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal, assert_schedule_invariant
-from bitmatch.testing_models import pad_batch, random_prompts
+from bitmatch.testing.models import pad_batch, random_prompts
 
 
 def tiny_model_for(family: str, dtype=None, seed: int = 0):

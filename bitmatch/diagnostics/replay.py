@@ -4,7 +4,7 @@ A bundle folder holds ``config.json`` (step, temperature, top-k / top-p, compute
 weights' fingerprint, the first divergence) and ``tokens.pt`` (the step's token ids and masks, the
 rollout's and the trainer's logprobs); no weights. ``replay`` rescores the tokens with
 ``bitmatch.token_logprobs`` on the given model, compares the result with the rollout's logprobs as
-fp32 bit patterns, and on a difference runs ``bitmatch.verify.locate`` (trainer's packed forward vs
+fp32 bit patterns, and on a difference runs ``bitmatch.diagnostics.verify.locate`` (trainer's packed forward vs
 the engine's paged one) on the first divergent sequence up to its divergent token.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 import bitmatch
+from bitmatch.diagnostics.stepcheck import weights_fingerprint
+from bitmatch.diagnostics.verify import CompareResult, LocateResult, compare, locate
 from bitmatch.logprobs import token_logprobs
 from bitmatch.models.lora import merged_state_dict
-from bitmatch.stepcheck import weights_fingerprint
-from bitmatch.verify import CompareResult, LocateResult, compare, locate
 
 __all__ = ["Bundle", "ReplayResult", "read_bundle", "replay"]
 

@@ -8,18 +8,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import bitmatch
-from bitmatch.engine import Engine, SamplingParams
-from bitmatch.faults import (
+from bitmatch.diagnostics.faults import (
     engine_temperature_fault,
     kernel_fault,
     parse_inject,
     perturb_weight,
     reciprocal_temperature_logprobs,
 )
-from bitmatch.kernels import use_backend
-from bitmatch.models import unwrap_causal_lm
-from bitmatch.testing_models import pad_batch
-from bitmatch.tracing import (
+from bitmatch.diagnostics.tracing import (
     PAIRS,
     LocateResult,
     Recorder,
@@ -33,6 +29,10 @@ from bitmatch.tracing import (
     schedule_steps,
     trace_dtype,
 )
+from bitmatch.engine import Engine, SamplingParams
+from bitmatch.kernels import use_backend
+from bitmatch.models import unwrap_causal_lm
+from bitmatch.testing.models import pad_batch
 
 __all__ = ["compare", "CompareResult", "locate", "locate_pair", "LocateResult", "op_fingerprint", "float_hex",
            "format_table", "parse_inject", "perturb_weight", "kernel_fault", "schedule_steps", "PAIRS"]

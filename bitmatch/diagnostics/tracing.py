@@ -18,7 +18,7 @@ import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
 from bitmatch.models import allocate_caches, cache_groups, compute_dtype_of, compute_logits, forward_hidden, pack
 from bitmatch.sync.hash import fingerprints_of
-from bitmatch.testing_models import pad_batch
+from bitmatch.testing.models import pad_batch
 
 PAIRS = ("engine", "hf", "schedule", "backend")
 

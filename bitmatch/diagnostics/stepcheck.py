@@ -1,17 +1,17 @@
 """The per-step proof of an RL loop: rollout vs trainer logprobs of the same tokens. The TRL and
 verl adapters run it; a custom training loop imports it the same way::
 
-    from bitmatch.stepcheck import StepChecker
+    from bitmatch.diagnostics.stepcheck import StepChecker
     checker = StepChecker(on_mismatch="raise", repro_dir="bitmatch-repro")
     check = checker.check(step=step, mode="train", rollout=rollout_lp, trainer=trainer_lp, mask=completion_mask)
 
 One ``StepChecker`` per run compares the two logprob tensors of a generation step as fp32 bit
-patterns (``bitmatch.verify.compare``), keeps a ``StepCheck`` per step in ``history``, hands the
+patterns (``bitmatch.diagnostics.verify.compare``), keeps a ``StepCheck`` per step in ``history``, hands the
 ``bitmatch/diff_max``, ``bitmatch/mismatch_tokens``, ``bitmatch/kl_k3`` metrics to the framework's
 logger with ``bitmatch/compared_tokens`` and ``bitmatch/compared_seqs`` (so "0 mismatches" never
 stands for "nothing checked"), and on any difference, or a step where nothing was compared, applies
 the policy (``raise`` / ``warn`` / ``log``) with one message format: step, first divergent sequence
-and token, both values in hex, the first divergent layer (``bitmatch.verify.locate``, through
+and token, both values in hex, the first divergent layer (``bitmatch.diagnostics.verify.locate``, through
 ``locate_sentence``) and the path of a small repro bundle. A caller supplies only its glue: where
 the tensors live, how to gather across ranks, how to locate (which two models), and what goes
 into the bundle's config.
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 import bitmatch
+from bitmatch.diagnostics.verify import compare, locate
 from bitmatch.models import unwrap_causal_lm
 from bitmatch.sync import fingerprints
-from bitmatch.verify import compare, locate
 
-logger = logging.getLogger("bitmatch.stepcheck")
+logger = logging.getLogger("bitmatch.stepcheck")  # the log channel, as "bitmatch.trl": kept from 0.1
 
 ON_MISMATCH = ("raise", "warn", "log")
 METRIC_KEYS = ("bitmatch/diff_max", "bitmatch/mismatch_tokens", "bitmatch/kl_k3", "bitmatch/compared_tokens",
@@ -183,7 +183,7 @@ class StepChecker:
 
 def write_bundle(path: str, config: dict, tensors: dict) -> str:
     """Write a repro bundle (``config.json`` and ``tokens.pt``) into the folder ``path`` and return
-    it: the format ``bitmatch replay`` (``bitmatch.replay.read_bundle``) reads."""
+    it: the format ``bitmatch replay`` (``bitmatch.diagnostics.replay.read_bundle``) reads."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1, default=str)

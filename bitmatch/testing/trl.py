@@ -15,21 +15,21 @@ import random
 
 import torch
 
-from bitmatch.testing_models import tiny_model
+from bitmatch.testing.models import tiny_model
 
 TEMPERATURE = 0.9   # != 1: the temperature must be divided the same way on both sides
 LETTERS = "abcd"
 TOY_COMPLETION_LEN = 8
 
 # the examples of a source checkout (``load_example``: tests that run an example itself)
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 # ----------------------------------------------------------------------------- the toy task
 
 def char_tokenizer():
     """A real ``PreTrainedTokenizerFast``, one token per character (ids as
-    ``bitmatch.testing_models.CharTokenizer``: 0 <pad>, 1 <bos>, 2 <eos>, then '\\n' and printable ASCII)."""
+    ``bitmatch.testing.models.CharTokenizer``: 0 <pad>, 1 <bos>, 2 <eos>, then '\\n' and printable ASCII)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
