@@ -1,6 +1,6 @@
 """Decode-sized linear on the GPU: cuBLAS vs the current selection vs a tile/mode sweep.
 
-  python benchmarks/linear_decode.py --out DIR [--ms 16,64,128,256,512] [--budget-s 160]
+  python benchmarks/linear_decode.py --out DIR [--ms 16,64,128,256,512] [--budget-s 160] [--shapes tp]
 writes DIR/linear_decode.json (command, machine, versions, commit, per launch shape and M).
 
 Shapes are the launches the engine issues for Qwen3-8B and Qwen3-1.7B (bf16): fused q/k/v runs
@@ -48,6 +48,12 @@ SHAPES = {
     "1.7b.down (2048,6144)": (2048, 6144),
     "1.7b.lm_head (151936,2048)": (151936, 2048),
 }
+
+# a tensor-parallel rank's shard in the gather layout (bitmatch/parallel/sharder.py): N / TP output rows
+# with the full K, run in the full weight's K split; timed against a stock rank, cuBLAS on the
+# (N, K / TP) column slice of the all-reduce layout (the same multiply-adds)
+TP_SHAPES = {f"8b.{name} tp{tp} ({n // tp},{k})": (n // tp, k, n, tp)
+             for name, (n, k) in (("o_proj", (4096, 4096)), ("down", (4096, 12288))) for tp in (2, 4, 8)}
 
 # pointer-kernel tiles (BM, BN, BK, GROUP_M, warps, stages) per M; mode added per SPLIT
 PTR = {
@@ -104,13 +110,13 @@ def _compile_one(task):
         return repr(e)[:200]
 
 
-def precompile(ms, workers):
+def precompile(ms, workers, shapes):
     """Compile every variant once, in parallel processes. All swept N, K, M and strides are
     multiples of 16, so one representative shape per SPLIT hits the same specialization."""
     lin = _lin()
     reps = {}
-    for N, K in SHAPES.values():
-        reps.setdefault(lin.split_for(N, K), (N, K))
+    for N, K, *full in shapes.values():
+        reps.setdefault(lin.split_for(full[0] if full else N, K), (N, K))
     tasks = set()
     for s, (N, K) in reps.items():
         for M in ms:
@@ -148,8 +154,8 @@ def rows_differing(a, b):
     return int((a != b).reshape(a.shape[0], -1).any(-1).sum().item())
 
 
-def sweep_shape(lin, N, K, ms, deadline):
-    split = lin.split_for(N, K)
+def sweep_shape(lin, N, K, ms, deadline, full_n=None, tp=1):
+    split = lin.split_for(full_n or N, K)
     wbytes = N * K * 2
     n = max(1, min(CALLS, math.ceil(3 * L2 / wbytes)))
     ws = [torch.randn(N, K, device="cuda", dtype=BF) * 0.02 for _ in range(n)]
@@ -168,6 +174,11 @@ def sweep_shape(lin, N, K, ms, deadline):
 
         e = {"table_config": [table_cfg[0], list(table_cfg[1])], "cublas_ms": t("cublas", None),
              "table_ms": t("table", None), "candidates": []}
+        if tp > 1:  # the stock rank: cuBLAS on its K / TP columns of the full weight
+            wk = [torch.randn(full_n, K // tp, device="cuda", dtype=BF) for _ in range(n)]
+            xk = [x[:, :K // tp].contiguous() for x in xs]
+            e["stock_rank_cublas_ms"] = time_graph([(lambda i=i: F.linear(xk[i], wk[i])) for i in range(n)])
+            wk = xk = None
         best = None
         for kind, cfg in candidates(M, split):
             c = {"kind": kind, "cfg": list(cfg)}
@@ -180,6 +191,8 @@ def sweep_shape(lin, N, K, ms, deadline):
                 c["error"] = repr(ex)[:200]
             e["candidates"].append(c)
         e["cublas_over_table"] = e["cublas_ms"] / e["table_ms"]
+        if tp > 1:
+            e["rank_over_stock_rank"] = min(e["table_ms"], best["ms"] if best else 1e9) / e["stock_rank_cublas_ms"]
         if best is not None:
             e["best"] = {"kind": best["kind"], "cfg": best["cfg"], "ms": best["ms"]}
             e["best_ms"] = best["ms"]
@@ -256,28 +269,32 @@ def apply_sweep(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="16,64,128,256,512")
+    ap.add_argument("--ms", default=None, help="default 16,64,128,256,512 (decode), 512,4096 (tp)")
+    ap.add_argument("--shapes", default="decode", choices=("decode", "tp"),
+                    help="decode: the engine's launches; tp: a tensor-parallel rank's shards (gather layout)")
     ap.add_argument("--budget-s", type=float, default=160)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--commit", default=os.environ.get("BITMATCH_COMMIT", "unknown"))
     a = ap.parse_args()
     t0 = time.time()
-    ms = [int(m) for m in a.ms.split(",")]
+    ms = [int(m) for m in (a.ms or ("16,64,128,256,512" if a.shapes == "decode" else "512,4096")).split(",")]
+    shapes = SHAPES if a.shapes == "decode" else TP_SHAPES
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "linear_decode.json")
     data = {"command": " ".join(sys.argv), "machine": machine_info("cuda"), "commit": a.commit,
             "timing": f"CUDA graph of {CALLS} calls, inputs rotated over copies > 3x L2, median "
                       "of 5 event-timed replays / 20; L2 not flushed", "shapes": {}}
     try:
-        data["precompile"] = precompile(ms, a.workers)
+        data["precompile"] = precompile(ms, a.workers, shapes)
     except Exception as e:  # serial compiles in the sweep instead
         data["precompile"] = {"error": repr(e)[:300]}
     print("precompile", data["precompile"], flush=True)
     lin = _lin()
     deadline = t0 + a.budget_s
-    data["fused_qkv_8b"] = fused_qkv_8b(lin, ms)
-    for name, (N, K) in SHAPES.items():
-        data["shapes"][name] = sweep_shape(lin, N, K, ms, deadline)
+    if a.shapes == "decode":
+        data["fused_qkv_8b"] = fused_qkv_8b(lin, ms)
+    for name, (N, K, *full) in shapes.items():
+        data["shapes"][name] = sweep_shape(lin, N, K, ms, deadline, *full)
         data["elapsed_s"] = round(time.time() - t0, 1)
         data["tables_from_sweep"] = {f"{n},{k}": [list(r) for r in rows]
                                      for (n, k), rows in tables_from_sweep(lin, data).items()}
