@@ -34,7 +34,7 @@ LOCAL_IMPORTS = {
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.check"): PLUGIN,
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.rollout"): VERL,
     # to go with the tensor-parallel rework (one model path at every degree)
-    ("bitmatch.parallel.tensor_parallel", "bitmatch.kernels.triton.linear"): OWNED,
+    ("bitmatch.parallel.sharder", "bitmatch.kernels.triton.linear"): OWNED,
 }
 
 # (using module, "defining_module._name"): why another module reads the private name
