@@ -124,6 +124,22 @@ def test_json_schema_and_exit_codes(tmp_path, capsys):
     assert out.count("all ") >= 3 and "verdict: no divergent op" in out
 
 
+def test_engine_pair_at_tp2(tmp_path, capsys):
+    """``--tp 2``: both sides on two forked gloo ranks, each on its share of the model (the family's
+    own forward and recorder); clean: every op the same; the stock linear planted on the engine's
+    side is named (the control). Other pairs at TP > 1 are refused by flag."""
+    base = ["locate", "--family", "qwen3_moe", "--pair", "engine", "--tp", "2", "--prompts", "2",
+            "--max-tokens", "3", "--format", "json"]
+    assert main(base) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["tp"] == 2 and rep["bitmatched"] and len(rep["results"][0]["ops"]) > 20
+    assert main(base + ["--inject", "kernel:linear"]) == 1
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["first_divergent"].endswith("_proj") and r["logprobs"]["mismatches"] > 0
+    assert main(["locate", "--family", "dense", "--pair", "schedule", "--tp", "2"]) == 2
+    assert "--pair engine" in capsys.readouterr().err
+
+
 def test_bad_input_is_named(capsys):
     with pytest.raises(ValueError, match="kernel:OP"):
         parse_inject("kernel:nope")

@@ -1,42 +1,17 @@
 """The rank runner the tensor-parallel tests share (tests/test_tensor_parallel*.py).
 
-``run_ranks(body, world, folder)`` forks ``world`` CPU processes on gloo (a file rendezvous; fork,
-so the ranks inherit this process's imports instead of re-importing torch and transformers), calls
-``body(tp)`` on each with its ``TPGroup`` and returns the dicts they returned, in rank order (saved
-with torch.save, so tensors come back with their bits); ``ranks_fixture`` makes it a module fixture
+``run_ranks(body, world, folder)``: ``bitmatch.parallel.launch.run_ranks`` (forked CPU ranks on
+gloo, each ``body(tp)``'s result in rank order); ``ranks_fixture`` makes it a module fixture
 per world size; ``padded_batch`` and ``packed_ctx`` are the inputs they score. ``FakeTP`` stands for
 a group's place where only rank and world are read (sharding refusals), with no process group.
 """
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bitmatch.context import ForwardContext
-from bitmatch.parallel import TPGroup
-
-
-def _rank(rank, world, store, folder, body):
-    torch.set_num_threads(1)
-    # a collective one rank never joins fails the test after this long instead of hanging CI
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
-        torch.save(body(TPGroup.current()), os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(body, world: int, folder) -> list:
-    folder = str(folder)
-    mp.start_processes(_rank, args=(world, os.path.join(folder, "store"), folder, body), nprocs=world, join=True,
-                       start_method="fork")
-    return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+from bitmatch.parallel.launch import run_ranks
 
 
 def ranks_fixture(body, prefix: str, worlds=(2, 4)):

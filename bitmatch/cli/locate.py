@@ -30,9 +30,13 @@ def _args_problem(a) -> str | None:
     model is built, so a typo costs nothing and never surfaces as an engine argument's name)."""
     for flag, v in (("--prompts", a.prompts), ("--min-len", a.min_len), ("--max-len", a.max_len),
                     ("--max-tokens", a.max_tokens), ("--block-size", a.block_size),
-                    ("--step-tokens", a.step_tokens), ("--rows", a.rows)):
+                    ("--step-tokens", a.step_tokens), ("--rows", a.rows), ("--tp", a.tp)):
         if v < 1:
             return f"{flag} must be >= 1, got {v}"
+    if a.tp > 1 and a.pair != "engine":
+        return f"--tp {a.tp} runs the engine pair only (--pair engine); the {a.pair} pair runs at --tp 1"
+    if a.tp > 1 and torch.cuda.is_available():
+        return f"--tp {a.tp} runs CPU ranks on gloo; on a GPU machine set CUDA_VISIBLE_DEVICES= to use them"
     if a.min_len > a.max_len:
         return f"--min-len {a.min_len} is more than --max-len {a.max_len}: give --min-len <= --max-len"
     if a.tolerance is not None and not a.tolerance >= 0:
@@ -73,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--format", choices=["table", "json"], default="table", help="what to print")
     ap.add_argument("--json", metavar="PATH", help="also write the JSON report to PATH")
     ap.add_argument("--rows", type=int, default=40, help="op rows shown per comparison (around the divergence)")
+    ap.add_argument("--tp", type=int, default=1, help="engine pair: run both sides tensor-parallel on N forked CPU "
+                    "ranks (gloo), each rank on its share of the model; rank 0's report (default 1)")
     a = ap.parse_args(argv)
     prog = "bitmatch locate"
     if (a.checkpoint is None) == (a.family is None):
@@ -101,15 +107,31 @@ def main(argv=None) -> int:
     bitmatch.patch(model, compute_dtype=dtype)   # as a user runs it: the compute dtype set once
     vocab = model.lm_head.weight.shape[0]
     prompts = random_prompts(a.prompts, a.min_len, a.max_len, seed=a.seed + 1, vocab_hi=min(99, vocab))
+    def run(tp=None):
+        if tp is not None:
+            enable_tensor_parallel(model, tp)   # this rank's share of every layer, the family's own layout
+        return verify.locate_pair(a.pair, model, prompts, inject=a.inject, temperature=a.temperature,
+                                  tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed,
+                                  block_size=a.block_size,
+                                  engine_kw=dict(block_size=a.block_size, max_num_batched_tokens=a.step_tokens))
+
     try:
-        results = verify.locate_pair(a.pair, model, prompts, inject=a.inject, temperature=a.temperature,
-                                     tolerance=a.tolerance, max_tokens=a.max_tokens, seed=a.seed,
-                                     block_size=a.block_size,
-                                     engine_kw=dict(block_size=a.block_size, max_num_batched_tokens=a.step_tokens))
+        if a.tp == 1:
+            results = run()
+        else:
+            from bitmatch.parallel import enable_tensor_parallel
+            from bitmatch.parallel.launch import run_ranks
+            per_rank = run_ranks(lambda tp: run(tp), a.tp)
+            results = per_rank[0]
+            if any([r.bitmatched for r in rs] != [r.bitmatched for r in results] for rs in per_rank[1:]):
+                return usage_error(f"{prog} --tp {a.tp}", "the ranks' reports disagree (a rank-local "
+                                   "divergence): " + "; ".join(f"rank {i}: " + str([r.first_divergent for r in rs])
+                                                               for i, rs in enumerate(per_rank)))
     except (NotImplementedError, RuntimeError, ValueError) as e:   # e.g. an op with no Triton version
         return usage_error(f"{prog} --pair {a.pair}", one_line(e))
     report = {"command": "bitmatch locate " + " ".join(argv if argv is not None else sys.argv[2:]),
               "versions": version_string(), "model": what, "dtype": a.dtype, "pair": a.pair, "inject": a.inject,
+              "tp": a.tp,
               "prompts": prompts, "bitmatched": all(r.bitmatched for r in results),
               "results": [r.to_dict() for r in results]}
     if a.json:
@@ -119,7 +141,7 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(f"model: {what}, {a.dtype}; {len(prompts)} prompts of {a.min_len}-{a.max_len} tokens; "
-              f"T = {a.temperature}")
+              f"T = {a.temperature}" + (f"; TP = {a.tp} (rank 0's ops, each on its share)" if a.tp > 1 else ""))
         print(verify.format_table(results, a.rows))
         print("verdict:", "no divergent op" if report["bitmatched"] else "DIVERGED at " + "; ".join(
             r.first_divergent for r in results if not r.bitmatched))
