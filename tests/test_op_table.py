@@ -32,7 +32,8 @@ def test_every_exported_op_has_a_table_entry():
     for name, s in table.OPS.items():
         assert s.name == name and s.axes and set(s.axes) <= set(table.AXES), name
         assert s.backends and set(s.backends) <= {"reference", "triton", "torch"}, name
-        assert callable(s.stock) and s.stock.__module__ == "bitmatch.kernels.stock", name
+        # defined in the stock package (one file per group of op families), never copied elsewhere
+        assert callable(s.stock) and s.stock.__module__.rpartition(".")[0] == "bitmatch.kernels.stock", name
         assert s.canonical is getattr(K, name), f"{name}: the table's canonical function is not the exported one"
         assert s.family in versions and s.version == versions[s.family], name
         if "triton" in s.backends:

@@ -1,7 +1,7 @@
 """The op table: every public op of ``bitmatch.kernels`` declared once, and the one undoable override.
 
 Each ``OpSpec`` says what the op guarantees (its invariance ``axes``), which plain-torch function
-stands in for it (``stock``, from ``kernels/stock.py``), where it runs (``backends``) and which
+stands in for it (``stock``, from ``kernels/stock/``), where it runs (``backends``) and which
 entry of the canonical order's ``op_versions`` versions its bits (``family``, the ``kernels/``
 module that defines it). What ``bitmatch check --family`` tests, what ``--inject kernel:OP`` swaps
 in and what the benchmarks' stock baseline runs are read from here, never from a docstring.
