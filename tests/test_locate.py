@@ -163,3 +163,20 @@ def test_check_family(family, capsys):
     harnessed = [ln for ln in out.splitlines() if "batch, padding" in ln or "schedule (prefill" in ln]
     assert len(harnessed) >= 5 and all(ln.split()[-2] == "0" for ln in harnessed)
     assert out.count("(want >0)") >= 3 and "0 (want >0)" not in out
+
+
+@pytest.mark.parametrize("family", [f.name for f in families()])
+def test_check_family_at_tp2(family, tmp_path, capsys):
+    """``--tp 2``: every op at a rank's shapes on two gloo ranks, the model's schedule row on the
+    share, TP 2 == TP 1 bits, and the all-reduce row-parallel layout as the control that differs."""
+    rc = check(["--device", "cpu", "--family", family, "--cases", "2", "--tp", "2", "--json", str(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rep = json.loads((tmp_path / "c.json").read_text())
+    rows = {r["op"]: r for r in rep["rows"]}
+    assert rep["tp"] == 2 and not rep["ops_mismatched"] and not rep["controls_without_mismatch"]
+    tp_row = rows[f"model ({family}), TP 2 vs TP 1"]
+    assert tp_row["cases"] == 1 and not tp_row["mismatch_found"]
+    assert rows["control: all-reduce row-parallel"]["mismatch_found"]
+    assert sum(1 for r in rep["rows"] if not r["control"] and r["cases"] > 0) >= 5
+    assert check(["--family", family, "--tp", "2", "--device", "cuda"]) == 2

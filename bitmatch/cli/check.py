@@ -76,9 +76,15 @@ def main(argv=None) -> int:
                     "the stock controls and the family's HF forward as a control")
     ap.add_argument("--cases", type=int, default=6, help="harness cases per op with --family (default 6)")
     ap.add_argument("--json", metavar="PATH", help="also write every row and the verdict to PATH as JSON")
+    ap.add_argument("--tp", type=int, default=1, help="with --family: run the family tensor-parallel on N forked "
+                    "CPU ranks (gloo), every op at a rank's shapes, TP N vs TP 1, the all-reduce layout as control")
     a = ap.parse_args(argv)
     if a.cases < 1:
         return usage_error("bitmatch check", f"--cases must be >= 1, got {a.cases}")
+    if a.tp < 1:
+        return usage_error("bitmatch check", f"--tp must be >= 1, got {a.tp}")
+    if a.tp > 1 and (a.family is None or a.device == "cuda"):
+        return usage_error("bitmatch check", f"--tp {a.tp} needs --family NAME and runs on CPU ranks (--device cpu)")
     problem = a.json and writable_file_problem("--json", a.json)
     if problem:
         return usage_error("bitmatch check", problem)
@@ -95,34 +101,26 @@ def main(argv=None) -> int:
         return 2
     devices = ["cpu", "cuda"] if a.device == "all" and torch.cuda.is_available() else \
         (["cpu"] if a.device == "all" else [a.device])
+    if a.tp > 1:
+        devices = ["cpu"]
     w = 40 if a.family else 34
     print(f"{'op':<{w}} {'backend':<16} {'axes checked':<52} {'cases':>5} {'mismatches':>10} {'time':>7}")
-    failed, weak, table = [], [], []
-    for device in devices:
-        backend = "triton (cuda)" if device == "cuda" else "reference (cpu)"
-        rows = family_cases(a.family, device, a.cases) if a.family else _cases(device)
-        for op, axes, fn, control in rows:
-            t0, first = time.time(), None
-            try:
-                cases, bad = fn(), 0
-            except T.BitMismatch as e:
-                cases, bad, first = 1, 1, str(e)
-                if a.verbose or not control:
-                    print(f"  MISMATCH: {e}", file=sys.stderr)
-            if control and not bad:
-                weak.append(f"{op} ({device})")
-            elif bad and not control:
-                failed.append(f"{op} ({device})")
-            found = f"{bad} (want >0)" if control else str(bad)
-            label = f"stock ({device})" if control else backend
-            dt = time.time() - t0
-            print(f"{op:<{w}} {label:<16} {axes:<52} {cases:>5} {found:>10} {dt:>6.1f}s", flush=True)
-            table.append({"op": op, "device": device, "backend": label, "axes": axes, "control": control,
-                          "cases": cases, "mismatch_found": bool(bad), "first_mismatch": first,
-                          "seconds": round(dt, 2)})
+    if a.tp > 1:
+        from bitmatch.parallel.launch import run_ranks
+        per_rank = run_ranks(lambda tp: _run_rows(family_cases(a.family, "cpu", a.cases, tp), "cpu", w,
+                                                  a.verbose, quiet=tp.rank > 0), a.tp)
+        failed, weak, table = per_rank[0]
+        for r, (f, _, _) in enumerate(per_rank[1:], 1):   # a rank-local mismatch fails the check too
+            failed += [f"{op} (rank {r})" for op in f]
+    else:
+        failed, weak, table = [], [], []
+        for device in devices:
+            rows = family_cases(a.family, device, a.cases) if a.family else _cases(device)
+            f, wk, t = _run_rows(rows, device, w, a.verbose)
+            failed, weak, table = failed + f, weak + wk, table + t
     verdict = "all ops bitmatched" if not failed else f"{len(failed)} op(s) MISMATCHED: {', '.join(failed)}"
     if a.family:
-        verdict += f" (family {a.family})"
+        verdict += f" (family {a.family}" + (f", TP {a.tp}" if a.tp > 1 else "") + ")"
     ctl = "every control found a mismatch" if not weak else \
         f"{len(weak)} control(s) found NO mismatch (the harness did not show it can fail): {', '.join(weak)}"
     print(f"\nbackends: {', '.join(devices)}; {verdict}; {ctl}")
@@ -138,6 +136,33 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"command": "bitmatch check " + " ".join(argv if argv is not None else sys.argv[2:]),
                        "versions": version_string(), "machine": machine, "devices": devices,
-                       "family": a.family, "rows": table, "ops_mismatched": failed,
+                       "family": a.family, "tp": a.tp, "rows": table, "ops_mismatched": failed,
                        "controls_without_mismatch": weak, "exit_code": rc}, f, indent=1)
     return rc
+
+
+def _run_rows(rows, device, w, verbose, quiet=False):
+    """Run (op, axes, fn, is_control) rows, printing each (unless ``quiet``): (failed, weak, table)."""
+    failed, weak, table = [], [], []
+    backend = "triton (cuda)" if device == "cuda" else "reference (cpu)"
+    for op, axes, fn, control in rows:
+        t0, first = time.time(), None
+        try:
+            cases, bad = fn(), 0
+        except T.BitMismatch as e:
+            cases, bad, first = 1, 1, str(e)
+            if (verbose or not control) and not quiet:
+                print(f"  MISMATCH: {e}", file=sys.stderr)
+        if control and not bad:
+            weak.append(f"{op} ({device})")
+        elif bad and not control:
+            failed.append(f"{op} ({device})")
+        found = f"{bad} (want >0)" if control else str(bad)
+        label = f"stock ({device})" if control else backend
+        dt = time.time() - t0
+        if not quiet:
+            print(f"{op:<{w}} {label:<16} {axes:<52} {cases:>5} {found:>10} {dt:>6.1f}s", flush=True)
+        table.append({"op": op, "device": device, "backend": label, "axes": axes, "control": control,
+                      "cases": cases, "mismatch_found": bool(bad), "first_mismatch": first,
+                      "seconds": round(dt, 2)})
+    return failed, weak, table

@@ -100,12 +100,21 @@ def _row_harness(op, args, kwargs, n):
     return lambda: assert_batch_invariant(call, tuple(v for _, v in rows), max_batch=64, cases=n) or n
 
 
-def family_cases(family: str, device: str, n: int = 6):
+def family_cases(family: str, device: str, n: int = 6, tp=None):
     """(op, axes, fn, is_control) rows for every kernel op ``family`` calls at its tiny shapes, the
-    whole model along the schedule axes, the device's stock controls and the family's HF forward."""
+    whole model along the schedule axes, the device's stock controls and the family's HF forward.
+
+    ``tp`` (a ``TPGroup``, on one of its ranks): the model runs tensor-parallel on this rank's share
+    (``enable_tensor_parallel``), so the ops are the share's; a row holds the sharded model's
+    ``token_logprobs`` to TP 1's bits, and the stock all-reduce row-parallel linear is the layout's
+    control (HF's forward, which is not sharded, is not)."""
     model = bitmatch.patch(tiny_model_for(family, torch.bfloat16, seed=0)[0].to(device), compute_dtype=torch.bfloat16)
     # 53 tokens: a prime row count no weight dimension shares, so "rows" are tokens
     seqs = [s[:n_] for s, n_ in zip(random_prompts(3, 23, 23, seed=5), (11, 19, 23))]
+    if tp is not None:
+        from bitmatch.parallel import enable_tensor_parallel
+        tp1 = _logprobs(model, seqs)   # TP 1's bits, before this rank takes its share
+        enable_tensor_parallel(model, tp)
     calls = _capture_kernel_calls(model, seqs)
     groups: dict = {}
     for op, a, k in calls:
@@ -137,9 +146,35 @@ def family_cases(family: str, device: str, n: int = 6):
                 out.append((label, "batch, padding", h, False))
     out.append((f"model ({family})", "schedule: decode, chunk splits, batch composition",
                 lambda: _raise_if_diverged(verify.locate_pair("schedule", model, [s[:7] for s in seqs])), False))
+    if tp is not None:
+        out.append((f"model ({family}), TP {tp.world} vs TP 1", "parallel layout: token_logprobs",
+                    lambda: assert_bitwise_equal(_logprobs(model, seqs), tp1, f"TP {tp.world} vs TP 1") or 1, False))
     out += [(c.name, c.axes, c.run, True) for c in stock_controls(device)]
-    out.append(("control: HF forward", "batch", lambda: _hf_batch_control(model, seqs), True))
+    if tp is None:
+        out.append(("control: HF forward", "batch", lambda: _hf_batch_control(model, seqs), True))
+    else:
+        out.append(("control: all-reduce row-parallel", "parallel layout", lambda: _allreduce_control(tp), True))
     return out
+
+
+def _logprobs(model, seqs):
+    ids, mask = (t.to(next(model.parameters()).device) for t in pad_batch(seqs, "right"))
+    with torch.no_grad():
+        return bitmatch.token_logprobs(model, ids, mask, temperature=0.7)
+
+
+def _allreduce_control(tp) -> int:
+    """The stock row-parallel linear (each rank's K-slice partial in bf16, summed by all-reduce) vs
+    the same layer at TP 1 (must differ: the reason the layout gathers instead)."""
+    from bitmatch.parallel import allreduce_row_parallel_linear
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 256, generator=g).bfloat16(), (torch.randn(128, 256, generator=g) / 16).bfloat16()
+    kk = 256 // tp.world
+    mine = slice(tp.rank * kk, (tp.rank + 1) * kk)
+    with torch.no_grad():
+        assert_bitwise_equal(allreduce_row_parallel_linear(x[:, mine], w[:, mine], None, tp), K.linear(x, w),
+                             f"all-reduce row-parallel linear at TP {tp.world} vs TP 1")
+    return 1
 
 
 def _raise_if_diverged(results) -> int:
