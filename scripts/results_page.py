@@ -215,3 +215,7 @@ def main(argv=None) -> int:
         f.write_text(text)
         print(f"wrote {f} ({len(text.splitlines())} lines)")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
