@@ -1,4 +1,4 @@
-"""Helpers the benchmark scripts share (each runs as a script: its folder is on sys.path):
+"""Helpers the benchmark scripts share (each script puts benchmarks/, this file's folder, on sys.path):
 the results writer, machine info, timing (eager wall, CUDA-graph replay, kernel profile, host
 profile, host syncs) and the measured ceilings. GPU figures only count from a CUDA run."""
 import json

@@ -3,12 +3,13 @@
 # runner that keeps /tmp while the node stays warm; results go to $OUT, default ./out):
 #
 #   bash benchmarks/run_gpu.sh bench NAME SECONDS SCRIPT ARGS  install bitmatch (+ .whl/), run benchmarks/SCRIPT
+#                                                            (GROUP/NAME.py: ops/gpu_ops.py, engine/gpu_e2e.py, ...)
 #                                                            ARGS --out $OUT/NAME under a time limit, log beside it
 #   bash benchmarks/run_gpu.sh tp                            tensor / expert parallel layouts over NCCL (2 GPUs)
 #   bash benchmarks/run_gpu.sh stage  .offline/part-00 [...]  copy vLLM bundle parts (and manifest.json) to /tmp/bundle
 #   bash benchmarks/run_gpu.sh install                       verify + unpack the bundle to /tmp/site, install
 #                                                            bitmatch and the wheels in .whl/ (to /tmp/wh)
-#   bash benchmarks/run_gpu.sh vllm ARGS...                  benchmarks/vllm_gpu.py ARGS (--out defaults to $OUT)
+#   bash benchmarks/run_gpu.sh vllm ARGS...                  benchmarks/adapters/vllm_gpu.py ARGS (--out: $OUT)
 #
 # Every benchmark writes JSON with its command, machine and versions; copy it to benchmarks/results/
 # (named <benchmark>_<card>[_runN].json) and run python scripts/results_page.py.
@@ -33,6 +34,10 @@ install_project() {
 bench() {  # NAME SECONDS SCRIPT ARGS...: a benchmark that runs out of time loses only its own rows
   local name=$1 lim=$2 script=$3
   shift 3
+  if [[ ! -f $R/benchmarks/$script ]]; then  # e.g. a bare NAME.py from before the groups
+    echo "run_gpu.sh: no benchmarks/$script (scripts live in groups: benchmarks/GROUP/NAME.py)" >&2
+    return 2
+  fi
   mkdir -p "$OUT"
   (cd /tmp && timeout -s ABRT -k 10 "$lim" python3 "$R/benchmarks/$script" --out "$OUT/$name" "$@") \
     >"$OUT/$name.log" 2>&1
@@ -48,8 +53,8 @@ bench)
   ;;
 tp)
   install_project
-  bench tp_layout 280 tp_layout.py --world 2
-  bench tp_dp_ep 250 tp_layout.py --world 2 --layout dp_ep
+  bench tp_layout 280 parallel/tp_layout.py --world 2
+  bench tp_dp_ep 250 parallel/tp_layout.py --world 2 --layout dp_ep
   ;;
 stage)
   shift
@@ -66,7 +71,7 @@ install)
 vllm)
   shift
   cd /tmp  # the checkout's folders would shadow the installed package
-  python3 "$R/benchmarks/vllm_gpu.py" --out "$OUT" "$@"
+  python3 "$R/benchmarks/adapters/vllm_gpu.py" --out "$OUT" "$@"
   ;;
 *)
   echo "run_gpu.sh: unknown stage $1" >&2

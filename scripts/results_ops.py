@@ -239,7 +239,7 @@ def r_sampler(d):
 
 
 def r_fp8_linear(d):
-    """benchmarks/fp8_linear.py: M-invariance of the FP8 linear (and of torch's block-wise _scaled_mm), ms."""
+    """benchmarks/ops/fp8_linear.py: M-invariance of the FP8 linear (and of torch's block-wise _scaled_mm), ms."""
     sec = d.get("sections", d)
     inv = [[shape, r.get("rows_mismatching_total"), (r.get("control_scaled_mm_blockwise") or {}).get(
         "rows_mismatching_total")] for shape, r in (sec.get("invariance") or {}).items()]

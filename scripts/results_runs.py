@@ -115,7 +115,7 @@ def r_moe_e2e(d):
 
 
 def r_nemotron_h_e2e(d):
-    """benchmarks/nemotron_h_e2e.py: Diff with graphs, rollout and training vs HF with the Mamba kernels."""
+    """benchmarks/families/nemotron_h_e2e.py: Diff with graphs, rollout and training vs HF with the Mamba kernels."""
     a, secs = d.get("args", {}), d.get("sections", {})
     kern = d.get("hf_kernels") or {}
     out = header(d) + [f"Random weights: hidden {fmt(a.get('hidden'))}, blocks {fmt(a.get('blocks'))}, Mamba "
@@ -146,7 +146,7 @@ def r_nemotron_h_e2e(d):
 
 
 def r_gpu_train(d):
-    """benchmarks/gpu_train.py --sections train: bitmatch vs stock HF and vs HF + Liger."""
+    """benchmarks/training/gpu_train.py --sections train: bitmatch vs stock HF and vs HF + Liger."""
     rows = []
     for size, t in get(d, "sections", "train", default={}).items():
         if not isinstance(t, dict):
@@ -162,7 +162,7 @@ def r_gpu_train(d):
 
 
 def r_tp_layout(d):
-    """benchmarks/tp_layout.py --world N: TP = N gather layout and stock all-reduce layout vs TP = 1."""
+    """benchmarks/parallel/tp_layout.py --world N: TP = N gather layout and stock all-reduce layout vs TP = 1."""
     r = get(d, "sections", "tp_layout", default={})
     n = r.get("world")
     rows = []
@@ -182,7 +182,7 @@ def r_tp_layout(d):
 
 
 def r_tp_dp_ep(d):
-    """benchmarks/tp_layout.py --layout dp_ep: data-parallel attention + EP vs one process, stock EP."""
+    """benchmarks/parallel/tp_layout.py --layout dp_ep: data-parallel attention + EP vs one process, stock EP."""
     r = get(d, "sections", "dp_ep", default={})
     rows = []
     for key, label in (("slot_order", "slot-order combine (bitmatch)"),
@@ -201,7 +201,7 @@ def r_tp_dp_ep(d):
 
 
 def r_tp_shard_linear(d):
-    """benchmarks/tp_layout.py --world 1: a TP rank's row-parallel linear in the two layouts, one GPU."""
+    """benchmarks/parallel/tp_layout.py --world 1: a TP rank's row-parallel linear in the two layouts, one GPU."""
     rows = [[r.get("linear"), r.get("tokens"), r.get("tp"), r.get("gather_rows_ms"), r.get("stock_cols_cublas_ms"),
              r.get("gather_over_stock_cublas_time"), r.get("gather_over_tp1_share_time")]
             for r in get(d, "sections", "shard_linear", default=[])]
@@ -259,7 +259,7 @@ def r_engine_memory(d):
 
 
 def r_vllm_gpu(d):
-    """benchmarks/vllm_gpu.py: Diff of each engine row vs token_logprobs; decode speed by mode."""
+    """benchmarks/adapters/vllm_gpu.py: Diff of each engine row vs token_logprobs; decode speed by mode."""
     rows = []
     for fam, runs in sorted((k.split("/", 1)[1], v) for k, v in d.get("sections", {}).items() if k.startswith("diff/")):
         for label, r in runs.items():

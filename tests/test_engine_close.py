@@ -23,6 +23,7 @@ from bitmatch.models.dense import fused_copies
 from bitmatch.testing.models import random_prompts, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_MEMORY = os.path.join(ROOT, "benchmarks", "engine", "engine_memory.py")
 PROMPTS = random_prompts(3, 5, 20, seed=1)
 SP = SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=0)
 
@@ -171,8 +172,8 @@ def test_derived_weights_go_with_the_last_engine(no_gc):
 
 def test_engine_memory_script_smoke(tmp_path):
     out = tmp_path / "engine_memory.json"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "engine_memory.py"), "--device", "cpu",
-                          "--tiny", "--engines", "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, ENGINE_MEMORY, "--device", "cpu", "--tiny", "--engines", "3",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     rep = json.loads(out.read_text())
     assert {"device", "torch", "command", "engines", "model_bytes", "passed"} <= rep.keys()
@@ -185,10 +186,10 @@ def test_engine_memory_script_smoke(tmp_path):
 def test_ten_engines_with_cuda_graphs_end_at_the_models_memory(tmp_path):
     """On the GPU (tiny model, decode steps replayed from CUDA graphs): after each of ten engines
     (closed, left by its with block, or just dropped) memory_allocated is back at the model's,
-    with the cycle collector off. The 1.7B-shape run: benchmarks/engine_memory.py without --tiny."""
+    with the cycle collector off. The 1.7B-shape run: benchmarks/engine/engine_memory.py without --tiny."""
     out = tmp_path / "engine_memory.json"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "engine_memory.py"), "--device", "cuda",
-                          "--tiny", "--engines", "10", "--max-tokens", "8", "--out", str(out)],
+    res = subprocess.run([sys.executable, ENGINE_MEMORY, "--device", "cuda", "--tiny", "--engines", "10",
+                          "--max-tokens", "8", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     rep = json.loads(out.read_text())

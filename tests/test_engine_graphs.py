@@ -3,7 +3,7 @@
 On CPU there are no graphs; ``ModelRunner.simulate_buckets`` runs every pure-decode step eagerly on
 exactly the padded inputs a graph replay gets (scratch block, padded rows decoding token 0), so the
 padding / bucket logic is tested here; the capture itself is tested on the GPU
-(benchmarks/gpu_e2e.py, section diff, graphs on vs enforce_eager). The control pads into a real
+(benchmarks/engine/gpu_e2e.py, section diff, graphs on vs enforce_eager). The control pads into a real
 sequence's block instead of the scratch block and the same comparison fails.
 """
 from __future__ import annotations

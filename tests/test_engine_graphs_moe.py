@@ -6,7 +6,7 @@ Two halves, as for the dense family (tests/test_engine_graphs.py):
   padded inputs a graph replay gets (scratch block, padded rows decoding token 0, the context
   bucket's host bound and full-width block table), on the float64-exact reference kernels. The
   reference MoE is not sync-free (``unique``, ``nonzero``), which does not matter here: the
-  simulation runs eagerly. The capture itself runs on the GPU (benchmarks/moe_e2e.py, graphs on).
+  simulation runs eagerly. The capture itself runs on the GPU (benchmarks/families/moe_e2e.py, graphs on).
 - the MoE block on the Triton backend (interpreter, tiny shapes): no host read anywhere in its
   forward (what graph capture needs), and its real rows' bits unchanged by padded rows.
 Controls: padded rows written into a real sequence's block (the dense control) and a

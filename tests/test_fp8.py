@@ -258,7 +258,7 @@ def test_control_stock_dequant_matmul_is_batch_variant_and_differs():
 def test_triton_gpu_branch_traces_in_the_interpreter():
     """The GPU branch (fp8 tl.dot with max_num_imprecise_acc) run by the interpreter, which emulates
     the fp8 dot through fp16 and numpy: the code path is valid and the values are right; its bits
-    are the GPU's business (benchmarks/fp8_linear.py)."""
+    are the GPU's business (benchmarks/ops/fp8_linear.py)."""
     x = _rand((5, 300), seed=14, lo=-2, hi=1)
     xq, sx = quantize_fp8_groups(x)
     out = torch.empty(5, 48, dtype=BF)

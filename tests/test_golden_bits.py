@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # the --write run: the interpreter, set before triton is imported (pytest:
-    # conftest sets it; a script importing this module, benchmarks/golden_gpu.py, keeps its own)
+    # conftest sets it; a script importing this module, benchmarks/ops/golden_gpu.py, keeps its own)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -359,7 +359,7 @@ def write():
 
 
 def test_importing_this_module_leaves_the_interpreter_switch_alone():
-    """benchmarks/golden_gpu.py imports this module for its cases: setting TRITON_INTERPRET here
+    """benchmarks/ops/golden_gpu.py imports this module for its cases: setting TRITON_INTERPRET here
     on import ran every 'GPU' golden kernel in the interpreter on the host's CPU (the --write
     run, this file as a script, still sets it)."""
     import subprocess

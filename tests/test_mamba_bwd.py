@@ -7,7 +7,7 @@ bf16 within 0.03 (bf16 dot operands, as mamba_ssm's backward; the interpreter's 
 truncates). Packed sequences cover empty, one-token, below / at / across chunk sizes, several row
 tiles per chunk. Controls: the same comparison fails when the chunks are cut apart (no gradient
 through the state between chunks), and a step's host ops do not grow with the chunk count.
-The GPU rows (gradients vs fp32 torch and mamba_ssm's, timings) are benchmarks/mamba_layer.py's.
+The GPU rows (gradients vs fp32 torch and mamba_ssm's, timings) are benchmarks/ops/mamba_layer.py's.
 """
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""benchmarks/nemotron_h_e2e.py's logic on CPU (tiny widths, reference kernels): the whole-model diff
+"""benchmarks/families/nemotron_h_e2e.py's logic on CPU (tiny widths, reference kernels): the whole-model diff
 with its stock control, the per-block-type diffs and the op locator that bisect a GPU mismatch
 (they found the H200's engine != trainer on this benchmark's hybrid config: every op equal when
 eager, only Mamba blocks differing with graphs: a capture's warm-up advancing the Mamba state)."""
@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import nemotron_h_e2e  # noqa: E402
+from families import nemotron_h_e2e  # noqa: E402
 
 
 def test_diff_per_block_type_and_locate(tmp_path):

@@ -220,7 +220,7 @@ def test_faults_and_the_stock_baseline_go_through_the_override():
         assert K.rms_norm is table.OPS["rms_norm"].stock
         assert order.stamp("reference")["overridden_ops"] == ["rms_norm"]
     assert table.overridden() == {}
-    spec = importlib.util.spec_from_file_location("stock_ops", ROOT / "benchmarks" / "stock_ops.py")
+    spec = importlib.util.spec_from_file_location("stock_ops", ROOT / "benchmarks" / "ops" / "stock_ops.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     with bench.stock_ops() as replaced:

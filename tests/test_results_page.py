@@ -31,7 +31,7 @@ def test_new_run_of_a_known_benchmark_renders_and_unknown_files_are_listed(tmp_p
     (tmp_path / "moe_e2e_h200.json").write_text(json.dumps([1, 2]))            # known name, other shape
     page = results_page.render(tmp_path)
     assert page.count("### Weight sync on the GPU") == 3 and "sync_h200_run2.json" in page
-    assert page.count("### Weight sync on the GPU (`benchmarks/sync.py --device cuda`), H100") == 1
+    assert page.count("### Weight sync on the GPU (`benchmarks/sync/sync.py --device cuda`), H100") == 1
     assert "`brand_new_h200.json`: no renderer" in page
     assert "`moe_e2e_h200.json` (" in page and "could not read it" in page
     assert results_page.benchmark_of("moe_e2e_h200_run3") == "moe_e2e_h200"
@@ -40,9 +40,9 @@ def test_new_run_of_a_known_benchmark_renders_and_unknown_files_are_listed(tmp_p
 
 
 def test_page_names_no_path_of_the_machine_a_run_came_from():
-    line = ("python /work/main/benchmarks/vllm_gpu.py --out /root/out --mamba-src /work/main/.clean/../.whl/m-1 "
-            "--json /tmp/x1/check.json")
-    assert results_page.machine_free(line) == ("python benchmarks/vllm_gpu.py --out OUT --mamba-src .whl/m-1 "
+    line = ("python /work/main/benchmarks/adapters/vllm_gpu.py --out /root/out "
+            "--mamba-src /work/main/.clean/../.whl/m-1 --json /tmp/x1/check.json")
+    assert results_page.machine_free(line) == ("python benchmarks/adapters/vllm_gpu.py --out OUT --mamba-src .whl/m-1 "
                                                "--json OUT/check.json")
     page = results_page.render()
     for where in ("/work/", "/root/", "/tmp/", "/home/"):

@@ -96,7 +96,7 @@ def test_fp32_compute_stores_everything_in_fp32():
 
 def test_publish_goes_through_the_copys_sender():
     """``RolloutCopy.sender`` is the injection point for a sender that times or logs the publish
-    (benchmarks/trl_step.py): the copy publishes through it, with the same bits as without."""
+    (benchmarks/adapters/trl_step.py): the copy publishes through it, with the same bits as without."""
     lm = _trainer(FAMILIES["dense"])
     copy = bsync.RolloutCopy(lm, BF16)
     sends = []

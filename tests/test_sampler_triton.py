@@ -7,7 +7,7 @@ for many rows, temperatures, -inf masks, ties, u at 0 and just below 1, and u pl
 sides of a cdf boundary (where one weight unit moves the token); chunk counts and block sizes
 (speed knobs) change nothing; two wrong kernels (z = x * (1/T), exp64 with two Horner terms fewer)
 fail the same checks. The GPU's bits (FMA contraction off, checked against torch on CUDA and the
-CPU) are benchmarks/sampler.py's: benchmarks/results/sampler_h200.json.
+CPU) are benchmarks/ops/sampler.py's: benchmarks/results/sampler_h200.json.
 """
 import numpy as np
 import pytest

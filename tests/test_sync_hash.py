@@ -1,5 +1,5 @@
 """bmh1, the weight fingerprint (bitmatch/sync/hash.py): the numpy reference and the Triton kernel
-(under TRITON_INTERPRET=1 here; the GPU run in benchmarks/sync.py) give the same digest for the
+(under TRITON_INTERPRET=1 here; the GPU run in benchmarks/sync/sync.py) give the same digest for the
 same bytes, whatever the dtype, size, alignment or split into pieces; every accident it is meant
 to catch changes the digest, and a position-free control misses the reordering ones."""
 import os

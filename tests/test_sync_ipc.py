@@ -1,6 +1,6 @@
 """bitmatch.sync across processes on one node: the IPC transport (TCP control channel, weight bytes
 through a shared bucket). On the CPU the bucket is POSIX shared memory; the CUDA IPC bucket runs
-the same code with a device buffer and is exercised in benchmarks/sync.py on the GPU."""
+the same code with a device buffer and is exercised in benchmarks/sync/sync.py on the GPU."""
 from __future__ import annotations
 
 import glob

@@ -1,4 +1,4 @@
-"""benchmarks/tp_layout.py's logic on CPU (gloo, 2 ranks, tiny widths): the whole model at TP = 2 in the
+"""benchmarks/parallel/tp_layout.py's logic on CPU (gloo, 2 ranks, tiny widths): the whole model at TP = 2 in the
 gather-only layout gives TP = 1's trainer logprobs and rollout bit for bit, and the stock layout
 (o_proj / down_proj partials all-reduced, ``row_parallel="allreduce"``) is the control that differs.
 The same script measures both layouts' cost on GPUs (NCCL)."""
@@ -8,9 +8,9 @@ import json
 import os
 import sys
 
-# spawned ranks unpickle tp_layout.worker by module name: the script's folder goes on sys.path
+# spawned ranks unpickle parallel.tp_layout.worker by module name: benchmarks/ goes on sys.path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import tp_layout  # noqa: E402
+from parallel import tp_layout  # noqa: E402
 
 
 def test_tp2_gather_layout_equals_tp1_and_stock_layout_differs(tmp_path):

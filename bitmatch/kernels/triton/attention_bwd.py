@@ -38,7 +38,7 @@ from ._jit import dot
 _LOG2E = 1.4426950408889634
 
 # Launch knobs (free: the backward is not part of the canonical order, only the forward's bits
-# are). Tuning rule: the fastest of the benchmarks/gpu_ops.py attention_backward sweep at the
+# are). Tuning rule: the fastest of the benchmarks/ops/gpu_ops.py attention_backward sweep at the
 # target model's shapes; the backward stays deterministic run to run whatever they are.
 BWD_DQ_BLOCK_M = 128
 BWD_DQ_BLOCK_N = 64

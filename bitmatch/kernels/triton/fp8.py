@@ -136,7 +136,7 @@ def _fp8_linear_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, 
 # (max_M, BM, BN, GROUP_M, warps, stages); first row with M <= max_M. Tiles never change the bits
 # (each element is its own fixed sequence of group dots), but BM stays >= 64 so every M runs wgmma:
 # BM < 64 would run mma.sync, whose fp8 accumulator rounding is not measured to be wgmma's
-# (benchmarks/fp8_linear.py checks the rows of every M against the full batch).
+# (benchmarks/ops/fp8_linear.py checks the rows of every M against the full batch).
 # Two fp32 tiles live at once (the accumulator and the group's partial), so 128 x 128 on 8 warps is the
 # largest tile without spills (scripts/sm90_resources.py: 128 x 256 spills 1.2 KB a thread).
 CONFIG_TABLE = [

@@ -43,7 +43,7 @@ CONFIG_TABLE = [
 
 
 # Per weight shape (N, K): the fastest config per M bucket of a sweep on the target GPU
-# (benchmarks/gpu_ops.py --sweep); bucket bounds are the swept M values. Tuning rule: any tile
+# (benchmarks/ops/gpu_ops.py --sweep); bucket bounds are the swept M values. Tuning rule: any tile
 # shape may win, since tiles never change the bits (each K chunk is one sequential accumulation
 # whatever BM / BN / BK); the sweep checks every candidate's bits against the others of the same
 # split, and a config whose bits differ is a bug, not a choice.
@@ -76,7 +76,7 @@ CONFIG_TABLES = {
 }
 
 
-# The DeepSeek-V4 mid config's decode projections at 33..64 rows (benchmarks/deepseek_v4_layer.py
+# The DeepSeek-V4 mid config's decode projections at 33..64 rows (benchmarks/families/deepseek_v4_layer.py
 # --sections tiles on an H100: the decode step's own linears, graph-timed, every candidate's bits
 # equal to the table's): small output tiles and long K blocks, so a weight of a few MB is read by
 # enough programs. Swept for bf16 operands only (fp32 ones would need twice the shared memory);
@@ -100,7 +100,7 @@ HALF_TABLES = {
 # fp32 operands at decode M on few columns (the MoE routers' fp32 logits, HF's parity; N <= 1024,
 # where 64 x 64 tiles leave most SMs idle): an IEEE fp32 dot is FMA code, not tensor cores, so a
 # program's time is its tile's multiply-adds and the launch wants the smallest tiles (V4's routers
-# per tile and K split: benchmarks/deepseek_v4_decode_ops.py; every tile's bits equal there).
+# per tile and K split: benchmarks/families/deepseek_v4_decode_ops.py; every tile's bits equal there).
 F32_DECODE_TABLE = [(64, 16, 16, 128, 8, 4, 1, "split")] + [r for r in CONFIG_TABLE if r[0] > 64]
 
 
@@ -246,11 +246,11 @@ def _launch(x, weight, bias, cfg, split, out=None):
 # tensor-core accumulation from zero, summed in chunk order onto 0.0, + bias, one rounding), but
 # operands arrive by TMA (zero-filled past the edges, which adds exact zeros like the masked
 # loads) and a persistent grid of one program per SM walks the output tiles. Used for large M
-# where the table below names a config; the harness (benchmarks/gpu_ops.py inv_linear) checks
+# where the table below names a config; the harness (benchmarks/ops/gpu_ops.py inv_linear) checks
 # its bits against the table kernel's on every Qwen3-8B shape.
 # (min_M, BM, BN, BK, GROUP_M, warps, stages) per weight shape, rows in decreasing min_M: the
 # first row with M >= min_M wins; M below the last row uses the table kernel. Tuning rule as for
-# CONFIG_TABLES: the fastest of benchmarks/gpu_ops.py time_linear_tma per M, kept only with 0 rows
+# CONFIG_TABLES: the fastest of benchmarks/ops/gpu_ops.py time_linear_tma per M, kept only with 0 rows
 # differing from the table kernel. A split weight (two accumulators) spills registers at 128x256
 # tiles, hence 128x128 for the o and down projections (the chunk sum kept in a scratch tile
 # instead, one accumulator, was slower still: h200_h100_linear_tma_m4096_spill.json).

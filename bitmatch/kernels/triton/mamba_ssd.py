@@ -289,7 +289,7 @@ def config_for(dtype: torch.dtype, P: int, N: int, Q: int, decode: bool = False,
     tiles, the same K blocks. A 64-row tile spent its wgmma on 63 empty rows of a one-token call;
     the row tile does not change a row's bits (each row's K order is fixed by BK and the K-block
     walk, as for linear's tiles and attention's query tiles: DESIGN section 4), which the prefill ==
-    decode checks prove (tests/test_mamba_ssd.py in the interpreter, benchmarks/mamba_layer.py on the
+    decode checks prove (tests/test_mamba_ssd.py in the interpreter, benchmarks/ops/mamba_layer.py on the
     GPU).
     A prefill launch of fewer (sequence, head) ``programs`` than two per SM (``sms``; one or two
     long sequences) splits each head's P channels over two programs: a row's dots over N and K do

@@ -192,7 +192,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.cons
 # (max average rows per expert, BM, BN_in, BN_out, BK, warps, stages): launch knobs only (tile
 # shapes never change a row's bits: each expert row is one sequential K accumulation); the first
 # row whose bound >= T*k/E is used. Tuning rule: the fastest variant per bucket of
-# ``benchmarks/moe_layer.py --variants`` at the target model's shapes, which also checks that
+# ``benchmarks/ops/moe_layer.py --variants`` at the target model's shapes, which also checks that
 # every variant gives the same bits: small tiles for decode-size batches, large ones for prefill.
 CONFIG_TABLE = [
     (2, 16, 64, 64, 64, 4, 4),
@@ -266,7 +266,7 @@ def _rank_kernel(ids_ptr, row_start_ptr, order_ptr, tok_ptr, S, TOPK, BI: tl.con
 
 # The rank launch's sort (expert_layout): O(S^2) comparisons over S / RANK_BI programs, for the few
 # hundred rows of a decode step, where torch.sort's several radix passes cost more than one launch
-# (both timed in benchmarks/deepseek_v4_decode_ops.py); above RANK_MAX_S rows torch.sort.
+# (both timed in benchmarks/families/deepseek_v4_decode_ops.py); above RANK_MAX_S rows torch.sort.
 RANK_MAX_S = 2048
 RANK_BI, RANK_BJ = 32, 128
 

@@ -1,0 +1,1 @@
+"""Engine benchmarks: bitmatch.Engine against the trainer, stock ops and HF generate; its step, memory and launches."""

@@ -1,0 +1,1 @@
+"""Family benchmarks: Qwen3-MoE, Nemotron-H and DeepSeek-V4 on bitmatch against HF's own implementation."""

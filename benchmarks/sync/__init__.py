@@ -1,0 +1,1 @@
+"""Weight-sync benchmarks: publish, verify and fingerprinting against a plain copy."""
