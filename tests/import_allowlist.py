@@ -1,7 +1,6 @@
 """The exceptions tests/test_imports.py accepts, each with its reason. Shrink it; never grow it
 without a reason a reviewer would accept (a cycle broken on purpose, an optional extra)."""
 
-OWNED = "tensor parallelism calls the Triton linear directly; it moves to the op table with the TP rework"
 VERL = "optional extra: rollout.py subclasses verl's BaseRollout at its import (pip install bitmatch[verl])"
 PLUGIN = ("verl's entry point: register() imports the adapter inside its try, so a failed load is one logged "
           "message, not a crash of every verl process")
@@ -33,8 +32,6 @@ LOCAL_IMPORTS = {
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.actor"): PLUGIN,
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.check"): PLUGIN,
     ("bitmatch.adapters.verl.plugin", "bitmatch.adapters.verl.rollout"): VERL,
-    # to go with the tensor-parallel rework (one model path at every degree)
-    ("bitmatch.parallel.sharder", "bitmatch.kernels.triton.linear"): OWNED,
 }
 
 # (using module, "defining_module._name"): why another module reads the private name

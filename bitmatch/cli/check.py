@@ -17,6 +17,7 @@ from bitmatch.cli.common import usage_error, version_string, writable_file_probl
 from bitmatch.diagnostics import controls
 from bitmatch.diagnostics.family_check import family_cases, tiny_model_for
 from bitmatch.models import families
+from bitmatch.parallel.launch import run_ranks
 
 
 def _cases(device: str):
@@ -106,7 +107,6 @@ def main(argv=None) -> int:
     w = 40 if a.family else 34
     print(f"{'op':<{w}} {'backend':<16} {'axes checked':<52} {'cases':>5} {'mismatches':>10} {'time':>7}")
     if a.tp > 1:
-        from bitmatch.parallel.launch import run_ranks
         per_rank = run_ranks(lambda tp: _run_rows(family_cases(a.family, "cpu", a.cases, tp), "cpu", w,
                                                   a.verbose, quiet=tp.rank > 0), a.tp)
         failed, weak, table = per_rank[0]

@@ -22,6 +22,8 @@ from bitmatch.diagnostics import verify
 from bitmatch.diagnostics.family_check import tiny_model_for
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import load_model
+from bitmatch.parallel import enable_tensor_parallel
+from bitmatch.parallel.launch import run_ranks
 from bitmatch.testing.models import random_prompts
 
 
@@ -119,8 +121,6 @@ def main(argv=None) -> int:
         if a.tp == 1:
             results = run()
         else:
-            from bitmatch.parallel import enable_tensor_parallel
-            from bitmatch.parallel.launch import run_ranks
             per_rank = run_ranks(lambda tp: run(tp), a.tp)
             results = per_rank[0]
             if any([r.bitmatched for r in rs] != [r.bitmatched for r in results] for rs in per_rank[1:]):

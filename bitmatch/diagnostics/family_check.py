@@ -16,6 +16,7 @@ from bitmatch.diagnostics import verify
 from bitmatch.diagnostics.controls import stock_controls
 from bitmatch.kernels.table import OPS
 from bitmatch.models import compute_logits, families, forward_hidden, pack
+from bitmatch.parallel import allreduce_row_parallel_linear, enable_tensor_parallel
 from bitmatch.testing import BitMismatch, assert_batch_invariant, assert_bitwise_equal, assert_schedule_invariant
 from bitmatch.testing.models import pad_batch, random_prompts
 
@@ -112,7 +113,6 @@ def family_cases(family: str, device: str, n: int = 6, tp=None):
     # 53 tokens: a prime row count no weight dimension shares, so "rows" are tokens
     seqs = [s[:n_] for s, n_ in zip(random_prompts(3, 23, 23, seed=5), (11, 19, 23))]
     if tp is not None:
-        from bitmatch.parallel import enable_tensor_parallel
         tp1 = _logprobs(model, seqs)   # TP 1's bits, before this rank takes its share
         enable_tensor_parallel(model, tp)
     calls = _capture_kernel_calls(model, seqs)
@@ -166,7 +166,6 @@ def _logprobs(model, seqs):
 def _allreduce_control(tp) -> int:
     """The stock row-parallel linear (each rank's K-slice partial in bf16, summed by all-reduce) vs
     the same layer at TP 1 (must differ: the reason the layout gathers instead)."""
-    from bitmatch.parallel import allreduce_row_parallel_linear
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(9, 256, generator=g).bfloat16(), (torch.randn(128, 256, generator=g) / 16).bfloat16()
     kk = 256 // tp.world

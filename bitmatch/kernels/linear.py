@@ -25,12 +25,15 @@ def linear_reference(x2d, weight, bias):
     return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
 
-def _forward(x2d, weight, bias, segments=None):
+def _forward(x2d, weight, bias, segments=None, rows_of=None):
     if backend_for(x2d) == "reference":
         # exact products and sums, one rounding per element: any column split gives the same bits
         return linear_reference(x2d, weight, bias)
     if segments is not None:
         return triton_impl("linear", "linear_segments")(x2d, weight, bias, segments)
+    if rows_of is not None:  # a row slice runs the whole weight's canonical K split
+        split = triton_impl("linear", "split_for")(rows_of, weight.shape[1])
+        return triton_impl("linear", "linear")(x2d, weight, bias, split=split)
     return triton_impl("linear", "linear")(x2d, weight, bias)
 
 
@@ -46,10 +49,10 @@ def check_operands(op: str, x, weight) -> None:
 
 class LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, segments=None):
+    def forward(ctx, x2d, weight, bias, segments=None, rows_of=None):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return _forward(x2d, weight, bias, segments)
+        return _forward(x2d, weight, bias, segments, rows_of)
 
     @staticmethod
     def backward(ctx, g):
@@ -62,17 +65,19 @@ class LinearFunction(torch.autograd.Function):
         gx = (gc @ weight.to(ct)).to(x2d.dtype) if ctx.needs_input_grad[0] else None
         gw = (gc.t() @ x2d.to(ct)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         gb = g.float().sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           segments: tuple[int, ...] | None = None) -> torch.Tensor:
+           segments: tuple[int, ...] | None = None, rows_of: int | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T + bias`` in x's dtype.
 
     ``segments``: ``weight`` is the row concatenation of weights of these N sizes (fused q/k/v,
     gate/up); each segment's output columns then get exactly the bits of ``linear`` on that
     segment's weight alone (its own K-split of the canonical order; the Triton kernel accumulates
     K in a fixed order per output element whatever N is: tests/test_fused_proj.py).
+    ``rows_of``: ``weight`` is a row slice (a tensor-parallel rank's output rows) of a weight of
+    ``rows_of`` rows; its columns get exactly that weight's bits (its K split, not the slice's).
     Invariance: each output row's bits depend only on that row of x, weight and bias.
     """
     op = "linear"
@@ -81,6 +86,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if not segments or min(segments) < 1 or sum(segments) != weight.shape[0]:
             raise ValueError(f"{op}: segments {segments} must be positive sizes summing to weight's N "
                              f"{weight.shape[0]}")
+    if rows_of is not None and (segments is not None or not isinstance(rows_of, int) or rows_of < weight.shape[0]):
+        raise ValueError(f"{op}: rows_of must be an int >= weight's N {weight.shape[0]} (and not with segments), "
+                         f"got {rows_of!r}")
     check_operands(op, x, weight)
     if bias is not None:
         check_float("bias", bias, op)
@@ -93,5 +101,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # the Triton kernel reads rows at any row stride (a column slice, e.g. one group of
         # V4's grouped output projection, costs no copy); the bits are the contiguous copy's
         x2d = x2d.contiguous()
-    out = LinearFunction.apply(x2d, weight.contiguous(), bias, segments)
+    out = LinearFunction.apply(x2d, weight.contiguous(), bias, segments, rows_of)
     return out.reshape(*lead, weight.shape[0])

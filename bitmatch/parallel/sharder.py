@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 import bitmatch.kernels as K
-from bitmatch.kernels.linear import LinearFunction
 from bitmatch.models import lora
 from bitmatch.precision import cast_param
 
@@ -40,37 +39,16 @@ from .expert_parallel import (
 )
 
 
-class CanonicalSplitLinear(LinearFunction):
-    """``kernels.linear``'s Function on the Triton backend with an explicit K split (its backward)."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, split):
-        from bitmatch.kernels.triton import linear as triton_linear  # optional: triton
-
-        ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
-        return triton_linear.linear(x2d, weight, bias, split=split)
-
-
 def shard_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, full_n: int) -> torch.Tensor:
     """``kernels.linear(x, weight, bias)`` where ``weight`` is a row slice of a weight of ``full_n``
     rows. Invariance: bit for bit those columns of the full layer's ``kernels.linear``.
 
     The reference backend is exact (any column split, same bits). On Triton the canonical K split is
     a function of the weight's (N, K) (``linear_split_table``: Qwen3-8B's o_proj 4096 x 4096 runs 2 K
-    chunks, a 2048 x 4096 slice would run 1), so the slice runs the full weight's split.
+    chunks, a 2048 x 4096 slice would run 1), so the slice runs the full weight's split: the op
+    table's ``linear`` with ``rows_of`` (an override, a fault or a control reaches it too).
     """
-    if K.backend_for(x) == "reference":
-        return K.linear(x, weight, bias)
-    from bitmatch.kernels.triton import linear as triton_linear  # optional: triton
-
-    k = weight.shape[1]
-    split = triton_linear.split_for(full_n, k)
-    if split == triton_linear.split_for(weight.shape[0], k):
-        return K.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    out = CanonicalSplitLinear.apply(x.reshape(-1, k).contiguous(), weight.contiguous(), bias, split)
-    return out.reshape(*lead, weight.shape[0])
+    return K.linear(x, weight, bias, rows_of=full_n)
 
 
 def gathered_row_parallel_linear(x_shard, weight_rows, bias_rows, full_n: int, tp: TPGroup) -> torch.Tensor:

@@ -35,7 +35,6 @@ from .collectives import TPGroup, all_gather_cat
 from .expert_parallel import keep_only_rows
 from .sharder import (
     AllreduceRowShard as AllreduceRowShard,
-    CanonicalSplitLinear as CanonicalSplitLinear,
     ColumnShard as ColumnShard,
     ExpertShard as ExpertShard,
     GatherRowShard as GatherRowShard,

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from ._common import F32
 
 
-def linear(x, weight, bias=None, *, segments=None):
-    """F.linear (cuBLAS / BLAS: the reduction order depends on M); ``segments``: the same GEMM."""
+def linear(x, weight, bias=None, *, segments=None, rows_of=None):
+    """F.linear (cuBLAS / BLAS: the reduction order depends on M); ``segments``, ``rows_of``: the same GEMM."""
     return F.linear(x, weight, bias)
 
 
