@@ -222,6 +222,8 @@ CASES = {
     "moe_route": {"6x8 top2 sigmoid bias": lambda: K.moe_route(
         _rn(6, 8, seed=16, dtype=F32), 2, scoring="sigmoid", renormalize=True,
         correction_bias=_rn(8, seed=17, dtype=F32, scale=0.1), scaling=1.5)},
+    "moe_scores": {"6x8 sqrtsoftplus": lambda: K.moe_scores(_rn(6, 8, seed=18, dtype=F32), "sqrtsoftplus"),
+                   "6x8 softmax": lambda: K.moe_scores(_rn(6, 8, seed=19, dtype=F32), "softmax")},
     "moe_experts": {"6 tokens 4 experts h64 i32 swiglu": lambda: K.moe_experts(*_moe_case())},
     "moe_combine": {"6 tokens k3 h64":
                     lambda: K.moe_combine(_rn(6, 3, 64, seed=36), torch.rand(6, 3, generator=_g(37)))},

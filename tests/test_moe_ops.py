@@ -435,3 +435,19 @@ def test_triton_layout_rank_launch_is_the_stable_sort(monkeypatch):
     monkeypatch.setattr(tm, "RANK_MAX_S", 0)                 # every row count takes torch.sort
     assert_bitwise_equal(tm.moe_experts(x, ids, w, w_in, w_out, "swiglu", None, config=_TRI_CONFIGS[0]), fast,
                          "rank launch vs torch.sort")
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_moe_scores_are_route_weights_in_expert_order(scoring):
+    """Every expert's score (hash routing): moe_route's unnormalized weights scattered to expert
+    order, row-invariant, with a gradient to the logits; bad input named."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(13, 16, generator=g, requires_grad=True)
+    s = K.moe_scores(logits, scoring)
+    w, ids = K.moe_route(logits.detach(), 16, scoring=scoring)
+    assert torch.equal(s.detach().gather(1, ids), w) and s.dtype == torch.float32
+    assert torch.equal(K.moe_scores(logits.detach()[5:6], scoring), s.detach()[5:6])
+    (s * torch.arange(16.0)).sum().backward()   # (a plain sum of softmax scores has no gradient)
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="scoring"):
+        K.moe_scores(logits.detach(), "tanh")

@@ -13,7 +13,7 @@ from .linear import linear
 from .logprobs import full_logprobs, token_logprobs
 from .mamba import causal_conv1d, gated_rms_norm, mamba_chunk_scan
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import moe_combine, moe_experts, moe_route
+from .moe import moe_combine, moe_experts, moe_route, moe_scores
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import SUPPORTED_ROPE_TYPES, apply_rotary, rotary_cos_sin
 from .rotary_interleaved import apply_rotary_interleaved
@@ -29,7 +29,7 @@ __all__ = [
     "token_logprobs", "full_logprobs", "top_k_top_p_mask", "apply_top_k_top_p", "categorical_sample",
     "uniform_noise", "use_backend", "backend_for", "host_readable", "check_on_device", "SUPPORTED_DTYPES",
     "SUPPORTED_ROPE_TYPES",
-    "moe_route", "moe_experts", "moe_combine",
+    "moe_route", "moe_scores", "moe_experts", "moe_combine",
     "sink_attention", "sink_attention_rows", "KeyRows", "compress_windows", "compress_rows", "indexer_topk",
     "indexer_select",
     "hc_pre", "hc_post", "hc_head",

@@ -142,6 +142,42 @@ def moe_route(router_logits, top_k, *, scoring="softmax", renormalize=False, cor
                                bool(renormalize), float(scaling))
 
 
+class _ElementwiseScores(torch.autograd.Function):
+    """sigmoid / sqrtsoftplus scores of every expert on CUDA: elementwise fp32 torch ops (one value
+    per element, whatever the launch), the gradient through the same formula."""
+
+    @staticmethod
+    def forward(ctx, logits, scoring):
+        ctx.save_for_backward(logits)
+        ctx.scoring = scoring
+        return _scores_plain(logits, scoring)
+
+    @staticmethod
+    def backward(ctx, g):
+        (logits,) = ctx.saved_tensors
+        return recompute_grads(lambda z: _scores_plain(z, ctx.scoring), (logits,), (True,), (g,))[0], None
+
+
+def moe_scores(router_logits, scoring="softmax"):
+    """router_logits [T, E] -> every expert's fp32 score [T, E], in expert order (hash routing,
+    which picks experts by token id, needs them all). The bits of ``moe_route``'s weights: on the
+    reference backend and for softmax, ``moe_route`` with k = E, scattered back to expert order (exact
+    copies); on Triton, sigmoid and sqrtsoftplus are elementwise fp32 torch ops (one value per
+    element whatever the launch; ``moe_route`` with k = E would unroll E selection steps).
+    Autograd: scores -> logits. Invariance: each row from its own logits row."""
+    op = "moe_scores"
+    check_float("router_logits", router_logits, op)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{op}: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
+    logits = router_logits.float().contiguous()
+    if backend_for(logits) == "reference" or scoring == "softmax":
+        s, order = moe_route(logits, logits.shape[1], scoring=scoring)
+        return torch.zeros_like(s).scatter(1, order, s)
+    return _ElementwiseScores.apply(logits, scoring)
+
+
 # ---------------------------------------------------------------- experts
 def _clamp_swiglu(gate, up, limit):
     # DeepSeek-V4 (HF DeepseekV4Experts._apply_gate): the same torch clamps on x.dtype values

@@ -98,6 +98,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("categorical_sample", "sampling", _ROWS, _RT, stock.categorical_sample),
     OpSpec("uniform_noise", "sampling", _ROWS, ("torch",), stock.uniform_noise),
     OpSpec("moe_route", "moe", _ROWS, _RT, stock.moe_route),
+    OpSpec("moe_scores", "moe", _ROWS, _RT, stock.moe_scores),
     OpSpec("moe_experts", "moe", _ROWS, _RT, stock.moe_experts),
     OpSpec("moe_combine", "moe", _ROWS, _RT, stock.moe_combine),
     OpSpec("sink_attention", "compressed_attention", _SEQ, _RT, stock.sink_attention),

@@ -32,8 +32,7 @@ import torch
 
 import bitmatch.kernels as K
 from bitmatch.context import ForwardContext
-from bitmatch.kernels import SUPPORTED_ROPE_TYPES, stock
-from bitmatch.kernels._backend import backend_for, recompute_grads
+from bitmatch.kernels import SUPPORTED_ROPE_TYPES
 from bitmatch.kernels.moe import SCORINGS
 from bitmatch.models import deepseek_v4_attention as A, deepseek_v4_tiny, deepseek_v4_tp, lora
 from bitmatch.models.dense import embed, linear, lm_head_logits, plain_module, refresh_fused, rms_norm
@@ -147,32 +146,6 @@ def shared_expert(mod, x, dtype, limit):
                           lambda t: linear(mod.down_proj, t, dtype), x, limit)
 
 
-class _ElementwiseScores(torch.autograd.Function):
-    """sigmoid / sqrtsoftplus scores of every expert on CUDA: elementwise fp32 torch ops (one value
-    per element, whatever the launch), the gradient through the same formula."""
-
-    @staticmethod
-    def forward(ctx, logits, scoring):
-        ctx.save_for_backward(logits)
-        ctx.scoring = scoring
-        return stock.moe_scores(logits, scoring)
-
-    @staticmethod
-    def backward(ctx, g):
-        (logits,) = ctx.saved_tensors
-        return recompute_grads(lambda z: stock.moe_scores(z, ctx.scoring), (logits,), (True,), (g,))[0], None
-
-
-def _all_scores(logits, spec):
-    """fp32 [T, E] scores in expert order for hash routing (which needs every expert's score)."""
-    if backend_for(logits) == "reference" or spec.scoring == "softmax":
-        # all E scores (rank order) from moe_route, back to expert order: exact copies
-        s, order = _kernels().moe_route(logits, spec.num_experts, scoring=spec.scoring)
-        return torch.zeros_like(s).scatter(1, order, s)
-    # Triton: moe_route with k = E would unroll E selection steps; the scores alone are elementwise
-    return _ElementwiseScores.apply(logits, spec.scoring)
-
-
 @dataclass
 class MoeParts:
     """How a MoE block runs its experts: ``experts(x, ids, w)`` -> [T, hidden] (the routed experts'
@@ -199,7 +172,7 @@ def route(router, x, input_ids, spec, layer_idx):
     router = plain_module(router, "the MoE router (mlp.gate)")
     logits = K.linear(x.float(), cast_param(router.weight, F32))
     if spec.mlp_layer_types[layer_idx] == "hash_moe":
-        scores = _all_scores(logits, spec)
+        scores = K.moe_scores(logits, spec.scoring)
         ids = router.tid2eid[input_ids].long()
         w = scores.gather(1, ids)
         tot = w[:, 0]
