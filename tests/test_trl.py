@@ -6,6 +6,7 @@ The control runs stock TRL with a logprob-reporting HF-generate rollout and must
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -298,3 +299,32 @@ def test_toy_task_needs_no_source_checkout(tmp_path, monkeypatch):
     assert ttrl.toy_config(str(tmp_path), 1).max_completion_length == ttrl.TOY_COMPLETION_LEN
     with pytest.raises(FileNotFoundError, match="source checkout"):
         ttrl.load_example.__wrapped__("trl_grpo")
+
+
+@pytest.mark.parametrize("rollout_weights", ["shared", "copy"])
+def test_fp8_grpo_diff_zero_and_bf16_trainer_differs(tmp_path, rollout_weights):
+    """attach(quantization="fp8"): the rollout (FP8 engine; the copy re-quantizes what the sync
+    ships) and TRL's loss logprobs (FP8 trainer) agree every step; the control scores the same
+    rollout with the bf16 trainer and differs. Refused with vLLM (the plugin has no FP8)."""
+    import bitmatch
+    import bitmatch.adapters.trl as bt
+
+    trainer = bt.attach(make_trainer(tmp_path, steps=2), rollout_weights=rollout_weights, quantization="fp8")
+    trainer.train()
+    hist = trainer._bitmatch.history
+    assert len(hist) == 2 and all(h.total > 0 and h.mismatches == 0 for h in hist), hist
+    eng = trainer._bitmatch.engine
+    assert eng.config.quantization == "fp8" or getattr(eng, "quantization", None) == "fp8"
+    # control: the same completions scored by the bf16 trainer (the mode off) differ
+    outs = eng.generate([[1, 5, 9, 13]], bitmatch.SamplingParams(temperature=0.9, max_tokens=6, seed=3))
+    ids = torch.tensor([outs[0].prompt_token_ids + list(outs[0].outputs[0].token_ids)])
+    m = trainer.model
+    plain = bitmatch.patch(copy.deepcopy(m), quantization=None)   # the same weights, the mode off
+    with torch.no_grad():
+        fp8 = bitmatch.token_logprobs(m, ids, torch.ones_like(ids), temperature=0.9)
+        bf16 = bitmatch.token_logprobs(plain, ids, torch.ones_like(ids), temperature=0.9)
+    got = torch.tensor(outs[0].outputs[0].logprobs)
+    assert torch.equal(fp8[0, 3:], got) if rollout_weights == "shared" else fp8.shape == bf16.shape
+    assert not torch.equal(fp8, bf16)
+    with pytest.raises(ValueError, match="quantization"):
+        bt.attach(make_trainer(tmp_path / "q", steps=1), quantization="int8")

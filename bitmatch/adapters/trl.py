@@ -68,6 +68,7 @@ from bitmatch.diagnostics.stepcheck import (
 )
 from bitmatch.logprobs import check_temperature
 from bitmatch.models import lora, unwrap_causal_lm
+from bitmatch.models.fp8_mode import check_quantization
 from bitmatch.models.lora import plain_name
 from bitmatch.precision import SUPPORTED_COMPUTE_DTYPES, unsupported_dtype_message
 
@@ -128,7 +129,7 @@ class TrlAdapter:
     """State behind ``attach`` / ``watch``: the trainer, the engine, the rollout weights, history."""
 
     def __init__(self, trainer, *, on_mismatch: str, check_only: bool, compute_dtype, rollout_weights: str,
-                 repro_dir, engine_kwargs, max_bundles: int):
+                 repro_dir, engine_kwargs, max_bundles: int, quantization: str | None = None):
         self.checker = StepChecker(on_mismatch, repro_dir or os.path.join(trainer.args.output_dir, "bitmatch_repro"),
                                    max_bundles)
         if rollout_weights not in ("auto", "shared", "copy"):
@@ -148,6 +149,7 @@ class TrlAdapter:
             rollout_weights = "shared"
         self.rollout_weights = rollout_weights
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.quantization = check_quantization(quantization, "attach")
         # "loss": without TRL's old logprobs, compare against the loss's own (no extra forward);
         # "generation": a separate no-grad trainer forward right after the rollout (watch() mode,
         # and what a benchmark sets to time the difference)
@@ -181,8 +183,12 @@ class TrlAdapter:
         if not self.check_only:
             self._check_config()
             for m in self._trained_models():
-                bitmatch.patch(m, compute_dtype=self.compute_dtype)
+                bitmatch.patch(m, compute_dtype=self.compute_dtype, quantization=self.quantization)
             if t.use_vllm:
+                if self.quantization is not None:
+                    raise ValueError(f"attach: quantization={self.quantization!r} runs on bitmatch.Engine; the vLLM "
+                                     "plugin refuses quantization (docs/fp8.md): set GRPOConfig(use_vllm=False) or "
+                                     "leave quantization None")
                 self._check_vllm_plugin()
             elif t.rollout_func is None:
                 t._generate_single_turn = types.MethodType(_generate_single_turn, t)
@@ -331,7 +337,7 @@ class TrlAdapter:
         if self.engine is None:
             if self.rollout_weights == "copy":
                 self.rollout_copy = bsync.RolloutCopy(self.trainer.accelerator.unwrap_model(self.trainer.model),
-                                                      self.compute_dtype)
+                                                      self.compute_dtype, quantization=self.quantization)
                 model = self.rollout_copy.model
             else:
                 model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -551,7 +557,7 @@ def _generate_and_score_completions(self, inputs):
 
 def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | None = None,
            rollout_weights: str = "auto", repro_dir: str | None = None, engine_kwargs: dict | None = None,
-           max_bundles: int = 3):
+           max_bundles: int = 3, quantization: str | None = None):
     """Make ``trainer`` (a built ``trl.GRPOTrainer``) bitmatched; returns the same trainer.
 
     on_mismatch: "raise" (default: ``BitmatchMismatchError`` at the first differing token), "warn"
@@ -565,6 +571,8 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
     Without a KV budget there, the engine takes ``GRPOConfig.vllm_gpu_memory_utilization`` of the
     GPU for itself, as TRL's colocated vLLM does (``Engine(memory_share="engine")``), and without
     ``max_num_seqs`` there it runs the rank's whole generation batch at once (TRL's rule for it).
+    quantization: None, or "fp8": trainer and rollout both run the projections W8A8 on block-FP8
+    weights quantized from the master weights (docs/fp8.md; not with use_vllm or LoRA).
 
     Invariance: after attach, every logprob the rollout reports equals the trainer's logprob of
     the same token bit for bit, and each generation step checks it.
@@ -576,7 +584,7 @@ def attach(trainer, *, on_mismatch: str = "raise", compute_dtype: torch.dtype | 
         raise TypeError(f"attach: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
     return TrlAdapter(trainer, on_mismatch=on_mismatch, check_only=False, compute_dtype=compute_dtype,
                       rollout_weights=rollout_weights, repro_dir=repro_dir, engine_kwargs=engine_kwargs,
-                      max_bundles=max_bundles).install()
+                      max_bundles=max_bundles, quantization=quantization).install()
 
 
 def watch(trainer, *, on_mismatch: str = "log", repro_dir: str | None = None, max_bundles: int = 1):

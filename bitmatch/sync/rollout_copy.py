@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from ..models import check_supported, unwrap_causal_lm
+from ..models.fp8_mode import check_quantization
 from ..models.lora import merged_state_dict, plain_name
 from ..models.registry import family_for_config
 from ..patching import patch as bitmatch_patch
@@ -125,23 +126,26 @@ class RolloutCopy:
     every persistent buffer the trainer's values (fingerprint-verified), so the engine's logprobs
     equal ``token_logprobs`` on the trainer."""
 
-    def __init__(self, trainer_model, compute_dtype: torch.dtype, *, patch: bool = True):
+    def __init__(self, trainer_model, compute_dtype: torch.dtype, *, patch: bool = True,
+                 quantization: str | None = None):
         self.source = trainer_model
         lm = unwrap_causal_lm(trainer_model)
-        self._init(lm.config, compute_dtype, lm.lm_head.weight.device, patch, lm)
+        self._init(lm.config, compute_dtype, lm.lm_head.weight.device, patch, lm, quantization)
 
     @classmethod
-    def from_config(cls, config, compute_dtype: torch.dtype, device, *, patch: bool = True) -> "RolloutCopy":
+    def from_config(cls, config, compute_dtype: torch.dtype, device, *, patch: bool = True,
+                    quantization: str | None = None) -> "RolloutCopy":
         self = cls.__new__(cls)
         self.source = None
-        self._init(config, compute_dtype, torch.device(device), patch, None)
+        self._init(config, compute_dtype, torch.device(device), patch, None, quantization)
         return self
 
-    def _init(self, config, compute_dtype, device, patch, lm):
+    def _init(self, config, compute_dtype, device, patch, lm, quantization=None):
         import transformers
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"RolloutCopy: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
         self.compute_dtype = compute_dtype
+        self.quantization = check_quantization(quantization, "RolloutCopy")
         with torch.device("meta"):
             view = transformers.AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
         check_supported(view)
@@ -172,9 +176,10 @@ class RolloutCopy:
             recompute_buffers(view, self.derived)
         self.dtypes.update({n: torch.float32 for n in self.buffers})
         if patch:
-            bitmatch_patch(view, compute_dtype=compute_dtype)
+            bitmatch_patch(view, compute_dtype=compute_dtype, quantization=quantization)
         # one receiver over the parameters and the persistent buffers: one version, one check
-        self.receiver = Receiver(CopyTensors(view, self.buffers), arch=architecture_of(view))
+        self.receiver = Receiver(CopyTensors(view, self.buffers), arch=architecture_of(view),
+                                 quantization=quantization)
         attach_state(view, self.receiver.state)
         self.sender = None
 
@@ -248,7 +253,7 @@ class RolloutCopy:
             weights = self.weights()
             self.copy_buffers()
         to = self.receiver if self.sender is None else self.sender
-        return publish(self.wire(weights), version, to=to, dtype=self.dtypes)
+        return publish(self.wire(weights), version, to=to, dtype=self.dtypes, quantization=self.quantization)
 
     def require_ready(self, version: int | None = None) -> int | None:
         return require_ready(self.model, version)
