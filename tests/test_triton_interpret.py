@@ -557,3 +557,20 @@ def test_attention_decode_context_bound_same_bits(small_partition):
     short = att.attention_paged(qd, kc, vc, bt, qsl, sl, 0.3, max_query_len=1, max_seq_len=128,
                                 force_mode="split")
     assert not torch.equal(outs[0], short)
+
+
+def test_linear_rows_of_runs_the_whole_weights_split():
+    """``kernels.linear(x, w_rows, rows_of=N)``: a row slice of an N-row weight (a tensor-parallel
+    rank's output rows) gets exactly those columns of the whole weight's product, its K split
+    included; the slice's own split (control) is another order. Bad ``rows_of`` is named."""
+    import bitmatch.kernels as BK
+    Kd, N = 512, 48
+    # fp32 out: the two orders' last bits show (a bf16 rounding could hide them)
+    x, w = _randn(9, Kd, seed=7, dtype=torch.float32), _randn(N, Kd, seed=8, dtype=torch.float32)
+    with order.override(linear_split_table=(((N, Kd), 2),)), BK.use_backend("triton"):
+        full = BK.linear(x, w)
+        assert torch.equal(BK.linear(x, w[:24].contiguous(), rows_of=N), full[:, :24])
+        assert torch.equal(BK.linear(x, w[24:].contiguous(), rows_of=N), full[:, 24:])
+        assert not torch.equal(BK.linear(x, w[:24].contiguous()), full[:, :24])
+        with pytest.raises(ValueError, match="rows_of"):
+            BK.linear(x, w, rows_of=10)
