@@ -380,8 +380,8 @@ def engine_speed(cfg: dict, args) -> list[dict]:
             return time.perf_counter() - t
 
         # warm-up over the whole timed length: the engine captures a decode graph per batch bucket and
-        # JITs kernel specializations as contexts grow, so a short warm-up left them inside t(new) (two
-        # runs on one warm H100 measured 4,164 and 7,429 tok/s at B = 256); then vLLM's rule for t(1)
+        # JITs kernel specializations as contexts grow, so a short warm-up left them inside t(new) (the
+        # engine's B = 256 row varied between runs on one card); then vLLM's rule for t(1)
         timed(8), timed(args.new_tokens)
         t1, tn = min(timed(1), timed(1)), timed(args.new_tokens)
         rows.append({"B": B, "ttft_s": t1, "t_new_s": tn, "decode_tok_s": B * (args.new_tokens - 1) / (tn - t1),
