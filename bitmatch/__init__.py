@@ -38,7 +38,8 @@ __all__ = sorted(list(_EXPORTS) + list(_SUBMODULES))
 # object itself, so isinstance checks and monkeypatches see one module, and no shim file sits here.
 _MOVED = {f"bitmatch.{m}": f"bitmatch.diagnostics.{m}"
           for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls", "faults")}
-_MOVED.update({"bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl"})
+_MOVED.update({"bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl",
+               "bitmatch.hub": "bitmatch.models.hub"})
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -11,7 +11,7 @@ reward rises while the adapter checks rollout == trainer logprobs on every step 
 
 DeepSeek-V4-Flash ships FP8 e4m3 (attention / shared weights, 128 x 128 block scales) and FP4 e2m1
 (routed experts, a scale per 32 values) tensors with a ``quantization_config``; bitmatch's kernels
-run bf16 / fp32, so ``bitmatch.hub.load_pretrained`` dequantizes such a checkpoint tensor by tensor
+run bf16 / fp32, so ``bitmatch.models.hub.load_pretrained`` dequantizes such a checkpoint tensor by tensor
 at load time (``bitmatch.models.quant``; the same bits on every load). A format it cannot read
 exactly is refused before any weight loads. The full Flash needs ~0.57 TB once dequantized: see
 docs/deepseek_v4.md for what fits where.
@@ -30,7 +30,7 @@ import trl_grpo as toy  # noqa: E402  (the toy task, tokenizer and config are sh
 def load_checkpoint(path: str, dtype):
     """The model at ``path``, FP8 / FP4 weights dequantized into ``dtype``; SystemExit naming what is
     supported when the checkpoint's quantization cannot be read exactly."""
-    from bitmatch.hub import load_pretrained
+    from bitmatch.models.hub import load_pretrained
     from bitmatch.models.quant import QuantizedCheckpointError
 
     try:

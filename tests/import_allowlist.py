@@ -7,9 +7,6 @@ PLUGIN = ("verl's entry point: register() imports the adapter inside its try, so
 
 # (importing module, imported module): why the import stays inside a function
 LOCAL_IMPORTS = {
-    # cycles broken on purpose
-    ("bitmatch.models", "bitmatch.hub"):
-        "cycle: bitmatch.hub imports bitmatch.models.quant at its top, which runs this package's __init__",
     # lazily loaded optional / heavy pieces
     ("bitmatch.sync.hash", "bitmatch.kernels.triton.fingerprint"):
         "optional extra: the Triton fingerprint kernel, imported on the first GPU tensor "

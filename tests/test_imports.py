@@ -298,7 +298,8 @@ def test_logprobs_does_not_import_fsdp():
 # the module paths published before 0.2 -> where they live now (issue 49); bitmatch/__init__.py aliases them
 MOVED = {**{f"bitmatch.{m}": f"bitmatch.diagnostics.{m}"
             for m in ("verify", "tracing", "replay", "stepcheck", "family_check", "controls", "faults")},
-         "bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl"}
+         "bitmatch.testing_models": "bitmatch.testing.models", "bitmatch.testing_trl": "bitmatch.testing.trl",
+         "bitmatch.hub": "bitmatch.models.hub"}
 
 _MOVED_PROBE = r"""
 import importlib, json, sys

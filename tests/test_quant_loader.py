@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import bitmatch
-from bitmatch.hub import load_pretrained
 from bitmatch.models import check_supported, quant
 from bitmatch.models.deepseek_v4_tiny import tiny_model
+from bitmatch.models.hub import load_pretrained
 
 FP8_MAX = 448.0
 # wq_b / indexer.wq_b are 256 x 128 or 128 x 128 (whole blocks); wkv 32 x 128, wo_b 128 x 32 and the

@@ -31,7 +31,7 @@ UNMOVED: dict[str, set[str]] = {}
 ENGINE_PARALLEL_IMPORTS: dict = {}
 
 # the modules bitmatch/ may hold outside a package; grow it only for a module no package fits
-TOP_LEVEL = {"__init__", "context", "demo", "hub", "logprobs", "patching", "precision", "switch", "wrappers"}
+TOP_LEVEL = {"__init__", "context", "demo", "logprobs", "patching", "precision", "switch", "wrappers"}
 
 
 def family_words() -> set[str]:

@@ -79,7 +79,7 @@ def test_missing_pathlike_is_file_not_found(tmp_path, no_network):
 
 
 def test_unreachable_hub_fails_after_one_request_with_the_fix(no_network):
-    from bitmatch.hub import resolve_checkpoint
+    from bitmatch.models.hub import resolve_checkpoint
 
     t0 = time.time()
     with pytest.raises(ConnectionError, match="'no-org-bm/no-model-bm' is not a local folder .* the hub could not be "
@@ -91,7 +91,7 @@ def test_unreachable_hub_fails_after_one_request_with_the_fix(no_network):
 def test_unknown_hub_name_is_value_error(no_network):
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from bitmatch.hub import resolve_checkpoint
+    from bitmatch.models.hub import resolve_checkpoint
 
     def not_found(name):
         err = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
@@ -108,7 +108,7 @@ def test_unknown_hub_name_is_value_error(no_network):
 def test_offline_hub_name_not_in_cache(monkeypatch, no_network):
     from huggingface_hub import constants
 
-    from bitmatch.hub import resolve_checkpoint
+    from bitmatch.models.hub import resolve_checkpoint
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(FileNotFoundError, match="not in the hub cache, and hub access is off .*hf download"):

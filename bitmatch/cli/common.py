@@ -37,7 +37,7 @@ def one_line(e: BaseException) -> str:
 
 def load_error(what: str, e: BaseException) -> str:
     """The sentence for an exception raised while loading ``what``: bitmatch's own messages
-    (``bitmatch.hub``: missing folder, bad config.json, no or truncated weights, hub name not
+    (``bitmatch.models.hub``: missing folder, bad config.json, no or truncated weights, hub name not
     cached) already name the fix; anything else from transformers is named as such."""
     if isinstance(e, (FileNotFoundError, ConnectionError, ValueError)) and str(e).startswith(
             ("load_model:", "Engine:", "check_supported", "bitmatch")):

@@ -33,9 +33,9 @@ from bitmatch.engine.weights import (
     weight_versions as weight_versions,
     written_since,
 )
-from bitmatch.hub import resolve_checkpoint
 from bitmatch.models import cache_groups, check_supported, load_model, spec_of, unwrap_causal_lm
 from bitmatch.models.fp8_mode import check_model
+from bitmatch.models.hub import resolve_checkpoint
 from bitmatch.models.registry import patch_state, tp_step
 from bitmatch.patching import unsupported_param_dtypes
 from bitmatch.sync import WeightVersionError, weight_state

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from bitmatch.models import fp8_mode, lora
+from bitmatch.models.hub import load_pretrained
 from bitmatch.models.pack import Packed, pack
 from bitmatch.models.registry import (
     CacheGroup,
@@ -141,8 +142,7 @@ def cache_groups(model, *, compute_dtype: torch.dtype | None = None) -> list[Cac
 def load_model(path_or_name: str, dtype: torch.dtype = torch.bfloat16, device=None, **kwargs):
     """HF ``AutoModelForCausalLM.from_pretrained`` (hub names work where a network exists), eval
     mode, checked for support; FP8 / FP4 DeepSeek checkpoints are dequantized to ``dtype`` as they
-    load (``bitmatch.hub.load_pretrained``). Extra kwargs go to from_pretrained."""
-    from bitmatch.hub import load_pretrained  # missing folder / bad hub name: clear error, fast
+    load (``bitmatch.models.hub.load_pretrained``). Extra kwargs go to from_pretrained."""
 
     model = load_pretrained(path_or_name, dtype=dtype, who="load_model", **kwargs)
     check_supported(model)

@@ -19,7 +19,7 @@ import os
 import struct
 import warnings
 
-from bitmatch.models import quant
+import bitmatch.models.quant as quant
 
 HUB_TIMEOUT_S = 10.0
 _verified: set[tuple[str, str | None]] = set()  # hub names that already answered in this process
