@@ -110,8 +110,9 @@ def main(argv=None) -> int:
         per_rank = run_ranks(lambda tp: _run_rows(family_cases(a.family, "cpu", a.cases, tp), "cpu", w,
                                                   a.verbose, quiet=tp.rank > 0), a.tp)
         failed, weak, table = per_rank[0]
-        for r, (f, _, _) in enumerate(per_rank[1:], 1):   # a rank-local mismatch fails the check too
+        for r, (f, wk, _) in enumerate(per_rank[1:], 1):   # a rank-local result counts too
             failed += [f"{op} (rank {r})" for op in f]
+            weak += [f"{op} (rank {r})" for op in wk]
     else:
         failed, weak, table = [], [], []
         for device in devices:
